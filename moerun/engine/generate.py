@@ -1,0 +1,143 @@
+"""The generate loop: prefill each prompt in one pass, then decode all live rows together."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .cache import Cache
+from .sampling import SamplingParams, sample
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    decode_rows_started: int = 0  # rows whose first token came out of prefill
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # the first token comes out of prefill; decode speed counts the tokens after it
+        n = self.generated_tokens - self.decode_rows_started
+        return n / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class Sequence:
+    """One prompt being continued: its tokens, its sampler, and its text so far."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    decoder: object | None = None  # IncrementalDecoder when text is wanted
+    out_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    pending: str = ""  # decoded text held back because it may start a stop string
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        if not self.params.greedy:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(self.params.seed if self.params.seed is not None else torch.seed())
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def accept(self, token: int, eos_ids: set[int]) -> str:
+        """Take a sampled token; return the text that may now be shown."""
+        if token in eos_ids:
+            self.finish_reason = "stop"
+            piece, self.pending = self.pending, ""
+            self.text += piece
+            return piece
+        self.out_ids.append(token)
+        if self.decoder is not None:
+            self.pending += self.decoder.push(token)
+        piece = self._release()
+        if not self.finished and len(self.out_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+            piece += self.pending
+            self.text += self.pending
+            self.pending = ""
+        return piece
+
+    def _release(self) -> str:
+        stops = self.params.stop
+        if not stops:
+            piece, self.pending = self.pending, ""
+            self.text += piece
+            return piece
+        window = self.text[-max(len(s) for s in stops) :] + self.pending
+        cut = min((i for i in (window.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            keep = cut - (len(window) - len(self.pending))
+            piece = self.pending[: max(keep, 0)]
+            self.text += piece
+            self.pending = ""
+            self.finish_reason = "stop"
+            return piece
+        # hold back the longest tail of pending text that could still begin a stop string
+        hold = 0
+        for s in stops:
+            for n in range(min(len(s) - 1, len(window)), 0, -1):
+                if window.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        hold = min(hold, len(self.pending))
+        piece = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(self.pending) - hold :]
+        self.text += piece
+        return piece
+
+
+def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats: GenerationStats | None = None) -> Iterator[tuple[int, str]]:
+    """Generate for every sequence; yields (row, text piece) as tokens are accepted."""
+    stats = stats if stats is not None else GenerationStats()
+    B = len(seqs)
+    max_len = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs)
+    cache = Cache(net.cache_spec(), B, max_len, dtype)
+    last = [None] * B
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        for b, s in enumerate(seqs):
+            ids = torch.tensor([s.prompt_ids], dtype=torch.long)
+            last[b] = net(ids, cache, torch.tensor([b]), last_only=True)[0, -1]
+            stats.prompt_tokens += len(s.prompt_ids)
+        stats.prefill_s += time.perf_counter() - t0
+        active = [b for b, s in enumerate(seqs) if s.params.max_tokens > 0]
+        for b, s in enumerate(seqs):
+            if s.params.max_tokens == 0:
+                s.finish_reason = "length"
+        stats.decode_rows_started += len(active)
+        t0 = time.perf_counter()
+        while active:
+            tokens = []
+            for b in active:
+                s = seqs[b]
+                tok = int(sample(last[b][None], s.params, [s.prompt_ids + s.out_ids], s.generator)[0])
+                tokens.append(tok)
+                stats.generated_tokens += 1
+                piece = s.accept(tok, eos_ids)
+                if piece:
+                    yield b, piece
+            still = [(b, t) for b, t in zip(active, tokens) if not seqs[b].finished]
+            if not still:
+                break
+            active = [b for b, _ in still]
+            ids = torch.tensor([[t] for _, t in still], dtype=torch.long)
+            logits = net(ids, cache, torch.tensor(active), last_only=True)[:, -1]
+            stats.decode_steps += 1
+            for i, b in enumerate(active):
+                last[b] = logits[i]
+        stats.decode_s += time.perf_counter() - t0

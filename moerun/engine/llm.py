@@ -1,0 +1,157 @@
+"""`LLM`: a loaded model with its tokenizer; the object `moerun.load()` returns."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ..errors import MoerunError
+from .generate import GenerationStats, Sequence, run
+from .sampling import SamplingParams
+
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
+
+
+def default_model_path() -> Path:
+    if not (DEMO_MODEL / "config.json").is_file():
+        raise MoerunError(f"the bundled demo model is missing from {DEMO_MODEL}; pass -m PATH")
+    return DEMO_MODEL
+
+
+def set_threads(threads: int | None) -> int:
+    n = threads or len(os.sched_getaffinity(0))
+    if n < 1:
+        raise MoerunError("--threads must be at least 1")
+    torch.set_num_threads(n)
+    return n
+
+
+class LLM:
+    def __init__(self, net, args, arch, tokenizer, path: Path, dtype: torch.dtype, generation_config: dict):
+        self.net = net
+        self.args = args
+        self.arch = arch
+        self.tokenizer = tokenizer
+        self.path = path
+        self.dtype = dtype
+        self.generation_config = generation_config
+        self.last_stats = GenerationStats()
+
+    @classmethod
+    def load(cls, path=None, dtype="auto", threads: int | None = None) -> "LLM":
+        from ..loaders.hf import build
+        from ..tokenizer import Tokenizer
+
+        path = default_model_path() if path is None else Path(path)
+        set_threads(threads)
+        arch, args, net, dtype = build(path, dtype)
+        tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        return cls(net, args, arch, tokenizer, path, dtype, gen)
+
+    @property
+    def model_type(self) -> str:
+        return self.args.model_type
+
+    @property
+    def context_length(self) -> int:
+        return self.args.max_position_embeddings
+
+    # -- tokens --------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """LongTensor [B, T] -> FloatTensor [B, T, vocab]; one pass, no cache."""
+        with torch.inference_mode():
+            return self.net(input_ids).float()
+
+    def eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen_eos = self.generation_config.get("eos_token_id")
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        elif isinstance(gen_eos, list):
+            ids.update(int(i) for i in gen_eos)
+        if self.tokenizer is not None:
+            tid = self.tokenizer.token_id(self.tokenizer.eos_token)
+            if tid is not None:
+                ids.add(tid)
+        return ids
+
+    def _tokenizer(self):
+        if self.tokenizer is None:
+            raise MoerunError(f"{self.path} has no tokenizer.json; text generation needs one")
+        return self.tokenizer
+
+    def encode_prompt(self, prompt: str | list[dict[str, Any]]) -> list[int]:
+        tok = self._tokenizer()
+        if isinstance(prompt, str):
+            return tok.encode(prompt)
+        if isinstance(prompt, list):
+            return tok.encode(tok.apply_chat_template(prompt), add_special_tokens=False)
+        raise MoerunError("a prompt is a string or a list of chat messages")
+
+    def sampling_params(self, **overrides) -> SamplingParams:
+        """Sampling settings: the model's generation_config.json, then explicit overrides."""
+        g = self.generation_config
+        base: dict[str, Any] = {}
+        if g.get("do_sample"):
+            for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+                if g.get(k) is not None:
+                    base[k] = g[k]
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return SamplingParams(**base)
+
+    def _check_length(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        if not ids:
+            raise MoerunError("the prompt is empty")
+        ctx = self.context_length
+        if len(ids) >= ctx:
+            raise MoerunError(f"the prompt has {len(ids)} tokens; the context window holds {ctx}")
+        if len(ids) + params.max_tokens > ctx:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": ctx - len(ids)})
+        return params
+
+    def generate_ids(self, prompts: list[list[int]], **sampling) -> list[list[int]]:
+        """Token-level batch generation (no text, no stop strings): continuation ids per prompt."""
+        seqs = []
+        for ids in prompts:
+            params = self._check_length(list(ids), self.sampling_params(**sampling))
+            seqs.append(Sequence(list(ids), params))
+        self.last_stats = GenerationStats()
+        for _ in run(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats):
+            pass
+        return [s.out_ids for s in seqs]
+
+    # -- text ----------------------------------------------------------------
+    def _sequences(self, prompts, sampling) -> list[Sequence]:
+        from ..tokenizer import IncrementalDecoder
+
+        seqs = []
+        for p in prompts:
+            ids = self.encode_prompt(p)
+            params = self._check_length(ids, self.sampling_params(**sampling))
+            seqs.append(Sequence(ids, params, decoder=IncrementalDecoder(self._tokenizer(), ids)))
+        return seqs
+
+    def generate(self, prompt: str | list[dict[str, Any]], **sampling) -> Iterator[str]:
+        """Yield text pieces continuing `prompt` (a string, or chat messages).
+
+        Keyword arguments: max_tokens, temperature, top_k, top_p, min_p,
+        repetition_penalty, seed, stop.
+        """
+        seqs = self._sequences([prompt], sampling)
+        self.last_stats = GenerationStats()
+        for _, piece in run(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats):
+            yield piece
+
+    def generate_batch(self, prompts: list, **sampling) -> list[str]:
+        """Continue several prompts together (decoded as one batch); returns their texts."""
+        seqs = self._sequences(prompts, sampling)
+        self.last_stats = GenerationStats()
+        for _ in run(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats):
+            pass
+        return [s.text for s in seqs]

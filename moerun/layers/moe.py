@@ -1,0 +1,78 @@
+"""Routed experts: weights stacked [E, out, in], tokens grouped per expert.
+
+A model file computes the router, its top-k and any renormalisation itself, then calls
+`experts(x, ids, weights)`. Everything about *where* an expert's weights live and *which
+kernel* runs it sits behind that call: the engine may swap this module for a quantized or
+store-backed one with the same signature, and the model never knows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# N tokens, H hidden, I expert width, E experts, K experts per token
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]."""
+        return expert_mlp(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj)
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int):
+    """Sort the N*K (token, expert) pairs by expert.
+
+    Returns (order [N*K] indices into the flattened pairs, counts list[E]).
+    """
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, counts
+
+
+def expert_mlp(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """Reference SwiGLU experts: sum_k w[n,k] * down_e(silu(gate_e x) * up_e x), e = ids[n,k]."""
+    N, K = ids.shape
+    order, counts = group_by_expert(ids, gate.shape[0])
+    token_of = order // K
+    w_sorted = weights.reshape(-1)[order].to(x.dtype)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        rows = token_of[start : start + c]
+        xs = x[rows]  # [c, H]
+        h = F.silu(xs @ gate[e].T) * (xs @ up[e].T)  # [c, I]
+        out.index_add_(0, rows, (h @ down[e].T) * w_sorted[start : start + c, None])
+        start += c
+    return out
+
+
+class GatedMLP(nn.Module):
+    """Dense SwiGLU MLP (dense layers and shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,29 @@
+"""RMSNorm in the two forms MoE checkpoints use."""
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * w, or * (1 + w) when `zero_centered` (Qwen3.5 / Qwen3-Next).
+
+    Statistics in fp32; the weight is applied after casting back, as the reference does.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.zero_centered)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        # the zero-centred form multiplies in fp32 before casting back
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
+    return weight * x32.to(x.dtype)

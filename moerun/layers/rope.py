@@ -1,0 +1,89 @@
+"""Rotary position embeddings: default, linear and YaRN scaling, partial rotary."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def inv_frequencies(rope: dict[str, Any], rotary_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary_dim/2] and the attention (cos/sin) scaling factor."""
+    base = float(rope.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", "default")
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (base**exponents)
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(rope["factor"]), 1.0
+    if kind == "yarn":
+        return _yarn(rope, base, rotary_dim, max_position_embeddings)
+    raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, yarn)")
+
+
+def _yarn(rope: dict[str, Any], base: float, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+    original = rope.get("original_max_position_embeddings") or max_pos
+    factor = rope.get("factor") or max_pos / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast = rope.get("beta_fast") or 32
+    beta_slow = rope.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1.0 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class Rope(torch.nn.Module):
+    """cos/sin tables for integer positions; `interleaved` pairs (x0,x1),(x2,x3) as DeepSeek does."""
+
+    def __init__(self, rope: dict[str, Any], rotary_dim: int, max_position_embeddings: int):
+        super().__init__()
+        with torch.device("cpu"):  # a table, not a weight: real even when the model is built on "meta"
+            inv_freq, self.scale = inv_frequencies(rope, rotary_dim, max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary_dim = rotary_dim
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [B, T] -> cos, sin [B, 1, T, rotary_dim]
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.scale).to(dtype)[:, None]
+        sin = (emb.sin() * self.scale).to(dtype)[:, None]
+        return cos, sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] channels of x [B, heads, T, D]; the rest pass through."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    if interleaved:
+        # [x0, x1, x2, x3, ...] -> [x0, x2, ..., x1, x3, ...] then the usual half rotation
+        b, h, t, _ = rot.shape
+        rot = rot.view(b, h, t, rd // 2, 2).transpose(-1, -2).reshape(b, h, t, rd)
+    rot = rot * cos + rotate_half(rot) * sin
+    return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot

@@ -1,0 +1,142 @@
+"""Build a model from a Hugging Face directory: config -> architecture -> weights.
+
+Checkpoint names are mapped to ours in one declarative place per model
+(`Model.checkpoint_renames`: regex, replacement); experts stored one tensor per expert
+(`...experts.{e}.gate_proj.weight`) or fused (`...experts.gate_up_proj`) are stacked into
+our `[E, out, in]` parameters here, the same way for every architecture.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..config import read_config
+from ..errors import MoerunError
+from ..models import module_for
+from .safetensors import Checkpoint, TensorRef
+
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+PROGRESS_BYTES = 1 << 30
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def resolve_dtype(dtype, cfg: dict, ckpt: Checkpoint) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in DTYPE_NAMES:
+            raise MoerunError(f"unsupported dtype {dtype!r}; use auto, float32 or bfloat16")
+        return DTYPE_NAMES[dtype]
+    declared = cfg.get("torch_dtype") or cfg.get("dtype") or (cfg.get("text_config") or {}).get("dtype")
+    if declared is None:
+        declared = next((str(r.dtype).removeprefix("torch.") for r in ckpt.tensors.values() if r.dtype.is_floating_point), "float32")
+    # half precision checkpoints run in bf16 on the CPU (fp16 matmuls are slow there)
+    return torch.float32 if declared in ("float32", "float64") else torch.bfloat16
+
+
+def build(model_dir, dtype="auto"):
+    """Returns (architecture module, args, net with weights loaded, dtype)."""
+    model_dir = Path(model_dir)
+    if not model_dir.exists():
+        raise MoerunError(f"model path {model_dir} does not exist")
+    if not model_dir.is_dir():
+        raise MoerunError(f"model path {model_dir} is not a directory")
+    cfg = read_config(model_dir)
+    module = module_for(cfg["model_type"])
+    args = module.ModelArgs.from_dict(module.text_config(cfg) if hasattr(module, "text_config") else cfg)
+    ckpt = Checkpoint(model_dir)
+    dtype = resolve_dtype(dtype, cfg, ckpt)
+    with torch.device("meta"):
+        net = module.Model(args)
+    state = load_state(net, ckpt, dtype, getattr(net, "checkpoint_renames", ()))
+    net.load_state_dict(state, strict=True, assign=True)
+    left = [n for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta]
+    if left:  # a module made a buffer without an explicit device: a bug of ours, not the user's
+        raise RuntimeError(f"tensors left unmaterialized after loading: {left[:5]}")
+    net.requires_grad_(False).eval()
+    ckpt.close()
+    return module, args, net, dtype
+
+
+def load_state(net: torch.nn.Module, ckpt: Checkpoint, dtype: torch.dtype, renames) -> dict[str, torch.Tensor]:
+    names = _renamed(ckpt, renames)
+    expected = net.state_dict(keep_vars=True)
+    plan = [(name, p, _sources(name, p, names, net)) for name, p in expected.items()]
+    total = sum(r.nbytes for _, _, srcs in plan for r in srcs if isinstance(r, TensorRef))
+    state: dict[str, torch.Tensor] = {}
+    tied = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr,
+              disable=total < PROGRESS_BYTES, leave=False) as bar:
+        for name, p, srcs in plan:
+            if isinstance(srcs, str):  # tied to another parameter
+                tied[name] = srcs
+                continue
+            target = dtype if p.dtype.is_floating_point else p.dtype
+            state[name] = _materialize(ckpt, srcs, tuple(p.shape), target, name)
+            bar.update(sum(r.nbytes for r in srcs))
+    for name, other in tied.items():
+        state[name] = state[other]
+    return state
+
+
+def _renamed(ckpt: Checkpoint, renames) -> dict[str, TensorRef]:
+    rules = [(re.compile(p), r) for p, r in renames]
+    out = {}
+    for name, ref in ckpt.tensors.items():
+        for pat, rep in rules:
+            name = pat.sub(rep, name)
+        out[name] = ref
+    return out
+
+
+def _sources(name: str, p: torch.Tensor, names: dict[str, TensorRef], net) -> list[TensorRef] | str:
+    """The checkpoint tensors that make up parameter `name` (or the name it is tied to)."""
+    if name in names:
+        return [names[name]]
+    if name.endswith(".weight") and name[: -len(".weight")] in names:
+        return [names[name[: -len(".weight")]]]
+    prefix, _, proj = name.rpartition(".")
+    if prefix.endswith(".experts") and proj in EXPERT_PROJS and p.dim() == 3:
+        per_expert = [f"{prefix}.{e}.{proj}.weight" for e in range(p.shape[0])]
+        if all(n in names for n in per_expert):
+            return [names[n] for n in per_expert]
+        fused = f"{prefix}.gate_up_proj"
+        if proj != "down_proj" and fused in names:
+            return [names[fused]]
+        missing = next(n for n in per_expert if n not in names)
+        raise MoerunError(f"checkpoint is missing tensor {missing!r} (needed for {name})")
+    tie = getattr(net, "tied_parameters", {}).get(name)
+    if tie is not None and getattr(net.args, "tie_word_embeddings", False):
+        return tie
+    raise MoerunError(f"checkpoint is missing tensor {name!r}")
+
+
+def _materialize(ckpt: Checkpoint, srcs: list[TensorRef], shape, dtype, name) -> torch.Tensor:
+    if len(srcs) == 1 and not (srcs[0].name.endswith("gate_up_proj") and not name.endswith("gate_up_proj")):
+        ref = srcs[0]
+        if ref.shape != shape:
+            raise MoerunError(f"tensor {ref.name!r} has shape {list(ref.shape)} but the config expects {list(shape)}")
+        view = ckpt.view(ref)
+        if ref.dtype == dtype:
+            return view
+        out = view.to(dtype)
+        ckpt.drop_pages(ref)
+        return out
+    if len(srcs) == 1:  # fused gate_up [E, 2I, H]: gate is the first half, up the second
+        ref = srcs[0]
+        E, I2, H = ref.shape
+        if (E, I2 // 2, H) != shape:
+            raise MoerunError(f"tensor {ref.name!r} has shape {list(ref.shape)}, expected [{shape[0]}, {2 * shape[1]}, {shape[2]}]")
+        half = slice(0, I2 // 2) if name.endswith("gate_proj") else slice(I2 // 2, I2)
+        return ckpt.view(ref)[:, half].to(dtype, copy=True)
+    out = torch.empty(shape, dtype=dtype)
+    for e, ref in enumerate(srcs):
+        if ref.shape != shape[1:]:
+            raise MoerunError(f"tensor {ref.name!r} has shape {list(ref.shape)} but the config expects {list(shape[1:])}")
+        ckpt.copy_into(ref, out[e])
+    return out

@@ -1,0 +1,155 @@
+"""Reading Hugging Face safetensors checkpoints through memory maps.
+
+We read the (tiny, JSON) headers ourselves because the expert store later needs each
+tensor's file and byte offset to stream experts from disk. Tensors whose dtype matches
+the requested one are used in place (zero-copy views of a private file mapping); tensors
+that are converted or stacked are copied and their source pages dropped at once, so the
+peak resident memory stays close to the size of the loaded weights.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+
+import torch
+
+from ..errors import MoerunError
+
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor's bytes are: file, absolute byte offset, size."""
+
+    name: str
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _parse_header(path: Path) -> list[TensorRef]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise MoerunError(f"{path} is truncated or not a safetensors file (only {size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 * 2**20:
+            raise MoerunError(f"{path} is truncated or corrupt: header of {n} bytes in a {size}-byte file")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise MoerunError(f"{path} is corrupt: its header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise MoerunError(f"{path} is corrupt: its header is not a JSON object")
+    base = 8 + n
+    refs = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            start, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise MoerunError(f"{path} is corrupt: bad header entry for tensor {name!r}") from None
+        nbytes = prod(shape) * dtype.itemsize
+        if end - start != nbytes or start < 0:
+            raise MoerunError(f"{path} is corrupt: tensor {name!r} has {end - start} bytes, its shape needs {nbytes}")
+        if base + end > size:
+            raise MoerunError(
+                f"{path} is truncated: tensor {name!r} ends at byte {base + end} but the file has {size} bytes"
+            )
+        refs.append(TensorRef(name, path, dtype, shape, base + start, nbytes))
+    return refs
+
+
+class Checkpoint:
+    """All tensors of a model directory's safetensors files, by name."""
+
+    def __init__(self, model_dir: Path):
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise MoerunError(f"{index} is not a valid safetensors index") from None
+            files = [self.dir / f for f in sorted(set(weight_map.values()))]
+            for f in files:
+                if not f.is_file():
+                    raise MoerunError(f"{index} names shard {f.name}, which is missing")
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+        if not files:
+            raise MoerunError(f"{self.dir} has no *.safetensors weight files")
+        self.tensors: dict[str, TensorRef] = {}
+        for f in files:
+            for ref in _parse_header(f):
+                self.tensors[ref.name] = ref
+        self._maps: dict[Path, mmap.mmap] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def _map(self, path: Path) -> mmap.mmap:
+        mm = self._maps.get(path)
+        if mm is None:
+            with open(path, "rb") as f:
+                # private (copy-on-write) mapping: writable views without touching the file
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[path] = mm
+        return mm
+
+    def view(self, ref: TensorRef) -> torch.Tensor:
+        """A zero-copy tensor over the file's bytes (pages are read when first touched)."""
+        if ref.nbytes == 0:
+            return torch.empty(ref.shape, dtype=ref.dtype)
+        mm = self._map(ref.path)
+        flat = torch.frombuffer(mm, dtype=ref.dtype, count=ref.nbytes // ref.dtype.itemsize, offset=ref.offset)
+        return flat.view(ref.shape)
+
+    def drop_pages(self, ref: TensorRef) -> None:
+        """Release the resident pages of a tensor that has been copied elsewhere."""
+        mm = self._maps.get(ref.path)
+        if mm is None:
+            return
+        start = -(-ref.offset // PAGE) * PAGE
+        end = (ref.offset + ref.nbytes) // PAGE * PAGE
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def copy_into(self, ref: TensorRef, out: torch.Tensor) -> None:
+        out.copy_(self.view(ref))
+        self.drop_pages(ref)
+
+    def close(self) -> None:
+        # mappings still referenced by zero-copy tensors stay valid until those are freed
+        self._maps.clear()
+
+
+def file_bytes(model_dir: Path) -> int:
+    return sum(os.path.getsize(p) for p in Path(model_dir).glob("*.safetensors"))
