@@ -9,6 +9,12 @@ from ..errors import MoerunError
 # model_type -> module in this package (imported only when used)
 ARCHITECTURES = {
     "qwen3_moe": "qwen3_moe",
+    "qwen2_moe": "qwen2_moe",
+    "mixtral": "mixtral",
+    "olmoe": "olmoe",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "deepseek_v3": "deepseek_v3",
 }
 
 
