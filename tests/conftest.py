@@ -64,3 +64,45 @@ def check_cache_consistency(llm, ids: torch.Tensor):
             steps.append(net(ids[:, t : t + 1], cache))
     cached = torch.cat(steps, dim=1).float()
     assert rel_err(cached, full) < 1e-4
+
+
+def make_tokenizer(path, vocab_size: int = 300) -> None:
+    """A small byte-level BPE tokenizer with a ChatML template, written into `path`."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    text = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog. ", "héllo wörld ✓ 日本"] * 50
+    tok.train_from_iterator(text, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": template})
+    )
+
+
+def make_tiny_model(path, max_position_embeddings: int = 64, seed: int = 0):
+    """A tiny random qwen3_moe model with a real tokenizer; returns the transformers model."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=max_position_embeddings,
+        experts_implementation="eager",
+    )
+    ref = Qwen3MoeForCausalLM(cfg).eval()
+    ref.save_pretrained(path)
+    make_tokenizer(path)
+    return ref

@@ -1,0 +1,113 @@
+"""Random checkpoints with the layer shapes of real MoE models, for benchmarks and tests.
+
+Weights are random (N(0, 0.02); norms 1), so outputs are meaningless and routing is close
+to uniform: these checkpoints measure speed and memory, never quality. Tensors are written
+with Hugging Face names, experts one tensor per expert, in shards of at most 2 GiB.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..errors import MoerunError
+
+PRESETS: dict[str, dict] = {
+    # Qwen3-30B-A3B (config.json of the public checkpoint)
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+    ),
+    # Qwen3.6-35B-A3B text model: 3 Gated DeltaNet layers then 1 gated full-attention layer
+    "qwen3.6-35b-a3b": dict(
+        model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+        linear_num_value_heads=32, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        num_experts=256, num_experts_per_tok=8, rms_norm_eps=1e-6, max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        tie_word_embeddings=False, full_attention_interval=4,
+    ),
+}
+
+SHARD_BYTES = 2 << 30
+
+
+def preset_config(name: str, layers: int | None = None, **overrides) -> dict:
+    if name not in PRESETS:
+        raise MoerunError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+    cfg = dict(PRESETS[name])
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    cfg.update(overrides)
+    if cfg["model_type"].startswith("qwen3_5_moe"):
+        n, every = cfg["num_hidden_layers"], cfg.pop("full_attention_interval", 4)
+        cfg["layer_types"] = [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)
+        ]
+    cfg["torch_dtype"] = "bfloat16"
+    return cfg
+
+
+def write_random_model(out: Path, cfg: dict, dtype=torch.bfloat16, seed: int = 0) -> Path:
+    """Write config.json and random safetensors for `cfg` into `out`."""
+    from safetensors.torch import save_file
+
+    from ..models import module_for
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    module = module_for(cfg["model_type"])
+    args = module.ModelArgs.from_dict(cfg)
+    with torch.device("meta"):
+        net = module.Model(args)
+    tied = set(getattr(net, "tied_parameters", {})) if cfg.get("tie_word_embeddings") else set()
+    shapes = [(n, tuple(p.shape)) for n, p in net.state_dict().items() if n not in tied]
+    g = torch.Generator().manual_seed(seed)
+
+    def tensors():
+        for name, shape in shapes:
+            prefix, _, proj = name.rpartition(".")
+            if prefix.endswith(".experts") and len(shape) == 3:
+                for e in range(shape[0]):
+                    yield f"{prefix}.{e}.{proj}.weight", _random(shape[1:], name, g, dtype)
+            else:
+                yield name, _random(shape, name, g, dtype)
+
+    total = sum(torch.Size(s).numel() for _, s in shapes) * dtype.itemsize
+    shard: dict[str, torch.Tensor] = {}
+    size, files, weight_map = 0, [], {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="writing random weights") as bar:
+        for name, t in tensors():
+            if shard and size + t.nbytes > SHARD_BYTES:
+                files.append(_flush(out, shard, len(files), weight_map, save_file))
+                shard, size = {}, 0
+            shard[name] = t
+            size += t.nbytes
+            bar.update(t.nbytes)
+        files.append(_flush(out, shard, len(files), weight_map, save_file))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+    (out / "config.json").write_text(json.dumps({**cfg, "random_weights": True}, indent=2))
+    return out
+
+
+def _flush(out, shard, i, weight_map, save_file) -> str:
+    name = f"model-{i:05d}.safetensors"
+    save_file(shard, str(out / name), metadata={"format": "pt"})
+    weight_map.update({k: name for k in shard})
+    return name
+
+
+def _random(shape, name, g, dtype) -> torch.Tensor:
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=dtype)  # norms, biases and per-head scalars
+    return (torch.randn(shape, generator=g) * 0.02).to(dtype)

@@ -1,0 +1,47 @@
+"""`moerun bench`: prefill and decode tokens/s on random token ids."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..engine.cache import Cache
+from ..errors import MoerunError
+
+
+def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0) -> dict:
+    if prompt_tokens < 1 or gen_tokens < 1:
+        raise MoerunError("--prompt-tokens and --gen-tokens must be at least 1")
+    if prompt_tokens + gen_tokens > llm.context_length:
+        raise MoerunError(f"{prompt_tokens}+{gen_tokens} tokens exceed the context window of {llm.context_length}")
+    net = llm.net
+    vocab = net.args.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (1, prompt_tokens), generator=g)
+    with torch.inference_mode():
+        # warm-up: first calls allocate and pick kernels
+        warm = Cache(net.cache_spec(), 1, 8, llm.dtype)
+        net(prompt[:, :4], warm, last_only=True)
+        net(prompt[:, 4:5], warm, last_only=True)
+
+        cache = Cache(net.cache_spec(), 1, prompt_tokens + gen_tokens, llm.dtype)
+        t0 = time.perf_counter()
+        logits = net(prompt, cache, last_only=True)
+        prefill_s = time.perf_counter() - t0
+        tok = logits[:, -1].argmax(-1, keepdim=True)
+        t0 = time.perf_counter()
+        for _ in range(gen_tokens):
+            tok = net(tok, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+        decode_s = time.perf_counter() - t0
+    return {
+        "model": str(llm.path),
+        "architecture": llm.model_type,
+        "dtype": str(llm.dtype).removeprefix("torch."),
+        "prompt_tokens": prompt_tokens,
+        "gen_tokens": gen_tokens,
+        "prefill_tok_s": prompt_tokens / prefill_s,
+        "decode_tok_s": gen_tokens / decode_s,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+    }

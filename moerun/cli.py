@@ -1,0 +1,251 @@
+"""`moerun` command line: generate, chat, info, bench, random-model.
+
+Every failure is one line on stderr and a non-zero exit; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not a usage block
+        self.exit(2, f"moerun: error: {message} (see moerun {self.prog.split()[-1]} --help)\n")
+
+
+def _common(p: argparse.ArgumentParser, model=True) -> None:
+    if model:
+        p.add_argument("-m", "--model", default=None, help="Hugging Face model directory (default: the bundled demo model)")
+        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weight and activation dtype")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available cores)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's generation_config, else greedy)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _sampling_kwargs(a) -> dict:
+    return dict(
+        max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+        min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=tuple(a.stop or ()),
+    )
+
+
+def _load(a):
+    import moerun
+
+    return moerun.load(a.model, dtype=a.dtype, threads=a.threads)
+
+
+def cmd_generate(a) -> int:
+    llm = _load(a)
+    out = sys.stdout
+    for piece in llm.generate(a.prompt, **_sampling_kwargs(a)):
+        out.write(piece)
+        out.flush()
+    s = llm.last_stats
+    out.write("\n")
+    out.flush()
+    print(
+        f"[prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | "
+        f"generated {s.generated_tokens} tok, {s.decode_tok_s:.1f} tok/s | {a.threads or 'all'} threads]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_chat(a) -> int:
+    llm = _load(a)
+    if llm.tokenizer is None or not llm.tokenizer.chat_template:
+        from .errors import MoerunError
+
+        raise MoerunError(f"{llm.path} has no chat template; use `moerun generate`")
+    messages: list[dict] = []
+    if a.system:
+        messages.append({"role": "system", "content": a.system})
+    print("moerun chat: /reset clears the history, /exit or Ctrl-D leaves.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if a.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = []
+        for piece in llm.generate(messages, **_sampling_kwargs(a)):
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_info(a) -> int:
+    from .engine.info import describe, human_bytes, human_count, layer_pattern
+
+    llm = _load(a)
+    args, d = llm.args, describe(llm.net, llm.args)
+    n_exp = next((getattr(args, f) for f in ("num_experts", "n_routed_experts", "num_local_experts") if getattr(args, f, None)), 0)
+    info = {
+        "model": str(llm.path),
+        "architecture": args.model_type,
+        "layers": args.num_hidden_layers,
+        "layer_pattern": layer_pattern(args),
+        "experts": n_exp,
+        "experts_per_token": getattr(args, "num_experts_per_tok", None),
+        "mtp_layers": 1 if getattr(llm.net, "has_mtp", False) else 0,
+        "dtype": str(llm.dtype).removeprefix("torch."),
+        "context_length": llm.context_length,
+        "kernel_isa": _kernel_isa(),
+        **d,
+    }
+    if a.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    rows = [
+        ("model", info["model"]),
+        ("architecture", info["architecture"]),
+        ("layers", f"{info['layers']}" + (f"  pattern {info['layer_pattern']} (L linear attention, F full)" if info["layer_pattern"] else "")),
+        ("experts", f"{n_exp} routed, {info['experts_per_token']} per token"),
+        ("MTP layers", info["mtp_layers"]),
+        ("parameters", f"{human_count(d['parameters'])} total, {human_count(d['active_parameters'])} active per token (excl. embedding)"),
+        ("dtype", info["dtype"]),
+        ("context", info["context_length"]),
+        ("kernels", info["kernel_isa"]),
+        ("bytes/token", human_bytes(d["bytes_per_token"]) + " read per decoded token"),
+    ]
+    for comp, b in sorted(d["bytes_per_token_by_component"].items(), key=lambda kv: -kv[1]):
+        rows.append((f"  {comp}", human_bytes(b)))
+    width = max(len(r[0]) for r in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _kernel_isa() -> str:
+    try:
+        from . import kernels  # the native extension's one import point, when built
+
+        return kernels.active_isa()
+    except Exception:
+        return "torch (native kernels not built)"
+
+
+def cmd_bench(a) -> int:
+    from .bench.run import bench
+
+    llm = _load(a)
+    result = bench(llm, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, seed=0)
+    result["threads"] = a.threads or _threads()
+    if a.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"{result['model']}: prefill {result['prompt_tokens']} tok at {result['prefill_tok_s']:.1f} tok/s, "
+            f"decode {result['gen_tokens']} tok at {result['decode_tok_s']:.2f} tok/s "
+            f"({result['threads']} threads, {result['dtype']})"
+        )
+    return 0
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def cmd_random_model(a) -> int:
+    from .bench.random_model import preset_config, write_random_model
+
+    cfg = preset_config(a.preset, layers=a.layers)
+    path = write_random_model(a.output, cfg)
+    print(f"wrote a RANDOM-weight {a.preset} model ({cfg['num_hidden_layers']} layers) to {path}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = _Parser(prog="moerun", description="Fast inference for sparse Mixture-of-Experts language models.")
+    p.add_argument("--version", action="version", version=f"moerun {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="continue a prompt, streaming text")
+    g.add_argument("prompt")
+    _common(g)
+    _sampling(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    c.add_argument("--system", default=None, help="system prompt")
+    _common(c)
+    _sampling(c)
+    c.set_defaults(func=cmd_chat)
+
+    i = sub.add_parser("info", help="architecture, parameters, bytes per decoded token")
+    _common(i)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
+
+    b = sub.add_parser("bench", help="prefill and decode speed")
+    _common(b)
+    b.add_argument("--prompt-tokens", type=int, default=128)
+    b.add_argument("--gen-tokens", type=int, default=32)
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.set_defaults(func=cmd_bench)
+
+    r = sub.add_parser("random-model", help="write a random-weight checkpoint with a real model's shapes")
+    r.add_argument("preset", help="qwen3-30b-a3b or qwen3.6-35b-a3b")
+    r.add_argument("-o", "--output", required=True)
+    r.add_argument("--layers", type=int, default=None)
+    _common(r, model=False)
+    r.set_defaults(func=cmd_random_model)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import MoerunError
+
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        if a.threads is not None and a.threads < 1:
+            raise MoerunError("--threads must be at least 1")
+        return a.func(a)
+    except MoerunError as e:
+        if a.debug:
+            raise
+        print(f"moerun: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # anything else is our bug: still one line unless --debug
+        if a.debug:
+            raise
+        print(f"moerun: error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

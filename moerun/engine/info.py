@@ -1,0 +1,107 @@
+"""What a model is and what one decoded token costs: parameters and bytes by component."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from ..layers.moe import Experts
+
+# Order matters: the first matching key names the component.
+COMPONENTS = [
+    ("mtp", ("mtp.",)),
+    ("embedding", ("embed_tokens",)),
+    ("head", ("lm_head",)),
+    ("shared expert", ("shared_expert",)),
+    ("router", ("mlp.gate.", "block_sparse_moe.gate.", "mlp.gate.e_score")),
+    ("deltanet", ("linear_attn",)),
+    ("attention", ("self_attn",)),
+    ("dense mlp", ("mlp.",)),
+]
+
+
+def component_of(name: str) -> str:
+    for comp, keys in COMPONENTS:
+        if any(k in name for k in keys):
+            return comp
+    return "norms"
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def describe(net: torch.nn.Module, args) -> dict:
+    """Totals per component: parameters, bytes held, bytes read per decoded token."""
+    k = getattr(args, "num_experts_per_tok", 0)
+    params: dict[str, int] = defaultdict(int)
+    held: dict[str, int] = defaultdict(int)
+    per_token: dict[str, float] = defaultdict(float)
+    routed_ids = set()
+    for mod_name, mod in net.named_modules():
+        # quantized or store-backed replacements of Experts mark themselves `routed_experts`
+        if isinstance(mod, Experts) or getattr(mod, "routed_experts", False):
+            comp = "mtp" if component_of(mod_name + ".") == "mtp" else "routed experts"
+            n_exp = mod.num_experts
+            for p in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]:
+                routed_ids.add(id(p))
+                params[comp] += p.numel()
+                held[comp] += tensor_bytes(p)
+                if comp != "mtp":
+                    per_token[comp] += tensor_bytes(p) * k / n_exp
+    seen = set(routed_ids)
+    hidden = getattr(args, "hidden_size", 0)
+    for name, p in net.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        comp = component_of(name)
+        params[comp] += p.numel()
+        held[comp] += tensor_bytes(p)
+        if comp == "embedding":
+            per_token[comp] += hidden * p.element_size()  # one row per token
+        elif comp != "mtp":
+            per_token[comp] += tensor_bytes(p)
+    total = sum(params.values())
+    routed = params.get("routed experts", 0)
+    n_experts = _num_experts(args)
+    active = total - params.get("mtp", 0) - params.get("embedding", 0) - routed + (routed * k / n_experts if n_experts else 0)
+    return {
+        "parameters": total,
+        "active_parameters": int(active),
+        "params_by_component": dict(params),
+        "bytes_by_component": dict(held),
+        "bytes_per_token_by_component": {c: int(v) for c, v in per_token.items()},
+        "bytes_per_token": int(sum(per_token.values())),
+    }
+
+
+def _num_experts(args) -> int:
+    for field in ("num_experts", "n_routed_experts", "num_local_experts"):
+        v = getattr(args, field, None)
+        if v:
+            return int(v)
+    return 0
+
+
+def layer_pattern(args) -> str | None:
+    types = getattr(args, "layer_types", None)
+    if not types:
+        return None
+    return "".join("F" if t == "full_attention" else "L" for t in types)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n}"
+
+
+def human_count(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return str(int(n))

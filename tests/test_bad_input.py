@@ -1,0 +1,116 @@
+"""Each bad input gives one clear line on stderr and a non-zero exit, without a traceback."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from conftest import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(path, max_position_embeddings=64)
+    return path
+
+
+def moerun(*args):
+    return subprocess.run([sys.executable, "-m", "moerun.cli", *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(r, *needles):
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def broken_copy(tiny, tmp_path, mutate):
+    d = tmp_path / "m"
+    shutil.copytree(tiny, d)
+    mutate(d)
+    return d
+
+
+def test_good_model_generates(tiny):
+    r = moerun("generate", "-m", tiny, "def add", "--max-tokens", "5", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert "tok/s" in r.stderr
+
+
+def test_missing_path(tmp_path):
+    assert_one_line_error(moerun("info", "-m", tmp_path / "nope"), "does not exist")
+
+
+def test_directory_without_config(tmp_path):
+    assert_one_line_error(moerun("info", "-m", tmp_path), "config.json")
+
+
+def test_truncated_safetensors(tiny, tmp_path):
+    def cut(d):
+        f = d / "model.safetensors"
+        f.write_bytes(f.read_bytes()[:-1000])
+
+    assert_one_line_error(moerun("info", "-m", broken_copy(tiny, tmp_path, cut)), "truncated", "model.safetensors")
+
+
+def test_corrupt_safetensors_header(tiny, tmp_path):
+    def corrupt(d):
+        f = d / "model.safetensors"
+        data = bytearray(f.read_bytes())
+        data[8 : 8 + 16] = b"\x00garbage-garbage"
+        f.write_bytes(bytes(data))
+
+    assert_one_line_error(moerun("info", "-m", broken_copy(tiny, tmp_path, corrupt)), "corrupt")
+
+
+def test_missing_tensor_is_named(tiny, tmp_path):
+    victim = "model.layers.1.mlp.experts.2.up_proj.weight"
+
+    def drop(d):
+        w = load_file(d / "model.safetensors")
+        del w[victim]
+        save_file(w, d / "model.safetensors")
+
+    assert_one_line_error(moerun("info", "-m", broken_copy(tiny, tmp_path, drop)), victim)
+
+
+def test_wrong_shape_is_named(tiny, tmp_path):
+    victim = "model.layers.0.self_attn.q_proj.weight"
+
+    def reshape(d):
+        w = load_file(d / "model.safetensors")
+        w[victim] = w[victim][:-1].contiguous()
+        save_file(w, d / "model.safetensors")
+
+    assert_one_line_error(moerun("info", "-m", broken_copy(tiny, tmp_path, reshape)), victim, "shape")
+
+
+def test_unknown_architecture_lists_supported(tiny, tmp_path):
+    def retype(d):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["model_type"] = "llama_moe_9000"
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    assert_one_line_error(moerun("info", "-m", broken_copy(tiny, tmp_path, retype)), "llama_moe_9000", "qwen3_moe", "mixtral")
+
+
+def test_prompt_longer_than_context(tiny):
+    assert_one_line_error(moerun("generate", "-m", tiny, "word " * 200, "--threads", "1"), "context window")
+
+
+def test_bad_flag_values(tiny):
+    assert_one_line_error(moerun("generate", "-m", tiny, "x", "--top-p", "0"), "top_p")
+    assert_one_line_error(moerun("generate", "-m", tiny, "x", "--threads", "0"), "threads")
+    assert_one_line_error(moerun("bench", "-m", tiny, "--bogus"), "unrecognized")
+
+
+def test_debug_shows_traceback(tmp_path):
+    r = moerun("info", "-m", tmp_path / "nope", "--debug")
+    assert r.returncode != 0 and "Traceback" in r.stderr
