@@ -1,0 +1,824 @@
+"""The tiered expert store: every routed expert lives on the device, in RAM (host) or on disk.
+
+Tiers and budgets. `disk` is the checkpoint itself: an expert is read lazily with `pread`
+from the byte range the safetensors header names, and the range is dropped from the page
+cache at once (`POSIX_FADV_DONTNEED`) so the page cache does not quietly hold the model.
+`host` holds experts in fixed-size slots carved from a budget (`--ram-budget`); slots are
+reused, never returned to malloc, so resident memory tracks the budget rather than
+allocator fragmentation. `device` is a GPU behind a CUDA link, or the emulated device (a
+throttled zero-copy link; see emulated.py), with its own budget (`--vram-budget`).
+Experts that do not fit a tier stay in the slower one. The tier that runs experts (the
+*compute tier*) is the device when there is one, else the host.
+
+A request for an expert that is not resident in the compute tier is a demand miss: the
+caller fetches it at once (stall, counted), and it goes before any queued prefetch. When a
+tier has no evictable room even for the experts of one layer (everything in use or
+pinned), a demand miss is served from a transient buffer freed after use: budgets hold for
+the cache, and the transient bytes are counted (`transient_loads`).
+
+Threads. One condition variable guards all state; IO and link transfers run outside it.
+Entry states per tier: NONE -> LOADING -> READY. A prefetch is a `Job` on a mover's queue;
+a demand miss that finds its expert's job still queued cancels it and does the work
+itself; one that finds it loading waits for it (a late prefetch).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import MoerunError
+from .emulated import CudaLink, EmulatedLink, parse_link
+from .policy import make_policy
+from .prefetch import Job, Mover
+
+NONE, LOADING, READY = 0, 1, 2
+HOST, DEVICE = "host", "device"
+PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+# -- where an expert's bytes are -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One projection of one expert: a contiguous byte range of a checkpoint file."""
+
+    name: str
+    path: Path
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    """The routed experts of one layer: E experts of shape gate/up [I, H], down [H, I]."""
+
+    layer: int
+    num_experts: int
+    hidden: int
+    inter: int
+    pieces: tuple  # [E] of (gate Piece, up Piece, down Piece)
+
+
+def expert_pieces(names: dict, prefix: str, num_experts: int, hidden: int, inter: int) -> tuple:
+    """Per expert (gate, up, down) byte ranges, from per-expert, stacked or fused tensors.
+
+    `names` maps our (renamed) parameter names to `TensorRef`s; `prefix` is the Experts
+    module's name (`model.layers.3.mlp.experts`).
+    """
+    shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    out = [[None] * 3 for _ in range(num_experts)]
+    for j, proj in enumerate(PROJS):
+        shape = shapes[proj]
+        per = [f"{prefix}.{e}.{proj}.weight" for e in range(num_experts)]
+        stacked = names.get(f"{prefix}.{proj}")
+        fused = names.get(f"{prefix}.gate_up_proj")
+        if all(n in names for n in per):
+            for e, n in enumerate(per):
+                ref = names[n]
+                if tuple(ref.shape) != shape:
+                    raise MoerunError(f"tensor {ref.name!r} has shape {list(ref.shape)} but the config expects {list(shape)}")
+                out[e][j] = Piece(ref.name, ref.path, ref.offset, ref.nbytes, ref.dtype, shape)
+        elif stacked is not None:
+            if tuple(stacked.shape) != (num_experts, *shape):
+                raise MoerunError(
+                    f"tensor {stacked.name!r} has shape {list(stacked.shape)} but the config expects {[num_experts, *shape]}"
+                )
+            size = stacked.nbytes // num_experts
+            for e in range(num_experts):
+                out[e][j] = Piece(f"{stacked.name}[{e}]", stacked.path, stacked.offset + e * size, size, stacked.dtype, shape)
+        elif fused is not None and proj != "down_proj":  # [E, 2I, H]: gate rows first, then up
+            if tuple(fused.shape) != (num_experts, 2 * inter, hidden):
+                raise MoerunError(
+                    f"tensor {fused.name!r} has shape {list(fused.shape)}, expected {[num_experts, 2 * inter, hidden]}"
+                )
+            size = fused.nbytes // num_experts
+            half = size // 2
+            for e in range(num_experts):
+                out[e][j] = Piece(f"{fused.name}[{e}].{proj}", fused.path, fused.offset + e * size + j * half, half,
+                                  fused.dtype, shape)
+        else:
+            missing = next((n for n in per if n not in names), f"{prefix}.{proj}")
+            raise MoerunError(f"checkpoint is missing tensor {missing!r} (an expert of layer {prefix})")
+    return tuple(tuple(p) for p in out)
+
+
+class DiskReader:
+    """pread into caller buffers, then drop the range from the page cache."""
+
+    def __init__(self, drop_cache: bool = True):
+        self.drop_cache = drop_cache
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+        self.reads = 0
+        self.bytes = 0
+
+    def _fd(self, piece: Piece) -> int:
+        with self._lock:
+            fd = self._fds.get(piece.path)
+            if fd is None:
+                try:
+                    fd = os.open(piece.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except OSError as e:
+                    raise MoerunError(f"cannot read expert tensor {piece.name!r}: {piece.path}: {e.strerror}") from None
+                self._fds[piece.path] = fd
+            return fd
+
+    def read_into(self, piece: Piece, out: torch.Tensor) -> None:
+        """Fill `out` (uint8, piece.nbytes) with the piece's bytes."""
+        fd = self._fd(piece)
+        mv = memoryview(out.numpy()).cast("B")
+        got = 0
+        while got < piece.nbytes:
+            try:
+                n = os.preadv(fd, [mv[got:]], piece.offset + got)
+            except OSError as e:
+                raise MoerunError(f"cannot read expert tensor {piece.name!r} from {piece.path}: {e.strerror}") from None
+            if n == 0:
+                raise MoerunError(
+                    f"expert tensor {piece.name!r} is cut short in {piece.path}: the file ends at byte "
+                    f"{piece.offset + got}, the tensor needs bytes up to {piece.offset + piece.nbytes} (truncated or corrupt)"
+                )
+            got += n
+        if self.drop_cache and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, piece.offset, piece.nbytes, os.POSIX_FADV_DONTNEED)
+        with self._lock:
+            self.reads += 1
+            self.bytes += piece.nbytes
+
+    def drop_all(self, paths) -> None:
+        """Drop whole files from the page cache (before a measurement)."""
+        for p in paths:
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class SlotPool:
+    """Host memory for experts, in reusable slots: allocated once up to the budget."""
+
+    def __init__(self, pin: bool = False):
+        self.pin = pin
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.allocated = 0
+
+    def take(self, n: int, budget: int) -> torch.Tensor:
+        lst = self.free.get(n)
+        if lst:
+            return lst.pop()
+        if self.allocated + n > budget:  # mixed sizes: give back free slots of other sizes
+            for size, slots in self.free.items():
+                while slots and self.allocated + n > budget:
+                    slots.pop()
+                    self.allocated -= size
+        self.allocated += n
+        return torch.empty(n, dtype=torch.uint8, pin_memory=self.pin)
+
+    def give(self, slot: torch.Tensor) -> None:
+        self.free.setdefault(slot.numel(), []).append(slot)
+
+
+# -- options ----------------------------------------------------------------------------------
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_budget(value, total: int, what: str = "budget") -> int | None:
+    """`None` (no limit), bytes as an int, `4GiB`/`4G` (binary), `4GB` (decimal), or `30%`
+    of `total` (the routed experts' bytes in the compute dtype)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise MoerunError(f"{what} must not be negative")
+        return int(value)
+    t = str(value).strip().lower().replace(" ", "")
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)(%|[a-z]*)", t)
+    if not m or (m.group(2) not in _UNITS and m.group(2) != "%"):
+        raise MoerunError(f"cannot read {what} {value!r}; use bytes like 4GiB, 512MB, or a share like 30%")
+    x = float(m.group(1))
+    if m.group(2) == "%":
+        if x > 100:
+            raise MoerunError(f"{what} {value!r} is over 100%")
+        return int(total * x / 100)
+    return int(x * _UNITS[m.group(2)])
+
+
+@dataclass
+class StoreOptions:
+    """What the CLI flags set. Budgets cover routed experts only (in the compute dtype);
+    attention, shared experts, router and embeddings are always resident."""
+
+    ram_budget: object = None  # --ram-budget: None = every expert in RAM
+    vram_budget: object = None  # --vram-budget: None/0 = no device tier
+    cache_policy: str = "lru"  # --cache-policy: lru | lfu | prediction | prediction-lfu
+    pin_hot: int = 0  # --pin-hot N: the N most used experts per layer are never evicted
+    pin_hot_fraction: float = 0.0  # --pin-hot-fraction F: the same, as a share of each layer's experts
+    profile: object = None  # routing profile (path to JSON or dict) for the pinned set; None = the prompt's routing
+    pin_after_tokens: int = 1  # without a profile: pin after this many tokens have been routed
+    emulate_link: str | None = None  # --emulate-link pcie4 | 'GB/s,µs': the device tier is emulated
+    disk_workers: int = 2
+    drop_page_cache: bool = True
+
+    def __post_init__(self):
+        if self.pin_hot < 0 or not 0.0 <= self.pin_hot_fraction <= 1.0:
+            raise MoerunError("--pin-hot must be >= 0 and --pin-hot-fraction in [0, 1]")
+        if self.disk_workers < 1:
+            raise MoerunError("disk_workers must be at least 1")
+
+
+# -- the store --------------------------------------------------------------------------------
+
+
+class Entry:
+    __slots__ = ("key", "pieces", "nbytes", "layout", "host", "host_slot", "host_state", "dev", "dev_state",
+                 "job", "in_use", "pf")
+
+    def __init__(self, key, pieces, layout, nbytes):
+        self.key = key
+        self.pieces = pieces
+        self.layout = layout  # [(byte offset, shape)] of gate, up, down in a slot
+        self.nbytes = nbytes
+        self.host = self.dev = self.host_slot = self.job = None
+        self.host_state = self.dev_state = NONE
+        self.in_use = 0
+        self.pf = False  # a prefetch is responsible for this expert and it has not been used yet
+
+
+@dataclass
+class Tier:
+    name: str
+    budget: int
+    policy: object
+    used: int = 0
+    peak: int = 0
+    resident: int = 0
+    evictions: int = 0
+
+
+COUNTERS = ("requests", "hits_device", "hits_host", "demand_misses", "prefetch_issued", "prefetch_used",
+            "prefetch_late", "prefetch_wasted", "prefetch_dropped", "prefetch_errors", "bytes_disk", "bytes_link",
+            "reads_disk", "transfers_link", "stall_s", "tokens", "steps", "transient_loads")
+
+
+class ExpertStore:
+    def __init__(self, layers: list[LayerExperts], dtype: torch.dtype, options: StoreOptions | None = None,
+                 top_k: int = 8, _defer_preload: bool = False):
+        o = options or StoreOptions()
+        self.options = o
+        self.dtype = dtype
+        self.top_k = top_k
+        isz = torch.empty((), dtype=dtype).element_size()
+        self.entries: dict[tuple, Entry] = {}
+        for L in layers:
+            IH = L.inter * L.hidden * isz
+            layout = ((0, (L.inter, L.hidden)), (IH, (L.inter, L.hidden)), (2 * IH, (L.hidden, L.inter)))
+            for e in range(L.num_experts):
+                self.entries[(L.layer, e)] = Entry((L.layer, e), L.pieces[e], layout, 3 * IH)
+        self.num_experts = {L.layer: L.num_experts for L in layers}
+        self.layers = sorted(self.num_experts)
+        self.first_layer = self.layers[0] if self.layers else None
+        self.total_bytes = sum(e.nbytes for e in self.entries.values())
+        self.paths = sorted({p.path for e in self.entries.values() for p in e.pieces})
+
+        self._cv = threading.Condition(threading.Lock())
+        self.wanted: dict[tuple, int] = {}  # key -> the last step a prefetch hint wants it for
+        self.pinned: set[tuple] = set()
+        self.routing = {l: [0] * n for l, n in self.num_experts.items()}
+        self.step = 0
+        self.c = dict.fromkeys(COUNTERS, 0)
+        self.c["stall_s"] = 0.0
+        self.last_error: str | None = None
+        self._closed = False
+
+        # the link first: the compute tier depends on it
+        vram = parse_budget(o.vram_budget, self.total_bytes, "--vram-budget")
+        self.link = None
+        if vram:
+            if o.emulate_link:
+                self.link = EmulatedLink(parse_link(o.emulate_link))
+            elif torch.cuda.is_available():
+                self.link = CudaLink()
+            else:
+                raise MoerunError("--vram-budget needs a CUDA GPU; without one, add --emulate-link pcie4 to emulate it")
+        elif o.emulate_link:
+            raise MoerunError("--emulate-link needs a device tier: give --vram-budget too")
+        ram = parse_budget(o.ram_budget, self.total_bytes, "--ram-budget")
+        ram = self.total_bytes if ram is None else ram
+        self.compute = DEVICE if self.link is not None else HOST
+        if self.link is not None and self.link.inclusive and ram < vram:
+            raise MoerunError(
+                "the emulated device lives in RAM: --ram-budget must be at least --vram-budget "
+                f"({_fmt(ram)} < {_fmt(vram)})"
+            )
+        self.tiers = {HOST: Tier(HOST, ram, make_policy("lru" if self.compute == DEVICE else o.cache_policy, self.wanted))}
+        if self.link is not None:
+            self.tiers[DEVICE] = Tier(DEVICE, vram, make_policy(o.cache_policy, self.wanted))
+        self.pool = SlotPool(pin=isinstance(self.link, CudaLink))
+        self.reader = DiskReader(o.drop_page_cache)
+        self.disk_mover = Mover("disk", self._on_job, o.disk_workers)
+        self.link_mover = Mover("link", self._on_job, 1) if self.link is not None else None
+        self._pin_pending = bool(o.pin_hot or o.pin_hot_fraction)
+        if not _defer_preload:
+            self.preload()
+
+    # -- public ---------------------------------------------------------------------------
+
+    @property
+    def emulated(self) -> bool:
+        return bool(self.link is not None and self.link.emulated)
+
+    def preload(self) -> None:
+        """Fill each tier whose budget holds every expert; pin the hot set if a profile is given.
+        Preloading is not counted in the stats."""
+        with self._cv:
+            for tier in (HOST, DEVICE):
+                if tier in self.tiers and self.tiers[tier].budget >= self.total_bytes:
+                    for ent in self.entries.values():
+                        ent.in_use += 1
+                        try:
+                            (self._ensure_host if tier == HOST else self._ensure_device)(ent, True, False)
+                        finally:
+                            ent.in_use -= 1
+            if self._pin_pending and self.options.profile is not None:
+                self._pin_locked(load_profile(self.options.profile), quiet=True)
+            self._reset_locked()
+
+    def get(self, layer: int, ids, n_tokens: int = 1) -> dict[int, tuple]:
+        """Weights (gate [I,H], up [I,H], down [H,I]) of each expert in `ids`, resident in the
+        compute tier (or transient), held until `release(layer, ids)`."""
+        t0 = time.perf_counter()
+        out, misses = {}, []
+        with self._cv:
+            if self._closed:
+                raise MoerunError("the expert store is closed")
+            if layer == self.first_layer:
+                self._advance(n_tokens)
+            routing = self.routing[layer]
+            policy = self.tiers[self.compute].policy
+            c = self.c
+            for e in ids:
+                e = int(e)
+                ent = self.entries[(layer, e)]
+                ent.in_use += 1
+                c["requests"] += 1
+                routing[e] += 1
+                self.wanted.pop(ent.key, None)
+                w = ent.dev if self.compute == DEVICE else ent.host
+                ready = (ent.dev_state if self.compute == DEVICE else ent.host_state) == READY
+                if ent.pf:
+                    ent.pf = False
+                    c["prefetch_used"] += 1
+                    if not ready:
+                        c["prefetch_late"] += 1
+                elif not ready:
+                    c["demand_misses"] += 1
+                if ready:
+                    c["hits_" + self.compute] += 1
+                    policy.accessed(ent.key)
+                    out[e] = w
+                else:
+                    misses.append(ent)
+            if not misses:
+                return out
+            try:
+                # queue the disk reads so idle disk workers read in parallel with us
+                for ent in misses:
+                    if ent.host_state == NONE and ent.job is None:
+                        ent.job = Job(ent, math.inf, self.step, HOST, demand=True)
+                        self.disk_mover.submit(ent.job)
+                for ent in misses:
+                    if self.compute == DEVICE:
+                        if ent.host_state == READY:
+                            c["hits_host"] += 1
+                        w, _ = self._ensure_device(ent, True, True)
+                    else:
+                        w, _ = self._ensure_host(ent, True, True)
+                    out[ent.key[1]] = w
+            except BaseException:
+                for e in ids:
+                    self.entries[(layer, int(e))].in_use -= 1
+                raise
+            finally:
+                c["stall_s"] += time.perf_counter() - t0
+        return out
+
+    def release(self, layer: int, ids) -> None:
+        with self._cv:
+            for e in ids:
+                self.entries[(layer, int(e))].in_use -= 1
+
+    def prefetch(self, layer: int, ids, priority: float = 0.0, for_step: int | None = None) -> None:
+        """Ask for experts to be moved to the compute tier ahead of use; returns at once.
+        Higher `priority` goes first. The hint is dropped once the store's step (one per
+        forward pass) moves past `for_step` (default: the current step)."""
+        with self._cv:
+            if self._closed:
+                return
+            fs = self.step if for_step is None else for_step
+            for e in ids:
+                ent = self.entries[(layer, int(e))]
+                if self.wanted.get(ent.key, -1) < fs:
+                    self.wanted[ent.key] = fs
+                state = ent.dev_state if self.compute == DEVICE else ent.host_state
+                if state != NONE or ent.pf:
+                    continue
+                ent.pf = True
+                self.c["prefetch_issued"] += 1
+                stage = DEVICE if self.compute == DEVICE and ent.host_state == READY else HOST
+                ent.job = Job(ent, priority, fs, stage)
+                (self.link_mover if stage == DEVICE else self.disk_mover).submit(ent.job)
+
+    def advance(self, n_tokens: int = 1) -> None:
+        """Start a new step (the store also does this itself at each pass's first layer)."""
+        with self._cv:
+            self._advance(n_tokens)
+
+    def pin_hot(self, profile=None, n: int | None = None, fraction: float | None = None) -> int:
+        """Pin the most used experts of each layer in the compute tier; returns how many."""
+        with self._cv:
+            return self._pin_locked(load_profile(profile) if profile is not None else self.routing, n, fraction)
+
+    def routing_profile(self) -> dict[int, list[int]]:
+        with self._cv:
+            return {l: list(c) for l, c in self.routing.items()}
+
+    def reset_stats(self) -> None:
+        with self._cv:
+            self._reset_locked()
+
+    def stats(self) -> dict:
+        with self._cv:
+            c = dict(self.c)
+            tiers = {n: (t.budget, t.used, t.peak, t.resident, t.evictions, t.policy.describe()) for n, t in self.tiers.items()}
+            pending = sum(1 for e in self.entries.values() if e.pf)
+        req = max(c["requests"], 1)
+        tok = max(c["tokens"], 1)
+        out = {
+            "emulated": self.emulated,
+            "link": self.link.describe() if self.link is not None else None,
+            "compute_tier": self.compute,
+            "policy": tiers[self.compute][5],
+            "pinned_experts": len(self.pinned),
+            "tokens": c["tokens"],
+            "steps": c["steps"],
+            "requests": c["requests"],
+            "expert_hit_rate": c["hits_" + self.compute] / req,
+            "prefetch_precision": c["prefetch_used"] / c["prefetch_issued"] if c["prefetch_issued"] else 0.0,
+            "prefetch_recall": c["prefetch_used"] / max(c["prefetch_used"] + c["demand_misses"], 1),
+            "bytes_moved_per_token": (c["bytes_disk"] + c["bytes_link"]) / tok,
+            "stall_s_per_token": c["stall_s"] / tok,
+            "stall_s": c["stall_s"],
+            "demand_misses": c["demand_misses"],
+            "prefetch_issued": c["prefetch_issued"],
+            "prefetch_used": c["prefetch_used"],
+            "prefetch_late": c["prefetch_late"],
+            "prefetch_wasted": c["prefetch_wasted"],
+            "prefetch_dropped": c["prefetch_dropped"],
+            "prefetch_pending": pending,
+            "prefetch_errors": c["prefetch_errors"],
+            "transient_loads": c["transient_loads"],
+            "experts_bytes": self.total_bytes,
+            "tiers": {},
+        }
+        for name, (budget, used, peak, resident, ev, _) in tiers.items():
+            hits = c["hits_" + name]
+            reaching = c["requests"] if name == self.compute else c["requests"] - c["hits_device"]
+            out["tiers"][name] = {
+                "budget_bytes": budget, "used_bytes": used, "peak_bytes": peak, "resident_experts": resident,
+                "hits": hits, "hit_rate": hits / max(reaching, 1), "evictions": ev,
+            }
+        if self.link is not None:
+            out["tiers"][DEVICE].update(
+                emulated=self.emulated, transfers=c["transfers_link"], bytes=c["bytes_link"],
+                bytes_per_token=c["bytes_link"] / tok,
+            )
+        out["tiers"]["disk"] = {"reads": c["reads_disk"], "bytes_read": c["bytes_disk"],
+                                "bytes_per_token": c["bytes_disk"] / tok}
+        return out
+
+    def close(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        self.disk_mover.close()
+        if self.link_mover is not None:
+            self.link_mover.close()
+        self.reader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def threads_alive(self) -> bool:
+        return self.disk_mover.alive or bool(self.link_mover and self.link_mover.alive)
+
+    # -- internals (the lock is held unless said otherwise) -------------------------------------
+
+    def _reset_locked(self):
+        self.c = dict.fromkeys(COUNTERS, 0)
+        self.c["stall_s"] = 0.0
+        for t in self.tiers.values():
+            t.peak = t.used
+            t.evictions = 0
+
+    def _advance(self, n_tokens):
+        self.step += 1
+        self.c["steps"] += 1
+        self.c["tokens"] += n_tokens
+        if self.wanted:
+            for k in [k for k, s in self.wanted.items() if s < self.step]:
+                del self.wanted[k]
+        if self._pin_pending and self.options.profile is None and self.c["tokens"] >= self.options.pin_after_tokens:
+            if self.step > 1:  # the routing of the pass that just ended is complete
+                self._pin_locked(self.routing)
+
+    def _pin_locked(self, profile, n=None, fraction=None, quiet=False) -> int:
+        o = self.options
+        n = o.pin_hot if n is None and fraction is None else (n or 0)
+        fraction = o.pin_hot_fraction if fraction is None else fraction
+        self._pin_pending = False
+        tier = self.tiers[self.compute]
+        chosen = []
+        for layer, counts in profile.items():
+            layer = int(layer)
+            if layer not in self.num_experts:
+                continue
+            k = max(n, int(round(fraction * self.num_experts[layer])))
+            order = sorted(range(len(counts)), key=lambda e: -counts[e])
+            chosen += [(-counts[e], r, (layer, e)) for r, e in enumerate(order[:k]) if counts[e] > 0]
+        # across layers, keep the most used; leave room for two layers' worth of other experts
+        chosen.sort()
+        room = tier.budget - 2 * self.top_k * max((e.nbytes for e in self.entries.values()), default=0)
+        pinned, size = set(), 0
+        for _, _, key in chosen:
+            nb = self.entries[key].nbytes
+            if size + nb > room:
+                break
+            pinned.add(key)
+            size += nb
+        saved = dict(self.c)
+        self.pinned = pinned
+        tier.policy.pinned = pinned
+        for key in sorted(pinned):
+            ent = self.entries[key]
+            ent.in_use += 1
+            try:
+                (self._ensure_host if self.compute == HOST else self._ensure_device)(ent, True, False)
+            finally:
+                ent.in_use -= 1
+        if quiet:
+            self.c = saved
+        return len(pinned)
+
+    def _evictable(self, tier: str):
+        inclusive = self.link is not None and self.link.inclusive
+        if tier == HOST:
+            return lambda k: ((e := self.entries[k]).in_use == 0 and e.host_state == READY
+                              and not (inclusive and e.dev_state != NONE))
+        return lambda k: (e := self.entries[k]).in_use == 0 and e.dev_state == READY
+
+    def _reserve(self, tier_name: str, ent: Entry):
+        """Room for `ent` in a tier, evicting per policy; a slot (host), True (device) or None."""
+        t = self.tiers[tier_name]
+        n = ent.nbytes
+        while t.used + n > t.budget:
+            k = max(1, -(-(t.used + n - t.budget) // n))
+            victims = t.policy.victims(k, self._evictable(tier_name))
+            if not victims:
+                return None
+            for key in victims:
+                self._evict(tier_name, self.entries[key])
+        t.used += n
+        t.peak = max(t.peak, t.used)
+        t.resident += 1
+        return self.pool.take(n, t.budget) if tier_name == HOST else True
+
+    def _unreserve(self, tier_name, ent, slot=None):
+        t = self.tiers[tier_name]
+        t.used -= ent.nbytes
+        t.resident -= 1
+        if slot is not None:
+            self.pool.give(slot)
+
+    def _evict(self, tier_name: str, ent: Entry):
+        t = self.tiers[tier_name]
+        if tier_name == HOST:
+            slot = ent.host_slot
+            ent.host = ent.host_slot = None
+            ent.host_state = NONE
+            self._unreserve(HOST, ent, slot)
+        else:
+            ent.dev = None
+            ent.dev_state = NONE
+            self._unreserve(DEVICE, ent)
+        t.policy.removed(ent.key)
+        t.evictions += 1
+        if tier_name == self.compute and ent.pf:
+            ent.pf = False
+            self.c["prefetch_wasted"] += 1
+
+    def _views(self, ent: Entry, buf: torch.Tensor) -> tuple:
+        isz = torch.empty((), dtype=self.dtype).element_size()
+        out = []
+        for off, shape in ent.layout:
+            n = shape[0] * shape[1] * isz
+            out.append(buf[off : off + n].view(self.dtype).view(shape))
+        return tuple(out)
+
+    def _read(self, ent: Entry, buf: torch.Tensor) -> tuple:
+        """Read an expert from disk into `buf` (lock NOT held). Returns its weight views."""
+        with torch.no_grad():
+            views = self._views(ent, buf)
+            for piece, view, (off, _) in zip(ent.pieces, views, ent.layout):
+                if piece.dtype == self.dtype:
+                    self.reader.read_into(piece, buf[off : off + piece.nbytes])
+                else:  # convert (e.g. an fp16 checkpoint run in bf16) through a scratch buffer
+                    scratch = torch.empty(piece.nbytes, dtype=torch.uint8)
+                    self.reader.read_into(piece, scratch)
+                    view.copy_(scratch.view(piece.dtype).view(piece.shape))
+        return views
+
+    def _wait(self):
+        self._cv.wait(0.1)
+        if self._closed:
+            raise MoerunError("the expert store was closed while waiting for an expert")
+
+    def _ensure_host(self, ent: Entry, take_over: bool, transient_ok: bool):
+        """Make `ent` READY in RAM. Returns (weights or None when there is no room, moved)."""
+        while True:
+            if ent.host_state == READY:
+                return ent.host, False
+            if ent.host_state == LOADING:
+                self._wait()
+                continue
+            job = ent.job
+            if take_over and job is not None and job.stage == HOST:
+                job.cancelled = True  # a queued prefetch: the demand does its work now
+                ent.job = None
+            break
+        slot = self._reserve(HOST, ent)
+        if slot is None and not transient_ok:
+            return None, False
+        buf = slot if slot is not None else torch.empty(ent.nbytes, dtype=torch.uint8)
+        if slot is not None:
+            ent.host_state = LOADING
+        self._cv.release()
+        try:
+            views = self._read(ent, buf)
+        except BaseException:
+            self._cv.acquire()
+            if slot is not None:
+                ent.host_state = NONE
+                self._unreserve(HOST, ent, slot)
+                self._cv.notify_all()
+            raise
+        self._cv.acquire()
+        self.c["bytes_disk"] += ent.nbytes
+        self.c["reads_disk"] += 1
+        if slot is None:
+            self.c["transient_loads"] += 1
+            return views, True
+        ent.host, ent.host_slot, ent.host_state = views, slot, READY
+        self.tiers[HOST].policy.inserted(ent.key)
+        self._cv.notify_all()
+        return views, True
+
+    def _ensure_device(self, ent: Entry, take_over: bool, transient_ok: bool):
+        """Make `ent` READY on the device (through RAM). Returns (weights or None, moved)."""
+        while True:
+            while True:
+                if ent.dev_state == READY:
+                    return ent.dev, False
+                if ent.dev_state == LOADING:
+                    self._wait()
+                    continue
+                job = ent.job
+                if take_over and job is not None and job.stage == DEVICE:
+                    job.cancelled = True
+                    ent.job = None
+                break
+            hw, _ = self._ensure_host(ent, take_over, transient_ok)
+            if hw is None:
+                return None, False
+            if ent.dev_state == NONE:  # the lock was released while reading: look again
+                break
+        host_cached = ent.host_state == READY and ent.host is hw
+        ok = self._reserve(DEVICE, ent) if host_cached or not self.link.inclusive else None
+        if ok is None and not transient_ok:
+            return None, False
+        if ok:
+            ent.dev_state = LOADING
+        self._cv.release()
+        try:
+            w = self.link.fetch(hw, ent.nbytes, take_over)
+        except BaseException:
+            self._cv.acquire()
+            if ok:
+                ent.dev_state = NONE
+                self._unreserve(DEVICE, ent)
+                self._cv.notify_all()
+            raise
+        self._cv.acquire()
+        self.c["bytes_link"] += ent.nbytes
+        self.c["transfers_link"] += 1
+        if not ok:
+            self.c["transient_loads"] += 1
+            return w, True
+        ent.dev, ent.dev_state = w, READY
+        self.tiers[DEVICE].policy.inserted(ent.key)
+        self._cv.notify_all()
+        return w, True
+
+    def _drop(self, ent: Entry):
+        if ent.pf:
+            ent.pf = False
+            self.c["prefetch_dropped"] += 1
+
+    def _on_job(self, job: Job) -> None:
+        """A mover's worker runs one job (lock NOT held on entry)."""
+        ent = job.entry
+        with self._cv:
+            if self._closed or job.cancelled or ent.job is not job:
+                return
+            ent.job = None
+            demand = job.demand
+            if not demand and self.step > job.for_step:
+                self._drop(ent)  # stale: the token moved on
+                return
+            ent.in_use += 1
+            try:
+                if job.stage == HOST:
+                    w, _ = self._ensure_host(ent, False, False)
+                    if w is None:
+                        if not demand:
+                            self._drop(ent)
+                    elif self.compute == DEVICE and not demand and ent.dev_state == NONE:
+                        if self.step > job.for_step:
+                            self._drop(ent)
+                        else:
+                            ent.job = Job(ent, job.priority, job.for_step, DEVICE)
+                            self.link_mover.submit(ent.job)
+                else:
+                    w, _ = self._ensure_device(ent, False, False)
+                    if w is None:
+                        self._drop(ent)
+            except MoerunError as e:
+                self.c["prefetch_errors"] += 1
+                self.last_error = str(e)
+                self._drop(ent)
+            finally:
+                ent.in_use -= 1
+                self._cv.notify_all()
+
+
+def load_profile(profile) -> dict[int, list[int]]:
+    """A routing profile: {layer: [count per expert]}, from a dict or a JSON file
+    (`{"layers": {"0": [...], ...}}` or the bare mapping)."""
+    import json
+
+    if isinstance(profile, dict):
+        d = profile
+    else:
+        try:
+            d = json.loads(Path(profile).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise MoerunError(f"cannot read routing profile {profile}: {e}") from None
+    d = d.get("layers", d)
+    return {int(k): list(v) for k, v in d.items()}
+
+
+def save_profile(store: ExpertStore, path) -> None:
+    import json
+
+    Path(path).write_text(json.dumps({"layers": {str(k): v for k, v in store.routing_profile().items()}}))
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
