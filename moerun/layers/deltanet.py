@@ -1,0 +1,125 @@
+"""Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention) as plain tensor functions.
+
+The recurrent state of one value head is a [Dk, Dv] matrix S. For each token:
+    S <- exp(g) * S                      (gated decay, g <= 0)
+    S <- S + k^T (beta * (v - k S))      (delta rule: write only what S does not predict)
+    o  = q S
+with q and k L2-normalised and q scaled by Dk^-0.5. Prefill runs the chunked (WY / UT
+transform) form, one matmul pass per chunk of 64 tokens; decode runs the one-token update
+as batched matmuls over every batch row and head at once. Both compute in fp32 and match
+transformers' `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# B batch, T tokens, C conv channels, K conv kernel, Hk key heads, Hv value heads,
+# Dk key head dim, Dv value head dim, L chunk length, N chunks
+
+CHUNK = 64
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None):
+    """Depthwise causal conv + SiLU over time.
+
+    x [B, T, C], weight [C, 1, K], state [B, C, K-1] (the previous K-1 inputs; zeros or
+    None at the start of a sequence). Returns (y [B, T, C], new state [B, C, K-1]).
+    """
+    B, T, C = x.shape
+    K = weight.shape[-1]
+    xt = x.transpose(1, 2).to(weight.dtype)  # [B, C, T]
+    if state is None:
+        state = xt.new_zeros(B, C, K - 1)
+    xs = torch.cat([state.to(xt.dtype), xt], dim=-1)  # [B, C, K-1+T]
+    if T == 1:
+        y = (xs * weight[:, 0]).sum(-1, keepdim=True)  # [B, C, 1]
+    else:
+        y = F.conv1d(xs, weight, groups=C)  # [B, C, T]
+    return F.silu(y).transpose(1, 2).to(x.dtype), xs[..., xs.shape[-1] - (K - 1) :]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta):
+    """To fp32 [B, Hv, T, D], q/k L2-normalised, q scaled, key heads shared by value heads."""
+    Hk, Hv = k.shape[2], v.shape[2]
+    if Hk != Hv:  # each q/k head serves Hv // Hk consecutive value heads
+        q = q.repeat_interleave(Hv // Hk, dim=2)
+        k = k.repeat_interleave(Hv // Hk, dim=2)
+    q, k, v, g, beta = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, g, beta))
+    q = l2norm(q)
+    k = l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    return q, k, v, g, beta
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size: int = CHUNK):
+    """Whole-sequence gated delta rule.
+
+    q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g (log decay) and beta [B, T, Hv],
+    state [B, Hv, Dk, Dv] or None. Returns (o [B, T, Hv, Dv] in q's dtype, final state fp32).
+    """
+    dtype = q.dtype
+    B, T = q.shape[:2]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    Hv, Dk, Dv = v.shape[1], k.shape[-1], v.shape[-1]
+    L = chunk_size
+    pad = (L - T % L) % L
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    N = (T + pad) // L
+    v_beta = v * beta[..., None]
+    k_beta = k * beta[..., None]
+    q, k, k_beta, v_beta = (t.reshape(B, Hv, N, L, -1) for t in (q, k, k_beta, v_beta))
+    g = g.reshape(B, Hv, N, L).cumsum(-1)  # log decay from the chunk start to each position
+    upper = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [B, Hv, N, L, L]
+    ut = (k_beta @ k.transpose(-1, -2)) * decay
+    intra = (q @ k.transpose(-1, -2)) * decay
+    # (I + strictly_lower(ut))^-1 applied to the betas' values and decayed keys: the UT transform
+    u = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)  # [B, Hv, N, L, Dv]
+    w = torch.linalg.solve_triangular(ut, k_beta * g.exp()[..., None], upper=False, unitriangular=True)
+    S = q.new_zeros(B, Hv, Dk, Dv) if state is None else state.to(torch.float32)
+    q = q * g.exp()[..., None]
+    k = k * (g[..., -1:] - g).exp()[..., None]
+    chunk_decay = g[..., -1].exp()[..., None, None]  # [B, Hv, N, 1, 1]
+    out = torch.empty_like(u)
+    for n in range(N):  # sequential over chunks only
+        v_new = u[:, :, n] - w[:, :, n] @ S  # [B, Hv, L, Dv]
+        out[:, :, n] = q[:, :, n] @ S + intra[:, :, n] @ v_new
+        S = S * chunk_decay[:, :, n] + k[:, :, n].transpose(-1, -2) @ v_new
+    out = out.reshape(B, Hv, N * L, Dv)[:, :, :T]
+    return out.transpose(1, 2).to(dtype), S
+
+
+def recurrent_gated_delta_step(q, k, v, g, beta, state):
+    """One token of the gated delta rule for every batch row and head at once.
+
+    q, k [B, 1, Hk, Dk], v [B, 1, Hv, Dv], g and beta [B, 1, Hv], state [B, Hv, Dk, Dv].
+    Returns (o [B, 1, Hv, Dv] in q's dtype, new state fp32 [B, Hv, Dk, Dv]).
+    """
+    dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [B, Hv, 1, D]
+    B, Hv, _, Dk = k.shape
+    Dv = v.shape[-1]
+    S = state.float().reshape(B * Hv, Dk, Dv)
+    k2, q2 = k.reshape(B * Hv, 1, Dk), q.reshape(B * Hv, 1, Dk)
+    decay = g.exp().reshape(B * Hv, 1, 1)
+    # k S and q S of the decayed state, read from S in one batched matmul
+    kqS = torch.cat([k2, q2], dim=1) @ S * decay  # [B*Hv, 2, Dv]
+    delta = (v.reshape(B * Hv, 1, Dv) - kqS[:, :1]) * beta.reshape(B * Hv, 1, 1)  # [B*Hv, 1, Dv]
+    S = torch.baddbmm(S * decay, k2.transpose(1, 2), delta)  # decayed S + k^T delta
+    o = kqS[:, 1:] + (q2 * k2).sum(-1, keepdim=True) * delta  # = q S_new
+    return o.reshape(B, Hv, 1, Dv).transpose(1, 2).to(dtype), S.reshape(B, Hv, Dk, Dv)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * w * silu(gate) over the last dim (the DeltaNet output norm; w is not zero-centred)."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x32.to(dtype) * F.silu(gate.float())).to(dtype)

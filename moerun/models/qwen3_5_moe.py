@@ -1,0 +1,327 @@
+"""Qwen3.5/3.6-MoE (Qwen3.6-35B-A3B): a hybrid of Gated DeltaNet linear attention and gated
+full attention (`layer_types`, by default three linear layers then one full), softmax top-k
+routing with renormalisation plus one always-on shared expert behind a sigmoid gate,
+zero-centred RMSNorm, partial rotary, and an optional multi-token-prediction (MTP) head.
+
+Config: either the text-only `qwen3_5_moe_text` config.json or the multimodal `qwen3_5_moe`
+one, whose text part sits under `text_config` and whose tensors sit under
+`model.language_model.` (the vision tower `model.visual.*` is never loaded).
+
+Rope: transformers applies interleaved M-RoPE (three position streams: time, height, width,
+picked per frequency by `mrope_section`). For text all three streams equal the token
+position, so every frequency sees the same position and M-RoPE is plain rope over the first
+head_dim * partial_rotary_factor channels; that is what runs here (checked in the tests).
+
+MTP: `mtp_logits(hidden, next_token_ids)` runs the checkpoint's `mtp.*` module on the final
+normed hidden states; its full-attention layer keeps its own KV cache, a separate `Cache`
+built from `mtp_cache_spec()` (not an entry of `cache_spec()`, so the engine's cache and
+the draft head's cache advance independently and can be rolled back separately).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import BaseModelArgs, rope_parameters
+from ..engine.cache import KVSpec, StateSpec
+from ..layers.attention import attend
+from ..layers.deltanet import causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, recurrent_gated_delta_step
+from ..layers.moe import Experts, GatedMLP
+from ..layers.norm import RMSNorm
+from ..layers.rope import Rope, apply_rope
+
+# B batch, T tokens, H hidden, E experts, K experts per token, D head dim,
+# Hv/Hk DeltaNet value/key heads, Dv/Dk their dims, C DeltaNet conv channels
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def text_config(cfg: dict) -> dict:
+    """The text model's config from a multimodal `qwen3_5_moe` config.json (or cfg itself)."""
+    if not isinstance(cfg.get("text_config"), dict):
+        return cfg
+    text = dict(cfg["text_config"])
+    text["model_type"] = cfg["model_type"]
+    if "tie_word_embeddings" in cfg:  # the top-level model owns lm_head, so its setting wins
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return text
+
+
+@dataclass(frozen=True)
+class ModelArgs(BaseModelArgs):
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    head_dim: int = 256
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    layer_types: tuple[str, ...] | None = None
+    full_attention_interval: int = 4
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    mtp_num_hidden_layers: int = 0
+    mtp_use_dedicated_embeddings: bool = False
+    rope: dict[str, Any] | None = None
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            n = self.full_attention_interval
+            types = tuple("full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(self.num_hidden_layers))
+            object.__setattr__(self, "layer_types", types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        if bad := set(self.layer_types) - set(LAYER_TYPES):
+            raise ValueError(f"unknown layer types {sorted(bad)} (known: {', '.join(LAYER_TYPES)})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError("num_experts_per_tok must be in 1..num_experts")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+        if self.mtp_num_hidden_layers not in (0, 1):
+            raise ValueError(f"mtp_num_hidden_layers={self.mtp_num_hidden_layers} is not supported (0 or 1)")
+        if self.mtp_use_dedicated_embeddings:
+            raise ValueError("mtp_use_dedicated_embeddings is not supported")
+
+    @classmethod
+    def from_dict(cls, d):
+        rope = rope_parameters(d)
+        rope.setdefault("partial_rotary_factor", 0.25)  # transformers' default for this family
+        return super().from_dict({**d, "rope": rope})
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope["partial_rotary_factor"])
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+
+class Attention(nn.Module):
+    """GQA with per-head zero-centred q/k norm, partial rotary and a sigmoid output gate."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.scale = a.head_dim**-0.5
+        # q_proj yields, per head, the query then the output gate
+        self.q_proj = nn.Linear(a.hidden_size, self.n_heads * a.head_dim * 2, bias=a.attention_bias)
+        self.k_proj = nn.Linear(a.hidden_size, self.n_kv * a.head_dim, bias=a.attention_bias)
+        self.v_proj = nn.Linear(a.hidden_size, self.n_kv * a.head_dim, bias=a.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * a.head_dim, a.hidden_size, bias=a.attention_bias)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, zero_centered=True)
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, zero_centered=True)
+
+    def forward(self, x, cos_sin, kv, slots, pos0):
+        B, T, _ = x.shape
+        q, gate = self.q_proj(x).view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q).transpose(1, 2)  # [B, heads, T, D]
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+        out = attend(q, k, v, kv, slots, pos0, self.scale).transpose(1, 2).reshape(B, T, -1)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(B, T, -1)))
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: causal conv over q,k,v, then the gated delta rule (layers/deltanet.py)."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.n_k, self.n_v = a.linear_num_key_heads, a.linear_num_value_heads
+        self.dk, self.dv = a.linear_key_head_dim, a.linear_value_head_dim
+        C = a.conv_dim
+        self.in_proj_qkv = nn.Linear(a.hidden_size, C, bias=False)
+        self.in_proj_z = nn.Linear(a.hidden_size, self.n_v * self.dv, bias=False)
+        self.in_proj_b = nn.Linear(a.hidden_size, self.n_v, bias=False)
+        self.in_proj_a = nn.Linear(a.hidden_size, self.n_v, bias=False)
+        self.conv1d = nn.Conv1d(C, C, a.linear_conv_kernel_dim, groups=C, bias=False)  # weight [C, 1, K]
+        self.dt_bias = nn.Parameter(torch.ones(self.n_v))
+        self.A_log = nn.Parameter(torch.zeros(self.n_v))
+        self.norm = GatedRMSNorm(self.dv, a.rms_norm_eps)
+        self.out_proj = nn.Linear(self.n_v * self.dv, a.hidden_size, bias=False)
+
+    def forward(self, x, state, slots):
+        B, T, _ = x.shape
+        conv_state = state.get("conv", slots) if state is not None else None
+        qkv, conv_state = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight, conv_state)  # [B, T, C]
+        kd = self.n_k * self.dk
+        q = qkv[..., :kd].reshape(B, T, self.n_k, self.dk)
+        k = qkv[..., kd : 2 * kd].reshape(B, T, self.n_k, self.dk)
+        v = qkv[..., 2 * kd :].reshape(B, T, self.n_v, self.dv)
+        beta = self.in_proj_b(x).sigmoid()  # [B, T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # log decay
+        rec = state.get("recurrent", slots) if state is not None else None
+        if rec is not None and T == 1:
+            o, rec = recurrent_gated_delta_step(q, k, v, g, beta, rec)
+        else:
+            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, rec)  # [B, T, Hv, Dv]
+        if state is not None:
+            state.set("conv", slots, conv_state)
+            state.set("recurrent", slots, rec)
+        z = self.in_proj_z(x).view(B, T, self.n_v, self.dv)
+        o = gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
+        return self.out_proj(o.reshape(B, T, -1))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.top_k = a.num_experts_per_tok
+        self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)  # the router
+        self.experts = Experts(a.num_experts, a.hidden_size, a.moe_intermediate_size)
+        self.shared_expert = GatedMLP(a.hidden_size, a.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])  # [B*T, H]
+        probs = self.gate(h).float().softmax(-1)  # [B*T, E]
+        weights, ids = probs.topk(self.top_k, dim=-1)  # [B*T, K]
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = self.experts(h, ids, weights.to(h.dtype))
+        out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        return out.view_as(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(a)
+        else:
+            self.self_attn = Attention(a)
+        self.mlp = SparseMoeBlock(a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, zero_centered=True)
+
+    def forward(self, x, cos_sin, state, slots, pos0):
+        h = self.input_layernorm(x)
+        if self.layer_type == "linear_attention":
+            x = x + self.linear_attn(h, state, slots)
+        else:
+            x = x + self.self_attn(h, cos_sin, state, slots, pos0)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5MoeTextModel(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(a, t) for t in a.layer_types)
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, zero_centered=True)
+        self.rope = Rope(a.rope, a.rotary_dim, a.max_position_embeddings)
+
+
+class MultiTokenPredictor(nn.Module):
+    """`mtp.*`: fuse the next token's embedding with the hidden state, one full-attention MoE layer."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        H, eps = a.hidden_size, a.rms_norm_eps
+        self.pre_fc_norm_embedding = RMSNorm(H, eps, zero_centered=True)
+        self.pre_fc_norm_hidden = RMSNorm(H, eps, zero_centered=True)
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(a, "full_attention") for _ in range(a.mtp_num_hidden_layers))
+        self.norm = RMSNorm(H, eps, zero_centered=True)
+
+
+class Model(nn.Module):
+    tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
+    checkpoint_renames = [(r"^model\.language_model\.", "model.")]
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Qwen3_5MoeTextModel(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.has_mtp = args.mtp_num_hidden_layers > 0
+        if self.has_mtp:  # then the loader requires every mtp.* tensor
+            self.mtp = MultiTokenPredictor(args)
+
+    def _kv_spec(self) -> KVSpec:
+        a = self.args
+        return KVSpec(a.num_key_value_heads, a.head_dim, a.head_dim)
+
+    def cache_spec(self) -> list:
+        a = self.args
+        state = StateSpec((
+            ("conv", (a.conv_dim, a.linear_conv_kernel_dim - 1)),  # the last K-1 conv inputs
+            ("recurrent", (a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim)),
+        ))
+        return [self._kv_spec() if t == "full_attention" else state for t in a.layer_types]
+
+    def mtp_cache_spec(self) -> list:
+        """Specs for the MTP head's own `Cache` (one KV entry per MTP layer; [] without MTP)."""
+        return [self._kv_spec()] * self.args.mtp_num_hidden_layers
+
+    def _positions(self, B, cache, slots):
+        if cache is None:
+            return None, torch.zeros(B, dtype=torch.long)
+        slots = torch.arange(B) if slots is None else slots
+        return slots, cache.start_positions(slots)
+
+    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False):
+        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final normed hidden state [B, T, H])."""
+        B, T = input_ids.shape
+        slots, pos0 = self._positions(B, cache, slots)
+        m = self.model
+        x = m.embed_tokens(input_ids)
+        cos_sin = m.rope(pos0[:, None] + torch.arange(T), x.dtype)
+        for i, layer in enumerate(m.layers):
+            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
+        if cache is not None:
+            cache.advance(slots, T)
+        hidden = m.norm(x)
+        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
+        return (logits, hidden) if return_hidden else logits
+
+    def mtp_logits(self, hidden, next_token_ids, cache=None, slots=None):
+        """MTP head: hidden [B, T, H] (final normed states at positions p..p+T-1) and
+        next_token_ids [B, T] (the token after each of them) -> logits [B, T, vocab] for the
+        token after next.
+
+        `cache` is a `Cache(model.mtp_cache_spec(), ...)`; its length per slot is the
+        position of hidden[:, 0] (0 without a cache), and it advances by T.
+        """
+        if not self.has_mtp:
+            raise RuntimeError("this checkpoint has no MTP head (has_mtp is False)")
+        B, T, _ = hidden.shape
+        slots, pos0 = self._positions(B, cache, slots)
+        mtp, m = self.mtp, self.model
+        e = mtp.pre_fc_norm_embedding(m.embed_tokens(next_token_ids))
+        x = mtp.fc(torch.cat([e, mtp.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))  # [B, T, H]
+        cos_sin = m.rope(pos0[:, None] + torch.arange(T), x.dtype)
+        for i, layer in enumerate(mtp.layers):
+            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
+        if cache is not None:
+            cache.advance(slots, T)
+        return self.lm_head(mtp.norm(x))
