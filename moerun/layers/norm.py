@@ -1,6 +1,7 @@
 """RMSNorm in the two forms MoE checkpoints use."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -21,8 +22,7 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one fused op instead of four
     if zero_centered:
         # the zero-centred form multiplies in fp32 before casting back
         return (x32 * (1.0 + weight.float())).to(x.dtype)
