@@ -114,3 +114,23 @@ def test_bad_flag_values(tiny):
 def test_debug_shows_traceback(tmp_path):
     r = moerun("info", "-m", tmp_path / "nope", "--debug")
     assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_chat_keeps_history_and_exits(tiny):
+    r = subprocess.run(
+        [sys.executable, "-m", "moerun.cli", "chat", "-m", str(tiny), "--max-tokens", "4", "--threads", "1"],
+        input="hello\nand again\n/exit\n", capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("> ") == 3  # two turns answered, then the prompt that read /exit
+
+
+def test_chat_without_template_is_refused(tiny, tmp_path):
+    def untemplate(d):
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        del cfg["chat_template"]
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+    r = subprocess.run([sys.executable, "-m", "moerun.cli", "chat", "-m", str(broken_copy(tiny, tmp_path, untemplate))],
+                       input="", capture_output=True, text=True, timeout=120)
+    assert_one_line_error(r, "chat template")
