@@ -1,0 +1,339 @@
+"""DeepSeek-V3 (and the smaller models on its code path): multi-head latent attention (MLA)
+with a compressed KV cache, YaRN rope, sigmoid routing with grouped top-k and a selection-only
+bias, shared experts, dense first layers, and the multi-token-prediction (MTP) module.
+
+The MTP module is checkpoint layer `model.layers.{num_hidden_layers}` (enorm, hnorm,
+eh_proj, one decoder block, shared_head.norm); we load it as `mtp.0`, apart from the trunk.
+Its embedding and output head are the main model's (DeepSeek stores copies of both).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import BaseModelArgs, rope_parameters
+from ..engine.cache import KVSpec
+from ..layers.moe import Experts, GatedMLP
+from ..layers.norm import RMSNorm
+from ..layers.rope import Rope, apply_rope
+
+# B batch, T tokens, S cached tokens, H hidden, N heads, E experts, K experts per token,
+# R kv_lora_rank (the latent), Dn/Dr/Dv the no-rope, rope and value head dims
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class ModelArgs(BaseModelArgs):
+    aliases = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    # behaviour fields default as transformers' DeepseekV3Config does when a key is absent
+    q_lora_rank: int | None = 1536
+    n_shared_experts: int | None = 1
+    routed_scaling_factor: float = 2.5
+    n_group: int | None = 8
+    topk_group: int | None = 4
+    first_k_dense_replace: int | None = 3
+    norm_topk_prob: bool = True
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    rope_interleave: bool | None = True
+    tie_word_embeddings: bool = False
+    # unlike transformers (which defaults to 1), an absent field means no MTP module
+    num_nextn_predict_layers: int | None = 0
+    rope: dict[str, Any] | None = None
+
+    def __post_init__(self):
+        fix = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        fix("n_group", self.n_group or 1)
+        fix("topk_group", self.topk_group or self.n_group)
+        fix("first_k_dense_replace", self.first_k_dense_replace or 0)
+        fix("n_shared_experts", self.n_shared_experts or 0)
+        fix("num_nextn_predict_layers", self.num_nextn_predict_layers or 0)
+        fix("rope_interleave", True if self.rope_interleave is None else self.rope_interleave)
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+        if self.n_routed_experts % self.n_group:
+            raise ValueError("n_routed_experts must be a multiple of n_group")
+        if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
+            raise ValueError("grouped routing needs at least 2 experts per group")
+        if not 0 < self.topk_group <= self.n_group:
+            raise ValueError("topk_group must be in 1..n_group")
+        if not 0 < self.num_experts_per_tok <= self.topk_group * (self.n_routed_experts // self.n_group):
+            raise ValueError("num_experts_per_tok must be in 1..(experts in the topk_group groups)")
+
+    @classmethod
+    def from_dict(cls, d):
+        return super().from_dict({**d, "rope": rope_parameters(d)})
+
+    @property
+    def softmax_scale(self) -> float:
+        """(Dn+Dr)^-0.5, times mscale(factor, mscale_all_dim)^2 under a scaled rope, as transformers does."""
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        rope = self.rope or {}
+        if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+            m = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
+            scale = scale * m * m
+        return scale
+
+
+def causal_mask(pos0: torch.Tensor, T: int, S: int) -> torch.Tensor:
+    """Which of S cached keys each of T queries sees ([B, 1, T, S]); row b starts at pos0[b]."""
+    query_pos = pos0[:, None] + torch.arange(T)  # [B, T]
+    return (torch.arange(S)[None, None, :] <= query_pos[:, :, None])[:, None]
+
+
+class Attention(nn.Module):
+    """MLA. The cache holds the normed latent [R] and the roped shared key [Dr] per token.
+
+    Prefill expands the latent into per-head keys and values; decode (one token per row)
+    absorbs kv_b_proj into the query and the output instead, so it reads only the latent.
+    """
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.n_heads, self.rank = a.num_attention_heads, a.kv_lora_rank
+        self.dn, self.dr, self.dv = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        self.interleaved = a.rope_interleave
+        self.scale = a.softmax_scale
+        qk_dim = self.n_heads * (self.dn + self.dr)
+        if a.q_lora_rank is None:
+            self.q_proj = nn.Linear(a.hidden_size, qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(a.hidden_size, a.q_lora_rank, bias=a.attention_bias)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, 1e-6)  # the reference uses the default eps here
+            self.q_b_proj = nn.Linear(a.q_lora_rank, qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, self.rank + self.dr, bias=a.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, 1e-6)
+        self.kv_b_proj = nn.Linear(self.rank, self.n_heads * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.dv, a.hidden_size, bias=a.attention_bias)
+
+    def forward(self, x, cos_sin, kv, slots, pos0):
+        B, T, _ = x.shape
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, self.n_heads, self.dn + self.dr).transpose(1, 2)  # [B, N, T, Dn+Dr]
+        q_nope, q_rot = q.split([self.dn, self.dr], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.dr], dim=-1)
+        latent = self.kv_a_layernorm(latent)[:, None]  # [B, 1, T, R]
+        k_rot = k_rot[:, None]  # [B, 1, T, Dr]
+        q_rot = apply_rope(q_rot, *cos_sin, interleaved=self.interleaved)
+        k_rot = apply_rope(k_rot, *cos_sin, interleaved=self.interleaved)
+        if kv is not None:
+            latent, k_rot = kv.update(slots, pos0, latent, k_rot)  # [B, 1, S, R], [B, 1, S, Dr]
+        if kv is not None and T == 1:
+            out = self._absorbed(q_nope, q_rot, latent, k_rot, pos0)
+        else:
+            out = self._expanded(q_nope, q_rot, latent, k_rot, pos0 if kv is not None else None)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # out [B, N, T, Dv]
+
+    def _expanded(self, q_nope, q_rot, latent, k_rot, pos0):
+        B, _, S, _ = latent.shape
+        T = q_nope.shape[2]
+        kv = self.kv_b_proj(latent[:, 0]).view(B, S, self.n_heads, self.dn + self.dv).transpose(1, 2)
+        k_nope, v = kv.split([self.dn, self.dv], dim=-1)  # [B, N, S, Dn], [B, N, S, Dv]
+        k = torch.cat((k_nope, k_rot.expand(-1, self.n_heads, -1, -1)), dim=-1)
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        if pos0 is None or (B == 1 and S == T):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(pos0, T, S), scale=self.scale)
+
+    def _absorbed(self, q_nope, q_rot, latent, k_rot, pos0):
+        B, _, S, _ = latent.shape
+        T = q_nope.shape[2]
+        w = self.kv_b_proj.weight.view(self.n_heads, self.dn + self.dv, self.rank)
+        q_lat = torch.einsum("bntd,ndr->bntr", q_nope, w[:, : self.dn])  # [B, N, T, R]
+        scores = q_lat @ latent.transpose(-1, -2) + q_rot @ k_rot.transpose(-1, -2)  # [B, N, T, S]
+        scores = scores.float() * self.scale
+        if B > 1 or T > 1:
+            scores = scores.masked_fill(~causal_mask(pos0, T, S), float("-inf"))
+        out_lat = scores.softmax(-1).to(latent.dtype) @ latent  # [B, N, T, R]
+        return torch.einsum("bntr,nvr->bntv", out_lat, w[:, self.dn :])  # [B, N, T, Dv]
+
+
+class Router(nn.Module):
+    """Sigmoid scores; the bias picks experts (groups first) but does not weigh them."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.top_k, self.n_group, self.topk_group = a.num_experts_per_tok, a.n_group, a.topk_group
+        self.norm_topk_prob, self.scaling = a.norm_topk_prob, a.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(a.n_routed_experts, a.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.empty(a.n_routed_experts))
+
+    def forward(self, h):
+        """h [B*T, H] -> weights [B*T, K] (fp32), ids [B*T, K]."""
+        scores = F.linear(h.float(), self.weight.float()).sigmoid()  # [B*T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            grouped = choice.view(choice.shape[0], self.n_group, -1)  # [B*T, groups, E/groups]
+            group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # [B*T, groups]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False)[1], True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]  # [B*T, K]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class MoE(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.gate = Router(a)
+        self.experts = Experts(a.n_routed_experts, a.hidden_size, a.moe_intermediate_size)
+        if a.n_shared_experts:
+            self.shared_experts = GatedMLP(a.hidden_size, a.moe_intermediate_size * a.n_shared_experts)
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])  # [B*T, H]
+        weights, ids = self.gate(h)
+        out = self.experts(h, ids, weights.to(h.dtype))
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(h)
+        return out.view_as(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs, sparse: bool):
+        super().__init__()
+        self.self_attn = Attention(a)
+        self.mlp = MoE(a) if sparse else GatedMLP(a.hidden_size, a.intermediate_size)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, x, cos_sin, kv, slots, pos0):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, slots, pos0)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+
+class MtpLayer(nn.Module):
+    """h' = block(eh_proj([enorm(embed(t+1)), hnorm(h)])); logits = head(shared_head.norm(h'))."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.enorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.hnorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * a.hidden_size, a.hidden_size, bias=False)
+        self.block = DecoderLayer(a, sparse=True)  # always MoE, whatever first_k_dense_replace says
+        self.shared_head = SharedHead(a)
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(a, sparse=i >= a.first_k_dense_replace) for i in range(a.num_hidden_layers)
+        )
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.rope = Rope(a.rope, a.qk_rope_head_dim, a.max_position_embeddings)
+
+
+class Model(nn.Module):
+    tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = DeepseekV3Model(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MtpLayer(args) for _ in range(args.num_nextn_predict_layers))
+        # The MTP blocks follow the trunk in the checkpoint's layer numbering; their copies
+        # of embed_tokens and shared_head.head are left unused.
+        L = args.num_hidden_layers
+        self.checkpoint_renames = [
+            rule
+            for k in range(args.num_nextn_predict_layers)
+            for rule in (
+                (rf"^model\.layers\.{L + k}\.(enorm|hnorm|eh_proj|shared_head)\.", rf"mtp.{k}.\1."),
+                (rf"^model\.layers\.{L + k}\.(?!embed_tokens\.)", rf"mtp.{k}.block."),
+            )
+        ]
+
+    @property
+    def has_mtp(self) -> bool:
+        return len(self.mtp) > 0
+
+    def cache_spec(self) -> list:
+        a = self.args
+        return [KVSpec(1, a.kv_lora_rank, a.qk_rope_head_dim)] * a.num_hidden_layers
+
+    def mtp_cache_spec(self) -> list:
+        """Decode state of one MTP depth: allocate `Cache(net.mtp_cache_spec(), ...)` per depth."""
+        return [KVSpec(1, self.args.kv_lora_rank, self.args.qk_rope_head_dim)]
+
+    def _positions(self, B, cache, slots):
+        if cache is None:
+            return None, torch.zeros(B, dtype=torch.long)
+        slots = torch.arange(B) if slots is None else slots
+        return slots, cache.start_positions(slots)
+
+    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False):
+        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final normed hidden state [B, T, H])."""
+        B, T = input_ids.shape
+        slots, pos0 = self._positions(B, cache, slots)
+        m = self.model
+        x = m.embed_tokens(input_ids)
+        cos_sin = m.rope(pos0[:, None] + torch.arange(T), x.dtype)
+        for i, layer in enumerate(m.layers):
+            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
+        if cache is not None:
+            cache.advance(slots, T)
+        hidden = m.norm(x)
+        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
+        return (logits, hidden) if return_hidden else logits
+
+    def mtp_logits(self, hidden, next_token_ids, cache=None, slots=None, *, depth=0, return_hidden=False):
+        """MTP logits for the token after next: hidden [B, T, H] at positions p..p+T-1 (the final
+        normed hidden state of `forward`), next_token_ids [B, T] the tokens at p+1..p+T
+        -> logits [B, T, vocab], row t predicting the token at p+t+2.
+
+        `cache` is this depth's own `Cache(mtp_cache_spec(), ...)`: its entry i pairs hidden
+        state i with token i+1, so it stays in step with the main cache. For depth d > 0 pass
+        the hidden state this method returned (return_hidden) for depth d-1.
+        """
+        if not self.has_mtp:
+            raise ValueError("this checkpoint has no MTP module (num_nextn_predict_layers is 0)")
+        mtp = self.mtp[depth]
+        B, T = next_token_ids.shape
+        slots, pos0 = self._positions(B, cache, slots)
+        e = self.model.embed_tokens(next_token_ids)
+        x = mtp.eh_proj(torch.cat((mtp.enorm(e), mtp.hnorm(hidden)), dim=-1))  # [B, T, H]
+        # rope at the new token's own position; attention sees only relative positions anyway
+        cos_sin = self.model.rope(pos0[:, None] + torch.arange(T) + 1 + depth, x.dtype)
+        x = mtp.block(x, cos_sin, cache.layers[0] if cache is not None else None, slots, pos0)
+        if cache is not None:
+            cache.advance(slots, T)
+        h = mtp.shared_head.norm(x)
+        logits = self.lm_head(h)
+        return (logits, h) if return_hidden else logits

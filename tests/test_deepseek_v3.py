@@ -1,0 +1,161 @@
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers.modeling_layers import MtpModel
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+import moerun
+from conftest import check_against_reference, rel_err, save_and_load
+from moerun.engine.cache import Cache
+from moerun.errors import MoerunError
+from moerun.layers.rope import inv_frequencies
+
+BASE = dict(
+    vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+    n_routed_experts=8, num_experts_per_tok=3, n_group=1, topk_group=1, n_shared_experts=1,
+    q_lora_rank=None, kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5,
+    first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=256, num_mtp_layers=0,
+)
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0,
+            beta_fast=32, beta_slow=1, rope_theta=10000.0)
+
+
+def make_reference(**overrides) -> DeepseekV3ForCausalLM:
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(**{**BASE, **overrides}, experts_implementation="eager")
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    randomize_routers(model)
+    return model
+
+
+def randomize_routers(module):
+    # transformers starts the bias at zero and the router near zero: make both matter
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+        for name, b in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(q_lora_rank=None, norm_topk_prob=True),
+        dict(q_lora_rank=16, n_group=4, topk_group=2, norm_topk_prob=False, rope_interleave=False,
+             rope_parameters=YARN),
+        dict(q_lora_rank=16, n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=2,
+             first_k_dense_replace=0, attention_bias=True,
+             rope_parameters={**YARN, "mscale": 0.9, "mscale_all_dim": 0.7, "factor": 8.0}),
+    ],
+    ids=["direct-q", "q-lora-groups-yarn", "yarn-mscale-bias"],
+)
+def test_matches_transformers(tmp_path, overrides):
+    ref = make_reference(**overrides)
+    llm = save_and_load(ref, tmp_path)
+    assert not llm.net.has_mtp
+    assert (llm.args.n_routed_experts, llm.args.num_experts_per_tok) == (ref.config.n_routed_experts,
+                                                                         ref.config.num_experts_per_tok)
+    check_against_reference(ref, llm, BASE["vocab_size"])
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [YARN, {**YARN, "mscale": 0.9, "mscale_all_dim": 0.7}, {**YARN, "factor": 40.0, "beta_fast": 16},
+     {**YARN, "attention_factor": 1.3, "truncate": False}],
+)
+def test_yarn_frequencies_match_transformers(rope):
+    cfg = DeepseekV3Config(**{**BASE, "rope_parameters": dict(rope)})
+    ref_freq, ref_scale = ROPE_INIT_FUNCTIONS["yarn"](cfg)
+    freq, scale = inv_frequencies(rope, BASE["qk_rope_head_dim"], BASE["max_position_embeddings"])
+    torch.testing.assert_close(freq, ref_freq, rtol=1e-6, atol=0)
+    assert scale == pytest.approx(ref_scale, rel=1e-12)
+
+
+def write_mtp_weights(mtp: MtpModel, path, num_hidden_layers: int):
+    """Add the MTP module to the checkpoint under DeepSeek-V3's own names."""
+    L = num_hidden_layers
+    tensors = load_file(path / "model.safetensors")
+    for name, t in mtp.state_dict().items():
+        if name == "shared_head.weight":
+            name = f"model.layers.{L}.shared_head.head.weight"
+        elif name == "embed_tokens.weight":
+            name = f"model.layers.{L}.embed_tokens.weight"
+        elif name.startswith("layers.0.mtp_block.mlp.experts."):
+            proj = name.rpartition(".")[2]
+            if proj == "gate_up_proj":  # DeepSeek stores one tensor per expert
+                for e, w in enumerate(t):
+                    gate, up = w.chunk(2, dim=0)
+                    tensors[f"model.layers.{L}.mlp.experts.{e}.gate_proj.weight"] = gate.contiguous()
+                    tensors[f"model.layers.{L}.mlp.experts.{e}.up_proj.weight"] = up.contiguous()
+            else:
+                for e, w in enumerate(t):
+                    tensors[f"model.layers.{L}.mlp.experts.{e}.down_proj.weight"] = w.contiguous()
+            continue
+        else:
+            name = name.replace("layers.0.post_norm.", "layers.0.shared_head.norm.")
+            name = name.replace("layers.0.mtp_block.", "layers.0.").replace("layers.0.", f"model.layers.{L}.", 1)
+        tensors[name] = t.contiguous().clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_mtp_matches_transformers(tmp_path):
+    ref = make_reference(q_lora_rank=16, n_group=2, topk_group=1, num_mtp_layers=1, rope_parameters=YARN)
+    torch.manual_seed(1)
+    mtp = MtpModel(ref, 1).eval()
+    with torch.no_grad():  # transformers leaves some of these uninitialised; the head and embedding are ref's
+        for name, p in mtp.layers.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    randomize_routers(mtp)
+    ref.save_pretrained(tmp_path)
+    write_mtp_weights(mtp, tmp_path, BASE["num_hidden_layers"])
+    # transformers reads the MTP module back from our checkpoint names: the naming is DeepSeek's
+    main = DeepseekV3ForCausalLM.from_pretrained(tmp_path, experts_implementation="eager")
+    # transformers finds the MTP tensors by the pattern it ignores in the trunk, written for 61 layers
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{BASE['num_hidden_layers']}\..*"]
+    loaded = MtpModel.from_pretrained(main)
+    for (name, a), (_, b) in zip(sorted(mtp.state_dict().items()), sorted(loaded.state_dict().items())):
+        assert torch.equal(a, b), name
+
+    llm = moerun.load(tmp_path, dtype="float32")
+    net = llm.net
+    assert net.has_mtp and len(net.model.layers) == BASE["num_hidden_layers"]
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, BASE["vocab_size"], (2, 17), generator=g)
+    inp, nxt = ids[:, :-1], ids[:, 1:]
+    T = inp.shape[1]
+    with torch.no_grad():
+        hf_hidden = ref(inp, output_hidden_states=True).hidden_states[-1]
+        h = mtp.forward_layer(0, hf_hidden, torch.arange(1, T + 1)[None].expand(2, -1), None, input_ids=nxt)
+        expected = mtp._project_to_logits(h)
+    with torch.inference_mode():
+        logits, hidden = net(inp, return_hidden=True)
+        assert rel_err(hidden, hf_hidden) < 1e-4
+        ours = net.mtp_logits(hidden, nxt)
+    assert ours.shape == (2, T, BASE["vocab_size"])
+    assert rel_err(ours, expected) < 1e-4
+
+    # decode with the MTP's own cache: prefill then one pair at a time == one full pass
+    with torch.inference_mode():
+        cache = Cache(net.mtp_cache_spec(), 2, T, torch.float32)
+        split = T // 2
+        steps = [net.mtp_logits(hidden[:, :split], nxt[:, :split], cache)]
+        for t in range(split, T):
+            steps.append(net.mtp_logits(hidden[:, t : t + 1], nxt[:, t : t + 1], cache))
+        assert rel_err(torch.cat(steps, dim=1), ours) < 1e-4
+        # one row on its own, in slot 1 of the cache, while the other slot is idle
+        cache = Cache(net.mtp_cache_spec(), 2, T, torch.float32)
+        one = [net.mtp_logits(hidden[1:, :5], nxt[1:, :5], cache, torch.tensor([1]))]
+        one += [net.mtp_logits(hidden[1:, t : t + 1], nxt[1:, t : t + 1], cache, torch.tensor([1])) for t in range(5, 9)]
+        assert rel_err(torch.cat(one, dim=1), ours[1:, :9]) < 1e-4
+
+
+def test_config_claiming_mtp_without_tensors_fails(tmp_path):
+    ref = make_reference(num_mtp_layers=1)
+    ref.save_pretrained(tmp_path)  # transformers does not save the MTP module
+    with pytest.raises(MoerunError, match="missing tensor 'mtp.0"):
+        moerun.load(tmp_path, dtype="float32")
