@@ -38,6 +38,7 @@ PRESETS: dict[str, dict] = {
 }
 
 SHARD_BYTES = 2 << 30
+POOL = 1 << 24
 
 
 def preset_config(name: str, layers: int | None = None, **overrides) -> dict:
@@ -71,15 +72,16 @@ def write_random_model(out: Path, cfg: dict, dtype=torch.bfloat16, seed: int = 0
     tied = set(getattr(net, "tied_parameters", {})) if cfg.get("tie_word_embeddings") else set()
     shapes = [(n, tuple(p.shape)) for n, p in net.state_dict().items() if n not in tied]
     g = torch.Generator().manual_seed(seed)
+    pool = (torch.randn(POOL, generator=g) * 0.02).to(dtype)
 
     def tensors():
         for name, shape in shapes:
             prefix, _, proj = name.rpartition(".")
             if prefix.endswith(".experts") and len(shape) == 3:
                 for e in range(shape[0]):
-                    yield f"{prefix}.{e}.{proj}.weight", _random(shape[1:], name, g, dtype)
+                    yield f"{prefix}.{e}.{proj}.weight", _random(shape[1:], pool, g)
             else:
-                yield name, _random(shape, name, g, dtype)
+                yield name, _random(shape, pool, g)
 
     total = sum(torch.Size(s).numel() for _, s in shapes) * dtype.itemsize
     shard: dict[str, torch.Tensor] = {}
@@ -107,7 +109,17 @@ def _flush(out, shard, i, weight_map, save_file) -> str:
     return name
 
 
-def _random(shape, name, g, dtype) -> torch.Tensor:
+def _random(shape, pool: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """N(0, 0.02) values cut from a shared random pool at random offsets: drawing billions of
+    fresh normals takes minutes, and for speed and memory figures any spread will do."""
     if len(shape) == 1:
-        return torch.ones(shape, dtype=dtype)  # norms, biases and per-head scalars
-    return (torch.randn(shape, generator=g) * 0.02).to(dtype)
+        return torch.ones(shape, dtype=pool.dtype)  # norms, biases and per-head scalars
+    n = torch.Size(shape).numel()
+    out = torch.empty(n, dtype=pool.dtype)
+    filled = 0
+    while filled < n:
+        start = int(torch.randint(0, POOL // 2, (1,), generator=g))
+        take = min(n - filled, POOL - start)
+        out[filled : filled + take] = pool[start : start + take]
+        filled += take
+    return out.view(shape)
