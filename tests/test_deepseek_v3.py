@@ -6,7 +6,7 @@ from transformers.modeling_layers import MtpModel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import moerun
-from conftest import check_against_reference, rel_err, save_and_load
+from conftest import check_against_reference, rel_err
 from moerun.engine.cache import Cache
 from moerun.errors import MoerunError
 from moerun.layers.rope import inv_frequencies
@@ -20,6 +20,20 @@ BASE = dict(
 )
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0,
             beta_fast=32, beta_slow=1, rope_theta=10000.0)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny matrices: a second OpenMP thread only waits on a busy core (50x slower on a loaded box)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def save_and_load(hf_model, path):
+    hf_model.save_pretrained(path)
+    return moerun.load(path, dtype="float32", threads=1)
 
 
 def make_reference(**overrides) -> DeepseekV3ForCausalLM:
@@ -120,8 +134,7 @@ def test_mtp_matches_transformers(tmp_path):
     for (name, a), (_, b) in zip(sorted(mtp.state_dict().items()), sorted(loaded.state_dict().items())):
         assert torch.equal(a, b), name
 
-    llm = moerun.load(tmp_path, dtype="float32")
-    net = llm.net
+    net = moerun.load(tmp_path, dtype="float32", threads=1).net
     assert net.has_mtp and len(net.model.layers) == BASE["num_hidden_layers"]
 
     g = torch.Generator().manual_seed(0)
@@ -158,4 +171,4 @@ def test_config_claiming_mtp_without_tensors_fails(tmp_path):
     ref = make_reference(num_mtp_layers=1)
     ref.save_pretrained(tmp_path)  # transformers does not save the MTP module
     with pytest.raises(MoerunError, match="missing tensor 'mtp.0"):
-        moerun.load(tmp_path, dtype="float32")
+        moerun.load(tmp_path, dtype="float32", threads=1)
