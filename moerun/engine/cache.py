@@ -28,6 +28,9 @@ class StateSpec:
     """Fixed-size per-sequence state of a recurrent layer: name -> shape (without batch)."""
 
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    # name -> dtype for tensors kept in a fixed precision whatever the model's (e.g. an fp32
+    # recurrent state that a bf16 model would otherwise round at every token)
+    dtypes: tuple[tuple[str, torch.dtype], ...] = ()
 
 
 class KVCache:
@@ -69,7 +72,8 @@ class RecurrentState:
     """Named state tensors [slots, *shape], zero at the start of a sequence."""
 
     def __init__(self, spec: StateSpec, batch: int, dtype: torch.dtype):
-        self.tensors = {name: torch.zeros(batch, *shape, dtype=dtype) for name, shape in spec.shapes}
+        fixed = dict(spec.dtypes)
+        self.tensors = {name: torch.zeros(batch, *shape, dtype=fixed.get(name, dtype)) for name, shape in spec.shapes}
 
     def get(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         t = self.tensors[name]
