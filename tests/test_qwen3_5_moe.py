@@ -58,7 +58,7 @@ def test_deltanet_matches_transformers():
     assert rel_err(o, o_ref) < 1e-6 and rel_err(s, s_ref) < 1e-6
 
     o_ref, s_ref = hf.torch_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
-    s, outs = s0, []
+    s, outs = s0.clone(), []  # the step updates an fp32 state in place
     for t in range(T):
         o, s = deltanet.recurrent_gated_delta_step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1], s)
         outs.append(o)
@@ -104,6 +104,9 @@ def test_matches_transformers(tmp_path, overrides):
     llm = load(ref, tmp_path)
     assert llm.net.args.layer_types == tuple(ref.config.layer_types)
     assert not llm.net.has_mtp and llm.net.mtp_cache_spec() == []
+    first_linear = llm.net.args.layer_types.index("linear_attention")
+    state = Cache(llm.net.cache_spec(), 1, 8, torch.bfloat16).layers[first_linear]
+    assert state.tensors["recurrent"].dtype == torch.float32 and state.tensors["conv"].dtype == torch.bfloat16
     # 140 tokens: the uncached pass and the cache check cross three 64-token DeltaNet chunks
     check_against_reference(ref, llm, ref.config.vocab_size, seq=140)
     if not overrides:  # greedy after a prompt that spans chunks

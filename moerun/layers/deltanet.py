@@ -19,6 +19,7 @@ import torch.nn.functional as F
 # Dk key head dim, Dv value head dim, L chunk length, N chunks
 
 CHUNK = 64
+SEGMENT = 64 * CHUNK  # tokens per pass of the chunked form (a multiple of CHUNK)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None):
@@ -65,6 +66,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size: int = CHUNK
     """
     dtype = q.dtype
     B, T = q.shape[:2]
+    if T > SEGMENT:  # bound the [B, Hv, T, ...] fp32 temporaries of long prompts
+        outs = []
+        for t in range(0, T, SEGMENT):
+            part = slice(t, t + SEGMENT)
+            o, state = chunk_gated_delta_rule(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], state, chunk_size)
+            outs.append(o)
+        return torch.cat(outs, dim=1), state
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     Hv, Dk, Dv = v.shape[1], k.shape[-1], v.shape[-1]
     L = chunk_size
@@ -100,21 +108,24 @@ def recurrent_gated_delta_step(q, k, v, g, beta, state):
     """One token of the gated delta rule for every batch row and head at once.
 
     q, k [B, 1, Hk, Dk], v [B, 1, Hv, Dv], g and beta [B, 1, Hv], state [B, Hv, Dk, Dv].
-    Returns (o [B, 1, Hv, Dv] in q's dtype, new state fp32 [B, Hv, Dk, Dv]).
+    Returns (o [B, 1, Hv, Dv] in q's dtype, new state fp32 [B, Hv, Dk, Dv]). A contiguous
+    fp32 `state` is updated in place (three passes over it: read, decay, rank-1 update).
     """
     dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [B, Hv, 1, D]
     B, Hv, _, Dk = k.shape
     Dv = v.shape[-1]
-    S = state.float().reshape(B * Hv, Dk, Dv)
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        state = state.float().contiguous()
+    S = state.view(B * Hv, Dk, Dv)
     k2, q2 = k.reshape(B * Hv, 1, Dk), q.reshape(B * Hv, 1, Dk)
     decay = g.exp().reshape(B * Hv, 1, 1)
     # k S and q S of the decayed state, read from S in one batched matmul
-    kqS = torch.cat([k2, q2], dim=1) @ S * decay  # [B*Hv, 2, Dv]
+    kqS = torch.bmm(torch.cat([k2, q2], dim=1), S) * decay  # [B*Hv, 2, Dv]
     delta = (v.reshape(B * Hv, 1, Dv) - kqS[:, :1]) * beta.reshape(B * Hv, 1, 1)  # [B*Hv, 1, Dv]
-    S = torch.baddbmm(S * decay, k2.transpose(1, 2), delta)  # decayed S + k^T delta
+    S.mul_(decay).baddbmm_(k2.transpose(1, 2), delta)  # decayed S + k^T delta
     o = kqS[:, 1:] + (q2 * k2).sum(-1, keepdim=True) * delta  # = q S_new
-    return o.reshape(B, Hv, 1, Dv).transpose(1, 2).to(dtype), S.reshape(B, Hv, Dk, Dv)
+    return o.reshape(B, Hv, 1, Dv).transpose(1, 2).to(dtype), state
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

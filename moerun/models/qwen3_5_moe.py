@@ -273,10 +273,15 @@ class Model(nn.Module):
 
     def cache_spec(self) -> list:
         a = self.args
-        state = StateSpec((
-            ("conv", (a.conv_dim, a.linear_conv_kernel_dim - 1)),  # the last K-1 conv inputs
-            ("recurrent", (a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim)),
-        ))
+        state = StateSpec(
+            shapes=(
+                ("conv", (a.conv_dim, a.linear_conv_kernel_dim - 1)),  # the last K-1 conv inputs
+                ("recurrent", (a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim)),
+            ),
+            # the delta rule runs in fp32 (as transformers and FLA do); keeping its state in bf16
+            # would round it at every token
+            dtypes=(("recurrent", torch.float32),),
+        )
         return [self._kv_spec() if t == "full_attention" else state for t in a.layer_types]
 
     def mtp_cache_spec(self) -> list:
