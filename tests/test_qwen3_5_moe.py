@@ -198,3 +198,15 @@ def test_mtp_head(tmp_path):
     save_file(no_mtp, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(MoerunError, match="missing tensor 'mtp"):
         moerun.load(tmp_path, dtype="float32")
+
+
+def test_long_prompt_segments(monkeypatch):
+    """Prompts longer than one segment run the chunked form segment by segment, carrying the state."""
+    monkeypatch.setattr(deltanet, "SEGMENT", 128)
+    torch.manual_seed(3)
+    B, T, H, D = 1, 300, 2, 8
+    q, k, v = torch.randn(B, T, H, D), torch.randn(B, T, H, D), torch.randn(B, T, H, D)
+    g, beta = -torch.rand(B, T, H), torch.rand(B, T, H)
+    o_ref, s_ref = hf.torch_chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = deltanet.chunk_gated_delta_rule(q, k, v, g, beta)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
