@@ -74,6 +74,20 @@ def test_matches_transformers(tmp_path, overrides):
     assert (llm.args.n_routed_experts, llm.args.num_experts_per_tok) == (ref.config.n_routed_experts,
                                                                          ref.config.num_experts_per_tok)
     check_against_reference(ref, llm, BASE["vocab_size"])
+    check_chunked_prefill(llm.net)
+
+
+def check_chunked_prefill(net):
+    """Prefill in chunks over a partly filled cache (the expanded path with S > T) == one pass."""
+    ids = torch.randint(0, BASE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        full = net(ids)
+        cache = Cache(net.cache_spec(), 2, 16, torch.float32)
+        chunks = [net(ids[:, i : i + 5], cache) for i in range(0, 16, 5)]
+        assert rel_err(torch.cat(chunks, dim=1), full) < 1e-4
+        cache = Cache(net.cache_spec(), 3, 16, torch.float32)  # one row, in slot 2
+        chunks = [net(ids[1:, i : i + 6], cache, torch.tensor([2])) for i in range(0, 16, 6)]
+        assert rel_err(torch.cat(chunks, dim=1), full[1:]) < 1e-4
 
 
 @pytest.mark.parametrize(
@@ -172,3 +186,41 @@ def test_config_claiming_mtp_without_tensors_fails(tmp_path):
     ref.save_pretrained(tmp_path)  # transformers does not save the MTP module
     with pytest.raises(MoerunError, match="missing tensor 'mtp.0"):
         moerun.load(tmp_path, dtype="float32", threads=1)
+
+
+# config.json of deepseek-ai/DeepSeek-V3 (the fields that matter here; the old rope_scaling form)
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+    n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+    first_k_dense_replace=3, norm_topk_prob=True, routed_scaling_factor=2.5, scoring_func="sigmoid",
+    topk_method="noaux_tc", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, num_nextn_predict_layers=1, max_position_embeddings=163840, rms_norm_eps=1e-6,
+    rope_theta=10000, rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
+                                        mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1),
+)
+
+
+def test_real_config_parses_like_transformers():
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    from moerun.models.deepseek_v3 import ModelArgs
+
+    args = ModelArgs.from_dict(DEEPSEEK_V3)
+    assert args.rope["rope_type"] == "yarn" and args.num_nextn_predict_layers == 1 and args.rope_interleave
+    with torch.device("meta"):
+        ref = DeepseekV3Attention(DeepseekV3Config(**DEEPSEEK_V3), layer_idx=0)
+    assert args.softmax_scale == pytest.approx(ref.scaling, rel=1e-12)
+    assert ModelArgs.from_dict({k: v for k, v in DEEPSEEK_V3.items() if k != "num_nextn_predict_layers"}).num_nextn_predict_layers == 0
+    with pytest.raises(MoerunError, match="FP8"):
+        ModelArgs.from_dict({**DEEPSEEK_V3, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+
+
+def test_bfloat16_runs_close_to_float32(tmp_path):
+    ref = make_reference(q_lora_rank=16, n_group=2, topk_group=1, rope_parameters=YARN)
+    ref.save_pretrained(tmp_path)
+    ids = torch.randint(0, BASE["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
+    full = moerun.load(tmp_path, dtype="float32", threads=1).forward(ids)
+    llm = moerun.load(tmp_path, dtype="bfloat16", threads=1)
+    assert rel_err(llm.forward(ids), full) < 0.05
+    assert len(llm.generate_ids([ids[0].tolist(), ids[1, :4].tolist()], max_tokens=4, temperature=0.0)[1]) == 4

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec
+from ..errors import MoerunError
 from ..layers.moe import Experts, GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, apply_rope
@@ -87,6 +88,11 @@ class ModelArgs(BaseModelArgs):
 
     @classmethod
     def from_dict(cls, d):
+        quant = d.get("quantization_config") or {}
+        if quant.get("quant_method") == "fp8":
+            # DeepSeek's own release: fp8 weights with per-block `weight_scale_inv` tensors
+            raise MoerunError("FP8 checkpoints (quantization_config fp8) are not supported yet; "
+                              "use a bf16 conversion of the model")
         return super().from_dict({**d, "rope": rope_parameters(d)})
 
     @property
@@ -95,7 +101,8 @@ class ModelArgs(BaseModelArgs):
         scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
         rope = self.rope or {}
         if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
-            m = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
+            factor = rope.get("factor") or self.max_position_embeddings / rope["original_max_position_embeddings"]
+            m = yarn_mscale(float(factor), float(rope["mscale_all_dim"]))
             scale = scale * m * m
         return scale
 
