@@ -58,3 +58,27 @@ def test_hub_config_fields():
     assert ModelArgs.from_dict(no_theta).rope["rope_theta"] == 1e6
     with pytest.raises(moerun.errors.MoerunError):
         ModelArgs.from_dict({**hub, "num_experts_per_tok": 9})
+
+
+def test_fused_expert_checkpoint(tmp_path):
+    """Checkpoints in transformers 5's in-memory naming (mlp.experts.gate_up_proj [E, 2I, H],
+    no block_sparse_moe) load too."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from conftest import rel_err
+
+    torch.manual_seed(1)
+    cfg = MixtralConfig(vocab_size=61, hidden_size=24, intermediate_size=20, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                        experts_implementation="eager")
+    ref = MixtralForCausalLM(cfg).eval()
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    llm = moerun.load(tmp_path, dtype="float32", threads=1)
+    ids = torch.randint(0, 61, (1, 9))
+    with torch.no_grad():
+        assert rel_err(llm.forward(ids), ref(ids).logits) < 1e-4
