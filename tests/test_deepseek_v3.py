@@ -222,5 +222,8 @@ def test_bfloat16_runs_close_to_float32(tmp_path):
     ids = torch.randint(0, BASE["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
     full = moerun.load(tmp_path, dtype="float32", threads=1).forward(ids)
     llm = moerun.load(tmp_path, dtype="bfloat16", threads=1)
+    gate = llm.net.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert llm.net.model.layers[1].mlp.experts.gate_proj.dtype == torch.bfloat16
     assert rel_err(llm.forward(ids), full) < 0.05
     assert len(llm.generate_ids([ids[0].tolist(), ids[1, :4].tolist()], max_tokens=4, temperature=0.0)[1]) == 4

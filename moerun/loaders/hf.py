@@ -77,6 +77,8 @@ def load_state(net: torch.nn.Module, ckpt: Checkpoint, dtype: torch.dtype, renam
                 tied[name] = srcs
                 continue
             target = dtype if p.dtype.is_floating_point else p.dtype
+            if p.dtype.is_floating_point and any(re.search(pat, name) for pat in getattr(net, "fp32_parameters", ())):
+                target = torch.float32  # e.g. routers, as the reference keeps them
             state[name] = _materialize(ckpt, srcs, tuple(p.shape), target, name)
             bar.update(sum(r.nbytes for r in srcs))
     for name, other in tied.items():

@@ -268,6 +268,9 @@ class DeepseekV3Model(nn.Module):
 
 class Model(nn.Module):
     tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
+    # the loader keeps these in fp32 whatever the model dtype (transformers does the same):
+    # in bf16 the selection bias would lose the digits that separate close experts
+    fp32_parameters = (r"\.mlp\.gate\.(weight|e_score_correction_bias)$",)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
