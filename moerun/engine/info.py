@@ -87,7 +87,7 @@ def _num_experts(args) -> int:
 
 def layer_pattern(args) -> str | None:
     types = getattr(args, "layer_types", None)
-    if not types:
+    if not types or "linear_attention" not in types:  # only hybrid models have a pattern to show
         return None
     return "".join("F" if t == "full_attention" else "L" for t in types)
 

@@ -60,7 +60,9 @@ def expert_mlp(
         rows = token_of[start : start + c]
         xs = x[rows]  # [c, H]
         h = F.silu(xs @ gate[e].T) * (xs @ up[e].T)  # [c, I]
-        out.index_add_(0, rows, (h @ down[e].T) * w_sorted[start : start + c, None])
+        # rows are distinct within one expert's group; index_put_ avoids index_add_'s
+        # OpenMP region, which stalls for milliseconds on a busy machine
+        out.index_put_((rows,), (h @ down[e].T) * w_sorted[start : start + c, None], accumulate=True)
         start += c
     return out
 
