@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -104,36 +106,33 @@ def test_yarn_frequencies_match_transformers(rope):
 
 
 def write_mtp_weights(mtp: MtpModel, path, num_hidden_layers: int):
-    """Add the MTP module to the checkpoint under DeepSeek-V3's own names."""
-    L = num_hidden_layers
+    """Add the MTP modules to the checkpoint under DeepSeek-V3's own names (layers L, L+1, ...)."""
     tensors = load_file(path / "model.safetensors")
     for name, t in mtp.state_dict().items():
-        if name == "shared_head.weight":
-            name = f"model.layers.{L}.shared_head.head.weight"
-        elif name == "embed_tokens.weight":
-            name = f"model.layers.{L}.embed_tokens.weight"
-        elif name.startswith("layers.0.mtp_block.mlp.experts."):
-            proj = name.rpartition(".")[2]
-            if proj == "gate_up_proj":  # DeepSeek stores one tensor per expert
-                for e, w in enumerate(t):
-                    gate, up = w.chunk(2, dim=0)
-                    tensors[f"model.layers.{L}.mlp.experts.{e}.gate_proj.weight"] = gate.contiguous()
-                    tensors[f"model.layers.{L}.mlp.experts.{e}.up_proj.weight"] = up.contiguous()
-            else:
-                for e, w in enumerate(t):
-                    tensors[f"model.layers.{L}.mlp.experts.{e}.down_proj.weight"] = w.contiguous()
+        m = re.match(r"layers\.(\d+)\.(mtp_block\.)?(.*)", name)
+        if m is None:  # the shared embedding and head: DeepSeek stores a copy per MTP layer
+            for k in range(len(mtp.layers)):
+                prefix = f"model.layers.{num_hidden_layers + k}."
+                tensors[prefix + ("shared_head.head.weight" if name.startswith("shared_head") else name)] = t.clone()
             continue
-        else:
-            name = name.replace("layers.0.post_norm.", "layers.0.shared_head.norm.")
-            name = name.replace("layers.0.mtp_block.", "layers.0.").replace("layers.0.", f"model.layers.{L}.", 1)
-        tensors[name] = t.contiguous().clone()
+        prefix = f"model.layers.{num_hidden_layers + int(m[1])}."
+        rest = m[3].replace("post_norm.", "shared_head.norm.")
+        if rest.startswith("mlp.experts."):  # one tensor per expert, as DeepSeek stores them
+            proj = rest.rpartition(".")[2]
+            for e, w in enumerate(t):
+                parts = zip(("gate_proj", "up_proj"), w.chunk(2, dim=0)) if proj == "gate_up_proj" else [(proj, w)]
+                for p, part in parts:
+                    tensors[f"{prefix}mlp.experts.{e}.{p}.weight"] = part.contiguous()
+            continue
+        tensors[prefix + rest] = t.contiguous().clone()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 
-def test_mtp_matches_transformers(tmp_path):
-    ref = make_reference(q_lora_rank=16, n_group=2, topk_group=1, num_mtp_layers=1, rope_parameters=YARN)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_mtp_matches_transformers(tmp_path, depth):
+    ref = make_reference(q_lora_rank=16, n_group=2, topk_group=1, num_mtp_layers=depth, rope_parameters=YARN)
     torch.manual_seed(1)
-    mtp = MtpModel(ref, 1).eval()
+    mtp = MtpModel(ref, depth).eval()
     with torch.no_grad():  # transformers leaves some of these uninitialised; the head and embedding are ref's
         for name, p in mtp.layers.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
@@ -143,7 +142,8 @@ def test_mtp_matches_transformers(tmp_path):
     # transformers reads the MTP module back from our checkpoint names: the naming is DeepSeek's
     main = DeepseekV3ForCausalLM.from_pretrained(tmp_path, experts_implementation="eager")
     # transformers finds the MTP tensors by the pattern it ignores in the trunk, written for 61 layers
-    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{BASE['num_hidden_layers']}\..*"]
+    L = BASE["num_hidden_layers"]
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{L + k}\..*" for k in range(depth)]
     loaded = MtpModel.from_pretrained(main)
     for (name, a), (_, b) in zip(sorted(mtp.state_dict().items()), sorted(loaded.state_dict().items())):
         assert torch.equal(a, b), name
@@ -165,6 +165,14 @@ def test_mtp_matches_transformers(tmp_path):
         ours = net.mtp_logits(hidden, nxt)
     assert ours.shape == (2, T, BASE["vocab_size"])
     assert rel_err(ours, expected) < 1e-4
+    if depth == 2:  # the second module drafts one further, from the first one's (normed) output
+        with torch.no_grad():
+            h1 = mtp.forward_layer(1, h[:, :-1], torch.arange(2, T + 1)[None].expand(2, -1), None, input_ids=ids[:, 2:])
+            expected1 = mtp._project_to_logits(h1)
+        with torch.inference_mode():
+            _, ours_h = net.mtp_logits(hidden, nxt, return_hidden=True)
+            ours1 = net.mtp_logits(ours_h[:, :-1], ids[:, 2:], depth=1)
+        assert rel_err(ours1, expected1) < 1e-4
 
     # decode with the MTP's own cache: prefill then one pair at a time == one full pass
     with torch.inference_mode():
