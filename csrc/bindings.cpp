@@ -1,10 +1,24 @@
 // The one binding file of moerun's native extension. Kernels live in their own files;
 // this file only exposes them to Python with typed signatures.
+//
+// Tensors arrive through DLPack (nanobind ndarray), so the extension never links libtorch.
+// Outputs are allocated by the caller (torch) and filled here. Every op runs with the GIL
+// released and under one mutex: the pool and the workspace serve one op at a time.
 #include <nanobind/nanobind.h>
-#include <nanobind/stl/string.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "kernels.h"
+#include "ops.h"
 
 namespace nb = nanobind;
+using Array = nb::ndarray<nb::device::cpu, nb::c_contig>;
 
 static std::map<std::string, bool> cpu_features() {
     __builtin_cpu_init();
@@ -18,7 +32,134 @@ static std::map<std::string, bool> cpu_features() {
     };
 }
 
+static std::mutex g_op_mutex;
+
+namespace {
+
+using nb::dlpack::dtype_code;
+
+void check(bool ok, const std::string& msg) {
+    if (!ok) throw std::invalid_argument(msg);
+}
+
+void check_dtype(const Array& a, dtype_code code, int bits, const char* what) {
+    check(a.dtype().code == (uint8_t)code && a.dtype().bits == bits && a.dtype().lanes == 1,
+          std::string(what) + ": wrong dtype");
+}
+
+void check_shape(const Array& a, std::initializer_list<size_t> shape, const char* what) {
+    check(a.ndim() == shape.size(), std::string(what) + ": wrong number of dimensions");
+    size_t i = 0;
+    for (size_t s : shape) {
+        check(a.shape(i) == s, std::string(what) + ": dimension " + std::to_string(i) + " is " +
+                                   std::to_string(a.shape(i)) + ", expected " + std::to_string(s));
+        ++i;
+    }
+}
+
+void check_fmt(int fmt) { check(fmt == moerun::FMT_INT4 || fmt == moerun::FMT_INT8, "fmt must be 4 or 8"); }
+
+// quantized weights: uint8 (int4 packed) or int8
+void check_qweight(const Array& w, int fmt, std::initializer_list<size_t> lead, int nb, const char* what) {
+    check((w.dtype().code == (uint8_t)dtype_code::UInt || w.dtype().code == (uint8_t)dtype_code::Int) &&
+              w.dtype().bits == 8,
+          std::string(what) + ": must be uint8 or int8");
+    std::vector<size_t> shape(lead);
+    shape.push_back(moerun::row_bytes(fmt, nb));
+    check(w.ndim() == shape.size(), std::string(what) + ": wrong number of dimensions");
+    for (size_t i = 0; i < shape.size(); ++i)
+        check(w.shape(i) == shape[i], std::string(what) + ": wrong shape");
+}
+
+void check_scales(const Array& s, std::initializer_list<size_t> lead, int nb, const char* what) {
+    check_dtype(s, dtype_code::Float, 16, what);
+    std::vector<size_t> shape(lead);
+    shape.push_back(nb);
+    check(s.ndim() == shape.size(), std::string(what) + ": wrong number of dimensions");
+    for (size_t i = 0; i < shape.size(); ++i) check(s.shape(i) == shape[i], std::string(what) + ": wrong shape");
+}
+
+void qlinear(Array x, Array w, Array scales, Array out, int fmt) {
+    check_fmt(fmt);
+    check_dtype(x, dtype_code::Float, 32, "x");
+    check(x.ndim() == 2, "x must be [M, K]");
+    const size_t M = x.shape(0), K = x.shape(1);
+    check(w.ndim() == 2, "w must be [N, bytes per row]");
+    const size_t N = w.shape(0);
+    const int nb = moerun::blocks_of((int)K);
+    check_qweight(w, fmt, {N}, nb, "w");
+    check_scales(scales, {N}, nb, "scales");
+    check_dtype(out, dtype_code::Float, 32, "out");
+    check_shape(out, {M, N}, "out");
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::qlinear(fmt, (int)M, (int)K, (int)N, (const float*)x.data(), (const uint8_t*)w.data(),
+                    (const uint16_t*)scales.data(), (float*)out.data());
+}
+
+void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq, Array us, Array dq, Array ds,
+                 Array out, int fmt, int intermediate) {
+    check_fmt(fmt);
+    check_dtype(x, dtype_code::Float, 32, "x");
+    check(x.ndim() == 2, "x must be [T, H]");
+    const size_t T = x.shape(0), H = x.shape(1);
+    check_dtype(ids, dtype_code::Int, 64, "ids");
+    check(ids.ndim() == 2 && ids.shape(0) == T, "ids must be [T, K]");
+    const size_t K = ids.shape(1);
+    check_dtype(weights, dtype_code::Float, 32, "weights");
+    check_shape(weights, {T, K}, "weights");
+    check(gq.ndim() == 3, "gate must be [E, I, bytes per row]");
+    const size_t E = gq.shape(0), I = (size_t)intermediate;
+    check(gq.shape(1) == I, "gate: dimension 1 must be the expert width");
+    const int nbH = moerun::blocks_of((int)H), nbI = moerun::blocks_of((int)I);
+    check_qweight(gq, fmt, {E, I}, nbH, "gate");
+    check_qweight(uq, fmt, {E, I}, nbH, "up");
+    check_qweight(dq, fmt, {E, H}, nbI, "down");
+    check_scales(gs, {E, I}, nbH, "gate scales");
+    check_scales(us, {E, I}, nbH, "up scales");
+    check_scales(ds, {E, H}, nbI, "down scales");
+    check_dtype(out, dtype_code::Float, 32, "out");
+    check_shape(out, {T, H}, "out");
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::moe_experts(fmt, (int)T, (int)H, (int)I, (int)E, (int)K, (const float*)x.data(),
+                        (const int64_t*)ids.data(), (const float*)weights.data(), (const uint8_t*)gq.data(),
+                        (const uint16_t*)gs.data(), (const uint8_t*)uq.data(), (const uint16_t*)us.data(),
+                        (const uint8_t*)dq.data(), (const uint16_t*)ds.data(), (float*)out.data());
+}
+
+std::vector<std::string> available_isas() {
+    std::vector<std::string> r{"generic"};
+    if (moerun::cpu_has_avx2()) r.push_back("avx2");
+    return r;
+}
+
+void set_isa(const std::string& name) {
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    if (!moerun::set_isa(name.c_str())) throw std::invalid_argument("ISA " + name + " is unknown or not supported by this CPU");
+}
+
+void set_threads(int n) {
+    check(n >= 1, "threads must be at least 1");
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::set_threads(n);
+}
+
+}  // namespace
+
 NB_MODULE(_native, m) {
     m.doc() = "moerun native CPU kernels";
     m.def("cpu_features", &cpu_features, "CPU instruction-set extensions this process can use");
+    m.def("available_isas", &available_isas, "kernel paths this CPU can run, slowest first");
+    m.def("set_isa", &set_isa, nb::arg("name"), "choose the kernel path (generic, avx2)");
+    m.def("isa", [] { return std::string(moerun::current_isa()); }, "the kernel path in use");
+    m.def("set_threads", &set_threads, nb::arg("n"), "size of the native thread pool");
+    m.def("get_threads", &moerun::get_threads, "size of the native thread pool");
+    m.def("qlinear", &qlinear, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("out"), nb::arg("fmt"),
+          "out[M, N] = x[M, K] @ W^T with W quantized (fmt 4 or 8, blocks of 32)");
+    m.def("moe_experts", &moe_experts, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
+          nb::arg("gate_scales"), nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"),
+          nb::arg("out"), nb::arg("fmt"), nb::arg("intermediate"),
+          "out[T, H] = sum_k weights[t, k] * SwiGLU expert ids[t, k] applied to x[t], quantized experts");
 }

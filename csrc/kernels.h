@@ -1,0 +1,57 @@
+// Quantized CPU kernels: the block formats, the per-ISA microkernel table and the drivers.
+//
+// Formats (moerun/quant/formats.py is the reference and the packer):
+//   every weight row is cut into blocks of QK = 32 inputs (the input dimension padded with
+//   zeros to a multiple of 32); each block has one fp16 scale d.
+//   int4: 16 bytes per block; byte j holds element j in its low nibble and element j + 16 in
+//         its high nibble, stored as q + 8 (q in [-8, 7]); w = d * q.
+//   int8: 32 signed bytes per block, q in [-127, 127]; w = d * q.
+// Activations are quantized to int8 once per row in the same blocks of 32 (d = absmax / 127)
+// so each block's dot product is an integer dot product scaled by d_w * d_x.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moerun {
+
+constexpr int QK = 32;
+enum Fmt : int { FMT_INT4 = 4, FMT_INT8 = 8 };
+
+inline int blocks_of(int n) { return (n + QK - 1) / QK; }
+inline size_t row_bytes(int fmt, int nb) { return (size_t)nb * (fmt == FMT_INT4 ? QK / 2 : QK); }
+
+// One GEMM tile: y[i * y_row + r] = W[r] . X[xidx ? xidx[i] : i] for r < nrows, i < ntok.
+struct GemmArgs {
+    int nrows, nb;
+    const uint8_t* w;     // row r starts at w + r * w_row
+    size_t w_row;         // bytes per weight row
+    const uint16_t* ws;   // fp16 scales, row r at ws + r * nb
+    int ntok;
+    const int8_t* xq;     // activation row j: xq + j * nb * QK
+    const float* xd;      // its block scales: xd + j * nb
+    const float* xs;      // xd[b] * sum of the block's q (the int4 offset correction)
+    const int32_t* xidx;  // token i reads activation row xidx[i] (nullptr: row i)
+    float* y;
+    size_t y_row;
+};
+
+struct KernelTable {
+    const char* name;
+    // Quantize n floats (padded with zeros to nb * QK) into q, d, s (s[b] = d[b] * sum q).
+    void (*quantize_row)(const float* x, int n, int nb, int8_t* q, float* d, float* s);
+    void (*gemm_q4)(const GemmArgs& a);
+    void (*gemm_q8)(const GemmArgs& a);
+};
+
+extern const KernelTable generic_kernels;
+extern const KernelTable avx2_kernels;  // only valid where the CPU has AVX2 + FMA + F16C
+
+// The one dispatch point. Returns nullptr for an unknown or unsupported name.
+const KernelTable* kernels_for(const char* name);
+const KernelTable* best_kernels();
+bool cpu_has_avx2();
+
+float fp16_to_fp32(uint16_t h);
+
+}  // namespace moerun

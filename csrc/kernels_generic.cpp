@@ -1,0 +1,119 @@
+// Portable kernels: plain C++ for any x86-64 (or other) CPU, and the ISA dispatch point.
+#include <cmath>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace moerun {
+
+float fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  // subnormal: renormalise
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; --exp; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+namespace {
+
+void quantize_row_generic(const float* x, int n, int nb, int8_t* q, float* d, float* s) {
+    for (int b = 0; b < nb; ++b) {
+        int lo = b * QK, hi = lo + QK < n ? lo + QK : n;
+        float amax = 0.f;
+        for (int i = lo; i < hi; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+        float dd = amax / 127.f, id = amax > 0.f ? 1.f / dd : 0.f;
+        int sum = 0;
+        for (int j = 0; j < QK; ++j) {
+            int i = lo + j;
+            int v = i < hi ? (int)std::nearbyint(x[i] * id) : 0;
+            q[lo + j] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = dd;
+        s[b] = dd * (float)sum;
+    }
+}
+
+inline const float* xrow_d(const GemmArgs& a, int i, const int8_t** xq, const float** xs) {
+    size_t j = a.xidx ? (size_t)a.xidx[i] : (size_t)i;
+    *xq = a.xq + j * a.nb * QK;
+    *xs = a.xs + j * a.nb;
+    return a.xd + j * a.nb;
+}
+
+void gemm_q4_generic(const GemmArgs& a) {
+    for (int i = 0; i < a.ntok; ++i) {
+        const int8_t* xq;
+        const float* xs;
+        const float* xd = xrow_d(a, i, &xq, &xs);
+        for (int r = 0; r < a.nrows; ++r) {
+            const uint8_t* w = a.w + r * a.w_row;
+            const uint16_t* ws = a.ws + (size_t)r * a.nb;
+            float acc = 0.f;
+            for (int b = 0; b < a.nb; ++b) {
+                const uint8_t* wb = w + b * (QK / 2);
+                const int8_t* xb = xq + b * QK;
+                int isum = 0;
+                for (int j = 0; j < QK / 2; ++j)
+                    isum += (wb[j] & 0xf) * xb[j] + (wb[j] >> 4) * xb[j + QK / 2];
+                // stored nibbles are q + 8: subtract 8 * sum(x) through the precomputed s
+                acc += fp16_to_fp32(ws[b]) * (xd[b] * (float)isum - 8.f * xs[b]);
+            }
+            a.y[i * a.y_row + r] = acc;
+        }
+    }
+}
+
+void gemm_q8_generic(const GemmArgs& a) {
+    for (int i = 0; i < a.ntok; ++i) {
+        const int8_t* xq;
+        const float* xs;
+        const float* xd = xrow_d(a, i, &xq, &xs);
+        for (int r = 0; r < a.nrows; ++r) {
+            const int8_t* w = (const int8_t*)(a.w + r * a.w_row);
+            const uint16_t* ws = a.ws + (size_t)r * a.nb;
+            float acc = 0.f;
+            for (int b = 0; b < a.nb; ++b) {
+                const int8_t* wb = w + b * QK;
+                const int8_t* xb = xq + b * QK;
+                int isum = 0;
+                for (int j = 0; j < QK; ++j) isum += wb[j] * xb[j];
+                acc += fp16_to_fp32(ws[b]) * xd[b] * (float)isum;
+            }
+            a.y[i * a.y_row + r] = acc;
+        }
+    }
+}
+
+}  // namespace
+
+const KernelTable generic_kernels = {"generic", quantize_row_generic, gemm_q4_generic, gemm_q8_generic};
+
+bool cpu_has_avx2() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+}
+
+const KernelTable* kernels_for(const char* name) {
+    if (!std::strcmp(name, "generic")) return &generic_kernels;
+    if (!std::strcmp(name, "avx2")) return cpu_has_avx2() ? &avx2_kernels : nullptr;
+    return nullptr;
+}
+
+const KernelTable* best_kernels() { return cpu_has_avx2() ? &avx2_kernels : &generic_kernels; }
+
+}  // namespace moerun

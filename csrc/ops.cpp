@@ -1,0 +1,253 @@
+// Drivers: split each op into tiles of (weight rows x tokens) and run them on the pool.
+#include "ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "thread_pool.h"
+
+namespace moerun {
+namespace {
+
+const KernelTable* g_kernels = nullptr;
+
+ThreadPool& pool() {
+    // never destroyed: joining threads during interpreter shutdown can hang
+    static ThreadPool* p = new ThreadPool(1);
+    return *p;
+}
+
+const KernelTable& kern() {
+    if (!g_kernels) g_kernels = best_kernels();
+    return *g_kernels;
+}
+
+constexpr int kTokTile = 64;  // activation rows per tile: 64 x 2 KiB stays in L2
+
+struct Tile {
+    int e, r0, nr, t0, nt;
+};
+
+// Rows per tile: enough tiles to balance the pool, few enough that each tile's weights
+// (nr rows) stay in L1/L2 while its tokens stream past them.
+int row_tile(int rows, int n_groups, int threads) {
+    int want = std::max(1, 8 * threads / std::max(1, n_groups));
+    int rt = (rows + want - 1) / want;
+    rt = (rt + 3) / 4 * 4;
+    return std::max(4, std::min(rt, 64));
+}
+
+void gemm(int fmt, const GemmArgs& a) {
+    if (fmt == FMT_INT4)
+        kern().gemm_q4(a);
+    else
+        kern().gemm_q8(a);
+}
+
+struct ActQ {
+    std::vector<int8_t> q;
+    std::vector<float> d, s;
+    void resize(size_t rows, int nb) {
+        q.resize(rows * nb * QK);
+        d.resize(rows * nb);
+        s.resize(rows * nb);
+    }
+};
+
+void quantize_rows(const float* x, size_t ld, int rows, int n, int nb, ActQ& aq) {
+    aq.resize(rows, nb);
+    auto& k = kern();
+    auto one = [&](int r) { k.quantize_row(x + r * ld, n, nb, aq.q.data() + (size_t)r * nb * QK, aq.d.data() + (size_t)r * nb, aq.s.data() + (size_t)r * nb); };
+    if (rows < 16) {
+        for (int r = 0; r < rows; ++r) one(r);
+    } else {
+        int per = (rows + pool().size() - 1) / pool().size();
+        pool().parallel_for(pool().size(), [&](int t) {
+            for (int r = t * per; r < std::min(rows, (t + 1) * per); ++r) one(r);
+        });
+    }
+}
+
+// Workspace kept between calls (one op at a time: bindings hold a mutex).
+struct Workspace {
+    ActQ x, h;
+    std::vector<float> g, u, y;
+    std::vector<int32_t> pair_tok, slot;
+    std::vector<int> count, offset;
+};
+Workspace& ws() {
+    static Workspace* w = new Workspace();
+    return *w;
+}
+
+}  // namespace
+
+bool set_isa(const char* name) {
+    const KernelTable* k = kernels_for(name);
+    if (!k) return false;
+    g_kernels = k;
+    return true;
+}
+const char* current_isa() { return kern().name; }
+void set_threads(int n) { pool().resize(n); }
+int get_threads() { return pool().size(); }
+
+void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, const uint16_t* ws_, float* y) {
+    const int nb = blocks_of(K);
+    const size_t wrow = row_bytes(fmt, nb);
+    ActQ& xq = ws().x;
+    quantize_rows(x, K, M, K, nb, xq);
+    const int n_tt = (M + kTokTile - 1) / kTokTile;
+    const int rt = row_tile(N, n_tt, pool().size());
+    const int n_rt = (N + rt - 1) / rt;
+    pool().parallel_for(n_rt * n_tt, [&](int task) {
+        int r0 = (task / n_tt) * rt, t0 = (task % n_tt) * kTokTile;
+        GemmArgs a;
+        a.nrows = std::min(rt, N - r0);
+        a.nb = nb;
+        a.w = w + r0 * wrow;
+        a.w_row = wrow;
+        a.ws = ws_ + (size_t)r0 * nb;
+        a.ntok = std::min(kTokTile, M - t0);
+        a.xq = xq.q.data() + (size_t)t0 * nb * QK;
+        a.xd = xq.d.data() + (size_t)t0 * nb;
+        a.xs = xq.s.data() + (size_t)t0 * nb;
+        a.xidx = nullptr;
+        a.y = y + (size_t)t0 * N + r0;
+        a.y_row = N;
+        gemm(fmt, a);
+    });
+}
+
+void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, const int64_t* ids,
+                 const float* weights, const uint8_t* gq, const uint16_t* gs, const uint8_t* uq,
+                 const uint16_t* us, const uint8_t* dq, const uint16_t* ds, float* out) {
+    Workspace& W = ws();
+    const int nbH = blocks_of(H), nbI = blocks_of(I);
+    const size_t growb = row_bytes(fmt, nbH), drowb = row_bytes(fmt, nbI);
+    const int P = T * K;
+
+    // group the (token, expert) pairs by expert: pairs of expert e are [offset[e], offset[e+1])
+    W.count.assign(E, 0);
+    for (int p = 0; p < P; ++p) {
+        int64_t e = ids[p];
+        if (e < 0 || e >= E) throw std::out_of_range("expert id " + std::to_string(e) + " outside [0, " + std::to_string(E) + ")");
+        W.count[e]++;
+    }
+    W.offset.assign(E + 1, 0);
+    for (int e = 0; e < E; ++e) W.offset[e + 1] = W.offset[e] + W.count[e];
+    W.pair_tok.resize(P);
+    W.slot.resize(P);
+    {
+        std::vector<int> fill(W.offset.begin(), W.offset.end() - 1);
+        for (int p = 0; p < P; ++p) {
+            int s = fill[ids[p]]++;
+            W.pair_tok[s] = p / K;
+            W.slot[p] = s;
+        }
+    }
+
+    quantize_rows(x, H, T, H, nbH, W.x);
+
+    // tiles over (expert, weight rows, tokens of that expert)
+    auto make_tiles = [&](int rows, std::vector<Tile>& tiles) {
+        int active = 0;
+        for (int e = 0; e < E; ++e) active += W.count[e] > 0;
+        int rt = row_tile(rows, active, pool().size());
+        tiles.clear();
+        for (int e = 0; e < E; ++e)
+            for (int t0 = 0; t0 < W.count[e]; t0 += kTokTile)
+                for (int r0 = 0; r0 < rows; r0 += rt)
+                    tiles.push_back({e, r0, std::min(rt, rows - r0), t0, std::min(kTokTile, W.count[e] - t0)});
+    };
+    std::vector<Tile> tiles;
+
+    // gate and up: G, U [P, I]
+    W.g.resize((size_t)P * I);
+    W.u.resize((size_t)P * I);
+    make_tiles(I, tiles);
+    pool().parallel_for((int)tiles.size(), [&](int i) {
+        const Tile& t = tiles[i];
+        size_t wo = ((size_t)t.e * I + t.r0);
+        GemmArgs a;
+        a.nrows = t.nr;
+        a.nb = nbH;
+        a.w_row = growb;
+        a.ntok = t.nt;
+        a.xq = W.x.q.data();
+        a.xd = W.x.d.data();
+        a.xs = W.x.s.data();
+        a.xidx = W.pair_tok.data() + W.offset[t.e] + t.t0;
+        a.y_row = I;
+        a.w = gq + wo * growb;
+        a.ws = gs + wo * nbH;
+        a.y = W.g.data() + (size_t)(W.offset[t.e] + t.t0) * I + t.r0;
+        gemm(fmt, a);
+        a.w = uq + wo * growb;
+        a.ws = us + wo * nbH;
+        a.y = W.u.data() + (size_t)(W.offset[t.e] + t.t0) * I + t.r0;
+        gemm(fmt, a);
+    });
+
+    // h = silu(g) * u, quantized once per pair for the down projection
+    {
+        W.h.resize(P, nbI);
+        auto& k = kern();
+        int nt = std::min(P, pool().size());
+        int per = (P + nt - 1) / nt;
+        pool().parallel_for(nt, [&](int ti) {
+            std::vector<float> hrow(I);
+            for (int p = ti * per; p < std::min(P, (ti + 1) * per); ++p) {
+                const float* g = W.g.data() + (size_t)p * I;
+                const float* u = W.u.data() + (size_t)p * I;
+                for (int j = 0; j < I; ++j) hrow[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+                k.quantize_row(hrow.data(), I, nbI, W.h.q.data() + (size_t)p * nbI * QK,
+                               W.h.d.data() + (size_t)p * nbI, W.h.s.data() + (size_t)p * nbI);
+            }
+        });
+    }
+
+    // down: Y [P, H]
+    W.y.resize((size_t)P * H);
+    make_tiles(H, tiles);
+    pool().parallel_for((int)tiles.size(), [&](int i) {
+        const Tile& t = tiles[i];
+        size_t wo = ((size_t)t.e * H + t.r0);
+        size_t p0 = W.offset[t.e] + t.t0;
+        GemmArgs a;
+        a.nrows = t.nr;
+        a.nb = nbI;
+        a.w = dq + wo * drowb;
+        a.w_row = drowb;
+        a.ws = ds + wo * nbI;
+        a.ntok = t.nt;
+        a.xq = W.h.q.data() + p0 * nbI * QK;
+        a.xd = W.h.d.data() + p0 * nbI;
+        a.xs = W.h.s.data() + p0 * nbI;
+        a.xidx = nullptr;
+        a.y = W.y.data() + p0 * H + t.r0;
+        a.y_row = H;
+        gemm(fmt, a);
+    });
+
+    // weighted sum over each token's experts, in k order (deterministic)
+    auto combine = [&](int t, int j0, int j1) {
+        float* o = out + (size_t)t * H;
+        for (int j = j0; j < j1; ++j) o[j] = 0.f;
+        for (int k = 0; k < K; ++k) {
+            float wk = weights[(size_t)t * K + k];
+            const float* yk = W.y.data() + (size_t)W.slot[(size_t)t * K + k] * H;
+            for (int j = j0; j < j1; ++j) o[j] += wk * yk[j];
+        }
+    };
+    if (T == 1) {
+        combine(0, 0, H);
+    } else {
+        pool().parallel_for(T, [&](int t) { combine(t, 0, H); });
+    }
+}
+
+}  // namespace moerun

@@ -1,0 +1,25 @@
+// Native ops over raw buffers; bindings.cpp checks shapes and dtypes and calls these.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace moerun {
+
+// Process-wide settings: which kernel table runs and how many threads the pool has.
+bool set_isa(const char* name);
+const char* current_isa();
+void set_threads(int n);
+int get_threads();
+
+// y[M, N] = x[M, K] @ W^T, W quantized in fmt with nb = blocks_of(K).
+void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, const uint16_t* ws, float* y);
+
+// Fused routed experts: out[T, H] = sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t),
+// e = ids[t, k]. gate/up are [E, I, blocks_of(H)] and down [E, H, blocks_of(I)].
+void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, const int64_t* ids,
+                 const float* weights, const uint8_t* gq, const uint16_t* gs, const uint8_t* uq,
+                 const uint16_t* us, const uint8_t* dq, const uint16_t* ds, float* out);
+
+}  // namespace moerun

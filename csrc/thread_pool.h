@@ -1,0 +1,105 @@
+// One pool of worker threads for every native op.
+//
+// Sized like torch's intra-op pool (the Python side passes torch.get_num_threads()), and only
+// busy while a native op runs: torch is idle then, because our ops are called synchronously
+// from the model's forward. After a job the workers spin for a short while (a decode step
+// issues dozens of small jobs back to back; waking a sleeping thread costs tens of
+// microseconds) and then sleep on a condition variable, so they do not steal cores from
+// torch's own threads between our calls.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace moerun {
+
+class ThreadPool {
+public:
+    explicit ThreadPool(int n = 1) { resize(n); }
+    ~ThreadPool() { stop(); }
+
+    int size() const { return n_; }
+
+    void resize(int n) {
+        if (n < 1) n = 1;
+        if (n == n_ && (int)workers_.size() == n - 1) return;
+        stop();
+        n_ = n;
+        quit_ = false;
+        // a worker's first job is the first generation after this one, however late it starts
+        unsigned start = gen_.load(std::memory_order_acquire);
+        for (int i = 1; i < n; ++i) workers_.emplace_back([this, start] { loop(start); });
+    }
+
+    // Run f(task) for task in [0, n_tasks), spread over the pool; returns when all are done.
+    void parallel_for(int n_tasks, const std::function<void(int)>& f) {
+        if (n_tasks <= 0) return;
+        if (n_ == 1 || n_tasks == 1) {
+            for (int t = 0; t < n_tasks; ++t) f(t);
+            return;
+        }
+        job_ = &f;
+        n_tasks_ = n_tasks;
+        next_.store(0, std::memory_order_relaxed);
+        pending_.store(n_ - 1, std::memory_order_relaxed);
+        {
+            std::lock_guard<std::mutex> lk(m_);
+            gen_.fetch_add(1, std::memory_order_release);
+        }
+        cv_.notify_all();
+        work();
+        while (pending_.load(std::memory_order_acquire) != 0) _mm_pause_();
+        job_ = nullptr;
+    }
+
+private:
+    static void _mm_pause_() { __builtin_ia32_pause(); }
+
+    void work() {
+        const std::function<void(int)>& f = *job_;
+        for (int t; (t = next_.fetch_add(1, std::memory_order_relaxed)) < n_tasks_;) f(t);
+    }
+
+    void loop(unsigned seen) {
+        for (;;) {
+            // spin briefly for the next job, then sleep
+            for (int spin = 0; spin < kSpin && gen_.load(std::memory_order_acquire) == seen && !quit_; ++spin)
+                _mm_pause_();
+            if (gen_.load(std::memory_order_acquire) == seen && !quit_) {
+                std::unique_lock<std::mutex> lk(m_);
+                cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen || quit_; });
+            }
+            if (quit_) return;
+            seen = gen_.load(std::memory_order_acquire);
+            work();
+            pending_.fetch_sub(1, std::memory_order_acq_rel);
+        }
+    }
+
+    void stop() {
+        {
+            std::lock_guard<std::mutex> lk(m_);
+            quit_ = true;
+        }
+        cv_.notify_all();
+        for (auto& t : workers_) t.join();
+        workers_.clear();
+    }
+
+    static constexpr int kSpin = 20000;  // roughly 50-200 us of pause instructions
+    int n_ = 0;
+    std::vector<std::thread> workers_;
+    std::mutex m_;
+    std::condition_variable cv_;
+    std::atomic<unsigned> gen_{0};
+    std::atomic<int> next_{0}, pending_{0};
+    int n_tasks_ = 0;
+    const std::function<void(int)>* job_ = nullptr;
+    std::atomic<bool> quit_{false};
+};
+
+}  // namespace moerun

@@ -1,0 +1,172 @@
+"""The one import point of moerun's native CPU kernels, with a pure-torch reference beside
+every native op.
+
+The kernel path is chosen once at run time from the CPU (`moerun._native` checks it with
+`__builtin_cpu_supports`): `avx2` (AVX2 + FMA + F16C) where the CPU has it, else `generic`
+(portable C++). `MOERUN_ISA=torch|generic|avx2` forces a path (`torch` runs the references,
+which is also what happens when the extension is not built). AVX-512 / VNNI / AMX paths are
+not built yet.
+
+Threads: the native pool is resized to `torch.get_num_threads()` before each op, so
+`--threads N` (which sets torch's count) sizes both; the two pools take turns, never run
+at once, because each native op is a synchronous call inside the model's forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ..quant import formats
+
+# M rows, K in features, N out features, T tokens, H hidden, I expert width, E experts,
+# K experts per token (in moe_experts)
+
+_state = {"loaded": False, "native": None, "error": None, "torch_only": False, "threads": 0}
+
+
+def _native():
+    """The extension module with MOERUN_ISA applied, or None when the torch path is in use."""
+    if not _state["loaded"]:
+        _state["loaded"] = True
+        try:
+            from .. import _native as nat
+        except ImportError as e:  # not built: everything runs on the references
+            _state["error"] = str(e)
+        else:
+            _state["native"] = nat
+            forced = os.environ.get("MOERUN_ISA", "").strip().lower()
+            if forced:
+                set_isa(forced)
+    return None if _state["torch_only"] else _state["native"]
+
+
+def available_isas() -> list[str]:
+    """Paths this machine can run, slowest first: 'torch', then the native ones."""
+    _native()
+    nat = _state["native"]
+    return ["torch"] + (list(nat.available_isas()) if nat is not None else [])
+
+
+def isa() -> str:
+    """The kernel path in use: 'torch', 'generic' or 'avx2'."""
+    nat = _native()
+    return "torch" if nat is None else nat.isa()
+
+
+def set_isa(name: str) -> None:
+    """Force a kernel path ('torch' runs the pure-torch references)."""
+    _native()
+    if name == "torch":
+        _state["torch_only"] = True
+        return
+    nat = _state["native"]
+    if nat is None:
+        raise RuntimeError(f"ISA {name!r} needs the native extension, which did not load: {_state['error']}")
+    if name not in nat.available_isas():
+        raise RuntimeError(f"ISA {name!r} is not available on this CPU; available: {', '.join(available_isas())}")
+    nat.set_isa(name)
+    _state["torch_only"] = False
+
+
+@contextlib.contextmanager
+def use_isa(name: str):
+    before = isa()
+    set_isa(name)
+    try:
+        yield
+    finally:
+        set_isa(before)
+
+
+def describe() -> str:
+    """One line for `moerun info`: which kernels run and why."""
+    nat = _native()
+    if nat is None:
+        why = "forced by MOERUN_ISA" if _state["torch_only"] else f"native extension not loaded: {_state['error']}"
+        return f"torch reference kernels ({why})"
+    feats = [k for k, v in sorted(nat.cpu_features().items()) if v]
+    return f"native {nat.isa()} kernels (CPU: {' '.join(feats) or 'baseline'})"
+
+
+def _sync_threads(nat) -> None:
+    n = torch.get_num_threads()
+    if n != _state["threads"]:
+        nat.set_threads(n)
+        _state["threads"] = n
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+# -- quantized linear ----------------------------------------------------------------------
+
+def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] float32, W packed by `moerun.quant.formats.quantize`."""
+    nat = _native()
+    if nat is None:
+        return qlinear_ref(x, qweight, scales, fmt, in_features)
+    out = torch.empty(x.shape[0], qweight.shape[0], dtype=torch.float32)
+    if x.shape[0]:
+        _sync_threads(nat)
+        nat.qlinear(_f32(x), qweight, scales, out, formats.FORMATS[fmt])
+    return out
+
+
+def qlinear_ref(x, qweight, scales, fmt, in_features) -> torch.Tensor:
+    return formats.matmul_ref(x, qweight, scales, fmt, in_features, quantize_x=True)
+
+
+# -- fused routed experts ------------------------------------------------------------------
+
+def moe_experts(x, ids, weights, gate, gate_scales, up, up_scales, down, down_scales, fmt: str,
+                intermediate: int) -> torch.Tensor:
+    """sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, k] -> [T, H] float32.
+
+    x [T, H]; ids [T, K] long; weights [T, K]; gate/up [E, I, bytes] with scales [E, I, nb];
+    down [E, H, bytes] with scales [E, H, nb]. One call per layer: the native kernel groups
+    the tokens per expert, runs gate/up, SiLU*up, down and the weighted sum itself.
+    """
+    nat = _native()
+    if nat is None:
+        return moe_experts_ref(x, ids, weights, gate, gate_scales, up, up_scales, down, down_scales, fmt, intermediate)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    if x.shape[0]:
+        _sync_threads(nat)
+        nat.moe_experts(_f32(x), ids.to(torch.int64).contiguous(), _f32(weights), gate, gate_scales, up,
+                        up_scales, down, down_scales, out, formats.FORMATS[fmt], intermediate)
+    return out
+
+
+def moe_experts_ref(x, ids, weights, gate, gate_scales, up, up_scales, down, down_scales, fmt, intermediate):
+    """Torch reference with the kernel's arithmetic (int8 activations for every product)."""
+    T, H = x.shape
+    K = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate.shape[0]).tolist()
+    token_of = order // K
+    w_sorted = weights.reshape(-1)[order].float()
+    out = torch.zeros(T, H, dtype=torch.float32)
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        rows = token_of[start : start + c]
+        xs = x[rows].float()
+        g = formats.matmul_ref(xs, gate[e], gate_scales[e], fmt, H)
+        u = formats.matmul_ref(xs, up[e], up_scales[e], fmt, H)
+        y = formats.matmul_ref(F.silu(g) * u, down[e], down_scales[e], fmt, intermediate)
+        out.index_add_(0, rows, y * w_sorted[start : start + c, None])
+        start += c
+    return out
+
+
+__all__ = [
+    "available_isas", "isa", "set_isa", "use_isa", "describe",
+    "qlinear", "qlinear_ref", "moe_experts", "moe_experts_ref",
+]

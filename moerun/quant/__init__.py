@@ -1,0 +1,103 @@
+"""Quantization: block formats (`formats`), drop-in modules (`modules`) and the
+per-component policy applied to a loaded model by `quantize_model`.
+
+Default policy ("int4"): routed experts int4 (they are most of the bytes and each expert is
+read by few tokens, so it tolerates the most error), shared experts, dense MLPs, attention
+projections and the LM head int8; routers (`gate`, `shared_expert_gate`), norms and
+embeddings stay in the model's float dtype (they are tiny, and the router decides which
+experts run at all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from torch import nn
+
+from .formats import FORMATS
+
+# module names never quantized: routers, and projections whose weight a model reads directly
+KEEP_FLOAT = ("gate", "shared_expert_gate", "router", "kv_b_proj")
+
+
+@dataclass(frozen=True)
+class QuantPolicy:
+    """Format per component; None keeps the component in float."""
+
+    experts: str | None = "int4"         # routed experts (Experts modules)
+    shared_experts: str | None = "int8"  # shared experts and dense MLP layers
+    attention: str | None = "int8"       # attention / linear-attention projections
+    lm_head: str | None = "int8"
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None and v not in FORMATS:
+                raise ValueError(f"{f.name}: unknown format {v!r}; formats: {', '.join(FORMATS)} or None")
+
+
+POLICIES = {
+    "int4": QuantPolicy(),  # the default: routed experts int4, everything else int8
+    "int8": QuantPolicy(experts="int8"),
+    "int4-all": QuantPolicy(experts="int4", shared_experts="int4", attention="int4", lm_head="int4"),
+    "none": None,
+}
+
+
+def resolve_policy(policy) -> QuantPolicy | None:
+    if policy is None or isinstance(policy, QuantPolicy):
+        return policy
+    if isinstance(policy, str) and policy in POLICIES:
+        return POLICIES[policy]
+    raise ValueError(f"unknown quantization policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def component_of(name: str, module: nn.Module) -> str | None:
+    """Which policy component a module belongs to (None: leave it alone)."""
+    from ..layers.moe import Experts
+
+    if isinstance(module, Experts):
+        return "experts"
+    if not isinstance(module, nn.Linear):
+        return None
+    leaf = name.rpartition(".")[2]
+    if leaf in KEEP_FLOAT:
+        return None
+    if leaf == "lm_head":
+        return "lm_head"
+    parts = name.split(".")
+    if any("attn" in p for p in parts):
+        return "attention"
+    if "mlp" in parts or any(p.startswith("shared_expert") for p in parts):
+        return "shared_experts"
+    return None  # anything else (MTP projections, unknown heads) stays as loaded
+
+
+def quantize_model(net: nn.Module, policy: str | QuantPolicy | None = "int4") -> dict[str, int]:
+    """Swap `net`'s modules in place for quantized ones following `policy`.
+
+    policy: "int4" (default component policy), "int8", "int4-all", "none"/None, or a
+    QuantPolicy. Returns how many modules were quantized per component.
+    """
+    from .modules import QuantizedExperts, QuantizedLinear
+
+    policy = resolve_policy(policy)
+    counts: dict[str, int] = {}
+    if policy is None:
+        return counts
+    plan = []
+    for name, mod in net.named_modules():
+        comp = component_of(name, mod)
+        if comp is not None and getattr(policy, comp) is not None:
+            plan.append((name, mod, comp))
+    for name, mod, comp in plan:
+        fmt = getattr(policy, comp)
+        new = (QuantizedExperts.from_experts(mod, fmt) if comp == "experts"
+               else QuantizedLinear.from_linear(mod, fmt))
+        parent_name, _, child = name.rpartition(".")
+        setattr(net.get_submodule(parent_name) if parent_name else net, child, new)
+        counts[comp] = counts.get(comp, 0) + 1
+    return counts
+
+
+__all__ = ["QuantPolicy", "POLICIES", "quantize_model", "resolve_policy", "component_of"]

@@ -1,0 +1,87 @@
+"""Drop-in quantized modules: `QuantizedLinear` for `nn.Linear`, `QuantizedExperts` for
+`moerun.layers.moe.Experts`. Same forward signatures; weights kept packed as buffers (so a
+state_dict holds the quantized checkpoint) and run through `moerun.kernels`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import formats
+
+# N tokens, H hidden, I expert width, E experts, K experts per token
+
+
+class QuantizedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False):
+        super().__init__()
+        if fmt not in formats.FORMATS:
+            raise ValueError(f"unknown quantization format {fmt!r}")
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        nb = formats.blocks(in_features)
+        per = formats.GROUP // 2 if fmt == "int4" else formats.GROUP
+        qdtype = torch.uint8 if fmt == "int4" else torch.int8
+        self.register_buffer("qweight", torch.zeros(out_features, nb * per, dtype=qdtype))
+        self.register_buffer("scales", torch.zeros(out_features, nb, dtype=torch.float16))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, fmt: str) -> "QuantizedLinear":
+        m = cls(lin.in_features, lin.out_features, fmt, bias=lin.bias is not None)
+        m.qweight, m.scales = formats.quantize(lin.weight.detach(), fmt)
+        if lin.bias is not None:
+            m.bias = lin.bias.detach().float().clone()
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .. import kernels
+
+        lead = x.shape[:-1]
+        y = kernels.qlinear(x.reshape(-1, self.in_features), self.qweight, self.scales, self.fmt, self.in_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+class QuantizedExperts(nn.Module):
+    """Routed experts with gate/up [E, I, H] and down [E, H, I] packed in `fmt`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str):
+        super().__init__()
+        if fmt not in formats.FORMATS:
+            raise ValueError(f"unknown quantization format {fmt!r}")
+        self.num_experts, self.hidden_size, self.intermediate_size, self.fmt = (
+            num_experts, hidden_size, intermediate_size, fmt)
+        per = formats.GROUP // 2 if fmt == "int4" else formats.GROUP
+        qdtype = torch.uint8 if fmt == "int4" else torch.int8
+        E, H, I = num_experts, hidden_size, intermediate_size
+        nbH, nbI = formats.blocks(H), formats.blocks(I)
+        for name, rows, nb in (("gate", I, nbH), ("up", I, nbH), ("down", H, nbI)):
+            self.register_buffer(f"{name}_q", torch.zeros(E, rows, nb * per, dtype=qdtype))
+            self.register_buffer(f"{name}_scales", torch.zeros(E, rows, nb, dtype=torch.float16))
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, fmt: str) -> "QuantizedExperts":
+        E, I, H = experts.gate_proj.shape
+        m = cls(E, H, I, fmt)
+        with torch.no_grad():
+            for name, p in (("gate", experts.gate_proj), ("up", experts.up_proj), ("down", experts.down_proj)):
+                q, s = getattr(m, f"{name}_q"), getattr(m, f"{name}_scales")
+                for e in range(E):  # one expert at a time: no float32 copy of the whole stack
+                    q[e], s[e] = formats.quantize(p[e], fmt)
+        return m
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]."""
+        from .. import kernels
+
+        y = kernels.moe_experts(x, ids, weights, self.gate_q, self.gate_scales, self.up_q, self.up_scales,
+                                self.down_q, self.down_scales, self.fmt, self.intermediate_size)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, fmt={self.fmt}")

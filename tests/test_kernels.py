@@ -1,0 +1,174 @@
+"""Every native op against its torch reference, on every kernel path this CPU has.
+
+Tolerances (errors relative to the reference's largest magnitude):
+- qlinear, native vs the reference that reproduces its arithmetic (int8 activations,
+  integer block dot products): 1e-5, float summation order only, both formats.
+- moe_experts, same reference: the hidden activation is quantized a second time, and a
+  float rounding difference can move one value across an int8 rounding boundary, so
+  max 1e-2 and 1e-4 in norm (relative Frobenius error).
+- against the float product with the unquantized weights (Gaussian weights, the worst case
+  for block formats): int8 2e-2 and int4 0.2 in norm.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moerun import kernels
+from moerun.layers.moe import Experts
+from moerun.quant import formats
+from moerun.quant.modules import QuantizedExperts, QuantizedLinear
+
+NATIVE = [i for i in kernels.available_isas() if i != "torch"]
+FMTS = ["int4", "int8"]
+FLOAT_TOL = {"int4": 0.2, "int8": 2e-2}
+
+
+def max_rel(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def norm_rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_native_extension_loaded():
+    # the build is part of the package: a missing extension is a failure, not a skip
+    assert NATIVE, "moerun._native did not load"
+    assert kernels.isa() in NATIVE
+    assert kernels.describe().startswith("native")
+
+
+def test_force_torch_path():
+    with kernels.use_isa("torch"):
+        assert kernels.isa() == "torch"
+    assert kernels.isa() != "torch"
+    with pytest.raises(RuntimeError):
+        kernels.set_isa("avx9000")
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("M,K,N", [(1, 32, 4), (1, 100, 37), (3, 64, 5), (7, 257, 33), (64, 512, 130)])
+def test_qlinear(isa, fmt, M, K, N):
+    g = torch.Generator().manual_seed(M * 1000 + K + N)
+    w = torch.randn(N, K, generator=g) * 0.05
+    x = torch.randn(M, K, generator=g)
+    q, s = formats.quantize(w, fmt)
+    ref = kernels.qlinear_ref(x, q, s, fmt, K)
+    with kernels.use_isa(isa):
+        y = kernels.qlinear(x, q, s, fmt, K)
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    assert max_rel(y, ref) < 1e-5
+    assert norm_rel(y, x @ w.T) < FLOAT_TOL[fmt]
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_qlinear_threads_agree(isa, threads):
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(300, 96, generator=g), torch.randn(20, 96, generator=g)
+    q, s = formats.quantize(w, "int4")
+    before = torch.get_num_threads()
+    try:
+        with kernels.use_isa(isa):
+            torch.set_num_threads(1)
+            one = kernels.qlinear(x, q, s, "int4", 96)
+            torch.set_num_threads(threads)
+            many = kernels.qlinear(x, q, s, "int4", 96)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)  # tiles never split a dot product: bitwise the same
+
+
+def _experts(E, H, I, seed):
+    ex = Experts(E, H, I)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return ex
+
+
+def _route(T, E, K, g):
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("T,H,I,E,K", [(1, 64, 32, 4, 2), (1, 100, 70, 9, 3), (5, 96, 40, 6, 6), (150, 128, 96, 16, 4)])
+def test_moe_experts(isa, fmt, T, H, I, E, K):
+    g = torch.Generator().manual_seed(T + H + I + E + K)
+    ex = _experts(E, H, I, seed=T + E)
+    qe = QuantizedExperts.from_experts(ex, fmt)
+    x = torch.randn(T, H, generator=g)
+    ids, w = _route(T, E, K, g)
+    with kernels.use_isa("torch"):
+        ref = qe(x, ids, w)
+    with kernels.use_isa(isa):
+        y = qe(x, ids, w)
+    assert y.shape == (T, H)
+    assert max_rel(y, ref) < 1e-2
+    assert norm_rel(y, ref) < 1e-4
+    with torch.no_grad():
+        assert norm_rel(y, ex(x, ids, w)) < FLOAT_TOL[fmt]
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+def test_moe_experts_bf16_in_out(isa):
+    g = torch.Generator().manual_seed(3)
+    ex = _experts(8, 64, 64, seed=3)
+    qe = QuantizedExperts.from_experts(ex, "int4")
+    x = torch.randn(3, 64, generator=g)
+    ids, w = _route(3, 8, 2, g)
+    with kernels.use_isa(isa):
+        y32 = qe(x, ids, w)
+        y16 = qe(x.bfloat16(), ids, w.bfloat16())
+    assert y16.dtype == torch.bfloat16
+    assert norm_rel(y16, y32) < 2e-2
+
+
+def test_moe_experts_bad_expert_id():
+    qe = QuantizedExperts.from_experts(_experts(4, 32, 32, seed=0), "int8")
+    with pytest.raises((IndexError, ValueError)):
+        qe(torch.randn(1, 32), torch.tensor([[0, 4]]), torch.ones(1, 2))
+
+
+def test_moe_hand_set_weights_known_answer():
+    """One expert, identity-like weights exactly representable in both formats."""
+    E, H, I = 2, 32, 32
+    ex = Experts(E, H, I)
+    with torch.no_grad():
+        ex.gate_proj.zero_()
+        ex.up_proj.zero_()
+        ex.down_proj.zero_()
+        ex.gate_proj[1] = torch.eye(I) * 4.0   # silu(4 x)
+        ex.up_proj[1] = torch.eye(I)           # * x
+        ex.down_proj[1] = torch.eye(H) * 2.0   # * 2
+    x = torch.zeros(1, H)
+    x[0, 3] = 1.0
+    ids = torch.tensor([[1, 0]])
+    w = torch.tensor([[0.5, 0.5]])
+    expected = torch.zeros(1, H)
+    expected[0, 3] = 0.5 * 2.0 * torch.nn.functional.silu(torch.tensor(4.0)) * 1.0
+    for fmt in FMTS:
+        qe = QuantizedExperts.from_experts(ex, fmt)
+        for isa in NATIVE + ["torch"]:
+            with kernels.use_isa(isa):
+                y = qe(x, ids, w)
+            # the hidden value silu(4) is quantized to int8 in its block: 1/127 relative
+            assert torch.allclose(y, expected, rtol=1e-2, atol=1e-6), (fmt, isa, y[0, 3])
+
+
+def test_quantized_linear_module_shapes_and_bias():
+    lin = torch.nn.Linear(70, 9, bias=True)
+    ql = QuantizedLinear.from_linear(lin, "int8")
+    x = torch.randn(2, 3, 70)
+    y = ql(x)
+    assert y.shape == (2, 3, 9)
+    with torch.no_grad():
+        assert norm_rel(y, lin(x)) < FLOAT_TOL["int8"]
+    assert ql(torch.randn(0, 70)).shape == (0, 9)
