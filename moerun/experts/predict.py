@@ -1,0 +1,506 @@
+"""Expert predictors: which experts will a layer of this (or the next) token use?
+
+Every predictor has one interface, fed the same events whether it replays a trace or runs
+beside a live model:
+
+    begin_token(info)              a new token's forward pass starts; `info` holds what the
+                                   MTP head said about this token (`mtp_route` [L, E] scores,
+                                   `mtp_hidden` [H]) when the trace or engine has it
+    observe(layer, ids, ahead)     layer `layer` of this token routed to `ids`; `ahead` maps
+                                   d -> router scores of layer+d applied to this layer's
+                                   router input (the `layer_ahead` signal)
+    predict(layer, budget)         `budget` expert ids for `layer` of this token, best first
+    lead(layer)                    (tokens, layers): how early that prediction exists in a
+                                   real decode: at the router of layer `layer - layers` of
+                                   the token `tokens` steps back (layer -1 = token start)
+
+A predictor only reads signals that exist at its lead (the replay checks nothing; each
+class says what it reads). Predictions are rankings, so the prediction at budget b is the
+first b of the one at a larger budget.
+
+Predictors (names as `predict-eval` prints them):
+    frequency       static prior: the most used experts of the layer in the fit part of the trace
+    temporal        most recently used experts of the layer (budget K = the previous token's set)
+    layer_ahead1/2  router of layer l+d applied to the hidden state entering layer l's router
+                    (approximation: layer l's router input, already normed by layer l's norm,
+                    stands in for layer l+d's)
+    mtp             the MTP head's top-C candidates for the next token, each candidate's input
+                    embedding through every layer's router (profile.mtp_route_scores)
+    mtp_learned     per-layer linear probes (ridge least squares) from the MTP head's hidden
+                    state to the next token's experts, fitted on the fit part of the trace
+    combined        mtp_learned for layers < 2 (lead: one token), then layer_ahead1's router
+                    probabilities plus half the probe's normalised scores (lead: one layer)
+Where a predictor has no signal (first tokens, first layers) it falls back to `temporal`,
+then to the frequency prior.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..errors import MoerunError
+
+# N tokens, L MoE layers, K experts per token, E experts, H hidden
+
+NAMES = ("frequency", "temporal", "layer_ahead1", "layer_ahead2", "mtp", "mtp_learned", "combined")
+FACTORS = (1.0, 1.5, 2.0)
+
+
+class Predictor:
+    name = "base"
+
+    def __init__(self, num_layers: int, num_experts: int, prior: np.ndarray | None = None):
+        self.L, self.E = num_layers, num_experts
+        prior = np.zeros((num_layers, num_experts)) if prior is None else np.asarray(prior, dtype=np.float64)
+        # ties (and missing signals) are broken by the prior, then by expert index
+        self._tiebreak = prior / (prior.max(axis=1, keepdims=True) + 1.0) * 1e-6
+        self.prior = prior
+        self.reset()
+
+    def reset(self) -> None:
+        self.last_used = np.full((self.L, self.E), -1.0)
+        self.tick = 0
+
+    def begin_token(self, info: dict | None = None) -> None:
+        self.tick += 1
+
+    def observe(self, layer: int, ids, ahead: dict | None = None) -> None:
+        self.last_used[layer, np.asarray(ids, dtype=np.int64)] = self.tick
+
+    def scores(self, layer: int) -> np.ndarray | None:
+        return None
+
+    def fallback(self, layer: int) -> np.ndarray:
+        return self.last_used[layer]  # temporal; the tiebreak adds the prior
+
+    def predict(self, layer: int, budget: int) -> np.ndarray:
+        s = self.scores(layer)
+        if s is None:
+            s = self.fallback(layer)
+        s = np.asarray(s, dtype=np.float64) + self._tiebreak[layer]
+        budget = min(int(budget), self.E)
+        if budget >= self.E:
+            return np.argsort(-s, kind="stable")
+        top = np.argpartition(-s, budget - 1)[:budget]
+        return top[np.argsort(-s[top], kind="stable")]
+
+    def lead(self, layer: int) -> tuple[int, int]:
+        return (1, 0)  # temporal: right after the previous token's router at this layer
+
+
+class Frequency(Predictor):
+    name = "frequency"
+
+    def scores(self, layer):
+        return self.prior[layer]
+
+    def lead(self, layer):
+        return (0, layer + 1)  # static: known before the run; counted as "at token start"
+
+
+class Temporal(Predictor):
+    name = "temporal"
+
+
+class LayerAhead(Predictor):
+    """Reads `ahead[d]` passed with layer l-d's observation of the same token."""
+
+    def __init__(self, num_layers, num_experts, prior=None, d: int = 1):
+        self.d = d
+        self.name = f"layer_ahead{d}"
+        super().__init__(num_layers, num_experts, prior)
+
+    def reset(self):
+        super().reset()
+        self.cur: dict[int, np.ndarray] = {}
+
+    def begin_token(self, info=None):
+        super().begin_token(info)
+        self.cur = {}
+
+    def observe(self, layer, ids, ahead=None):
+        super().observe(layer, ids, ahead)
+        if ahead is not None and self.d in ahead and layer + self.d < self.L:
+            self.cur[layer + self.d] = ahead[self.d]
+
+    def scores(self, layer):
+        return self.cur.get(layer)
+
+    def lead(self, layer):
+        return (0, self.d) if layer >= self.d else (1, 0)
+
+
+class MTP(Predictor):
+    """Reads `info["mtp_route"]` (made by the MTP head one token earlier)."""
+
+    name = "mtp"
+
+    def begin_token(self, info=None):
+        super().begin_token(info)
+        r = (info or {}).get("mtp_route")
+        self.route = None if r is None else np.asarray(r, dtype=np.float64)
+
+    def reset(self):
+        super().reset()
+        self.route = None
+
+    def scores(self, layer):
+        return None if self.route is None else self.route[layer]
+
+    def lead(self, layer):
+        return (1, layer + 1)  # the head runs once token n-1 is sampled, before its forward pass
+
+
+class MTPLearned(Predictor):
+    """Per-layer linear probes W [L, H+1, E] from the MTP head's hidden state."""
+
+    name = "mtp_learned"
+
+    def __init__(self, num_layers, num_experts, prior=None, probes: np.ndarray | None = None):
+        super().__init__(num_layers, num_experts, prior)
+        self.W = probes
+
+    def reset(self):
+        super().reset()
+        self.z = None
+
+    def begin_token(self, info=None):
+        super().begin_token(info)
+        h = (info or {}).get("mtp_hidden")
+        if h is None or self.W is None:
+            self.z = None
+        else:
+            x = np.append(np.asarray(h, dtype=np.float32), np.float32(1.0))
+            self.z = np.einsum("h,lhe->le", x, self.W)  # [L, E]
+
+    def scores(self, layer):
+        return None if self.z is None else self.z[layer]
+
+    def lead(self, layer):
+        return (1, layer + 1)
+
+
+class Combined(LayerAhead):
+    """mtp_learned for the first d layers; then layer_ahead(d) plus half the probe's scores."""
+
+    def __init__(self, num_layers, num_experts, prior=None, probes=None, d: int = 1, mix: float = 0.5):
+        self.probe = MTPLearned(num_layers, num_experts, prior, probes)
+        self.mix = mix
+        super().__init__(num_layers, num_experts, prior, d)
+        self.name = "combined"
+
+    def begin_token(self, info=None):
+        super().begin_token(info)
+        self.probe.begin_token(info)
+
+    def scores(self, layer):
+        m = self.probe.scores(layer)
+        a = self.cur.get(layer)
+        if a is None:
+            return m
+        p = np.exp(a - a.max())
+        p /= p.sum()
+        if m is None:
+            return p
+        q = np.clip(m, 0, None)
+        return p + self.mix * q / max(q.sum(), 1e-9)
+
+    def lead(self, layer):
+        return (0, self.d) if layer >= self.d else (1, layer + 1)
+
+
+# -- fitting -----------------------------------------------------------------------------------
+
+
+def fit_probes(trace, ridge: float = 1e-2) -> np.ndarray | None:
+    """Least-squares probes from `mtp_hidden` [N, H] to the multi-hot experts of each layer;
+    returns W [L, H+1, E] (None when the trace has no MTP hidden states)."""
+    if trace.mtp_hidden is None:
+        return None
+    v = trace.mtp_valid.astype(bool)
+    if v.sum() < 2:
+        return None
+    X = trace.mtp_hidden[v].astype(np.float64)
+    X = np.concatenate([X, np.ones((X.shape[0], 1))], axis=1)  # [N, H+1]
+    L, E = trace.num_layers, trace.num_experts
+    Y = np.zeros((X.shape[0], L, E))
+    ids = trace.ids[v].astype(np.int64)  # [N, L, K]
+    n_idx = np.arange(X.shape[0])[:, None, None]
+    l_idx = np.arange(L)[None, :, None]
+    Y[n_idx, l_idx, ids] = 1.0
+    A = X.T @ X
+    A += ridge * np.trace(A) / A.shape[0] * np.eye(A.shape[0])
+    W = np.linalg.solve(A, X.T @ Y.reshape(X.shape[0], L * E))  # [H+1, L*E]
+    return W.reshape(-1, L, E).transpose(1, 0, 2).astype(np.float32)
+
+
+def make_predictors(fit, names=NAMES) -> dict[str, Predictor]:
+    """Predictors fitted on the trace `fit` (the frequency prior, the probes)."""
+    L, E = fit.num_layers, fit.num_experts
+    prior = fit.counts().astype(np.float64)
+    probes = fit_probes(fit) if any(n in ("mtp_learned", "combined") for n in names) else None
+    out = {}
+    for n in names:
+        if n == "frequency":
+            out[n] = Frequency(L, E, prior)
+        elif n == "temporal":
+            out[n] = Temporal(L, E, prior)
+        elif n.startswith("layer_ahead"):
+            d = int(n[len("layer_ahead"):] or 1)
+            if fit.ahead is None or d > fit.ahead.shape[0]:
+                continue
+            out[n] = LayerAhead(L, E, prior, d)
+        elif n == "mtp":
+            if fit.mtp_route is None:
+                continue
+            out[n] = MTP(L, E, prior)
+        elif n == "mtp_learned":
+            if probes is None:
+                continue
+            out[n] = MTPLearned(L, E, prior, probes)
+        elif n == "combined":
+            if probes is None or fit.ahead is None:
+                continue
+            out[n] = Combined(L, E, prior, probes)
+        else:
+            raise MoerunError(f"unknown predictor {n!r}; choose one of {', '.join(NAMES)}")
+    return out
+
+
+# -- replay and scoring ---------------------------------------------------------------------------
+
+
+def replay(trace, pred: Predictor, budget: int) -> tuple[np.ndarray, float]:
+    """Run `pred` over the trace in decode order; returns (predictions int16 [N, L, budget],
+    the predictor's own time per token in µs)."""
+    N, L = trace.num_tokens, trace.num_layers
+    D = trace.ahead.shape[0] if trace.ahead is not None else 0
+    out = np.zeros((N, L, budget), dtype=np.int16)
+    ids = trace.ids
+    pred.reset()
+    mv = trace.mtp_valid
+    t_pred = 0.0
+    for n in range(N):
+        info = {}
+        if mv is not None and mv[n]:
+            if trace.mtp_route is not None:
+                info["mtp_route"] = trace.mtp_route[n]
+            if trace.mtp_hidden is not None:
+                info["mtp_hidden"] = trace.mtp_hidden[n]
+        ahead_n = [trace.ahead[d, n].astype(np.float64) for d in range(D)] if D else None
+        t0 = time.perf_counter()
+        pred.begin_token(info)
+        for l in range(L):
+            out[n, l] = pred.predict(l, budget)
+            pred.observe(l, ids[n, l], {d + 1: ahead_n[d][l] for d in range(D)} if D else None)
+        t_pred += time.perf_counter() - t0
+    return out, t_pred * 1e6 / max(N, 1)
+
+
+def score(trace, predictions: np.ndarray, budget: int) -> dict:
+    """Recall (share of used experts that were predicted) and precision (share of predicted
+    experts that were used) at `budget` (the first `budget` of each ranking)."""
+    p = predictions[:, :, :budget].astype(np.int64)
+    t = trace.ids.astype(np.int64)
+    hit = (p[..., :, None] == t[..., None, :]).any(-1).sum()  # predicted and used
+    return {"recall": float(hit / t.size), "precision": float(hit / p.size)}
+
+
+def model_cost_us(trace, name: str) -> float:
+    """Model-side work a predictor needs per token, as timed while profiling (router
+    matmuls for layer_ahead; the MTP head and candidate routing for mtp)."""
+    t = trace.meta.get("timing_us_per_token", {})
+    D = max(int(trace.meta.get("ahead", 1)), 1)
+    if name.startswith("layer_ahead"):
+        return t.get("ahead_us", 0.0) / D
+    if name == "mtp":
+        return t.get("mtp_head_us", 0.0) + t.get("mtp_route_us", 0.0)
+    if name == "mtp_learned":
+        return t.get("mtp_head_us", 0.0)
+    if name == "combined":
+        return t.get("mtp_head_us", 0.0) + t.get("ahead_us", 0.0) / D
+    return 0.0
+
+
+def evaluate(trace, names=NAMES, factors=FACTORS, fit_fraction: float = 0.5, return_predictions: bool = False):
+    """Fit on the first sequences of the trace, score on the rest.
+
+    Returns {predictor: {"1.0": {recall, precision, lead_layers, lead_tokens, cost_us}, ...}}
+    (and, with return_predictions, {predictor: int16 [N_eval, L, max budget]} and the eval
+    trace). lead_layers: how many layers before its use a prediction exists, averaged over
+    layers (one token = L layers; null for the static frequency prior). cost_us: the
+    predictor's replay time per token plus the model-side work timed at profiling."""
+    if trace.num_tokens < 4:
+        raise MoerunError("the trace is too short to fit and evaluate predictors (needs 4+ tokens)")
+    fit, ev = trace.split(fit_fraction)
+    preds = make_predictors(fit, names)
+    K, L = trace.top_k, trace.num_layers
+    budgets = {f: max(1, min(int(round(f * K)), trace.num_experts)) for f in factors}
+    bmax = max(budgets.values())
+    results, all_preds = {}, {}
+    for name, p in preds.items():
+        out, own_us = replay(ev, p, bmax)
+        all_preds[name] = out
+        leads = [p.lead(l) for l in range(L)]
+        lead_layers = None if name == "frequency" else float(np.mean([t * L + d for t, d in leads]))
+        lead_tokens = float(np.mean([t for t, _ in leads]))
+        cost = own_us + model_cost_us(trace, name)
+        results[name] = {
+            f"{f:.1f}": {**score(ev, out, b), "budget": b, "lead_layers": lead_layers, "lead_tokens": lead_tokens,
+                         "cost_us": round(cost, 2)}
+            for f, b in budgets.items()
+        }
+    if return_predictions:
+        return results, all_preds, ev, preds
+    return results
+
+
+def predict_eval(trace: str, as_json: bool = False, predictors: str | None = None, fit_fraction: float = 0.5) -> dict:
+    """`moerun predict-eval TRACE [--json] [--predictors a,b] [--fit-fraction F]`: prints
+    the JSON object, or a table; returns the dict."""
+    import json
+
+    from .profile import Trace
+
+    tr = Trace.load(trace)
+    names = tuple(n.strip() for n in predictors.split(",")) if predictors else NAMES
+    res = evaluate(tr, names, fit_fraction=fit_fraction)
+    if as_json:
+        print(json.dumps(res, indent=1))
+    else:
+        print(format_table(res, tr))
+    return res
+
+
+def format_table(res: dict, trace=None) -> str:
+    head = "predictor      budget  recall  precision  lead(layers)  cost(µs/token)"
+    lines = []
+    if trace is not None:
+        lines.append(f"{trace.num_tokens} tokens, {trace.num_layers} MoE layers, {trace.num_experts} experts, "
+                     f"top-{trace.top_k}; fitted on the first half of the sequences, scored on the rest")
+    lines.append(head)
+    for name, per in res.items():
+        for f, r in per.items():
+            lead = "static" if r["lead_layers"] is None else f"{r['lead_layers']:.1f}"
+            lines.append(f"{name:<14} {f}x={r['budget']:<3} {r['recall']:6.3f}  {r['precision']:9.3f}  {lead:>12}  "
+                         f"{r['cost_us']:14.1f}")
+    return "\n".join(lines)
+
+
+# -- driving the expert store's prefetcher -----------------------------------------------------------
+
+
+class PrefetchDriver:
+    """Feeds a predictor from a live model and turns its predictions into
+    `ExpertStore.prefetch` hints. Hooks: the router's input (for `layer_ahead`) and the
+    experts call (the routing) of every trunk MoE block. After the routing of layer l it
+    hints, for every layer whose prediction becomes available at that moment (per
+    `lead`), the predicted experts; at the first layer of a pass it also hints those
+    available at token start. MTP-based predictors need `on_mtp(info)` from the engine
+    (the MTP head's route/hidden for the next token) and hint the next token's layers.
+    """
+
+    def __init__(self, net, store, predictor: Predictor, factor: float = 1.5):
+        import torch
+
+        from .profile import moe_blocks
+
+        self.net, self.store, self.pred = net, store, predictor
+        self.blocks = moe_blocks(net)
+        self.L = len(self.blocks)
+        top_k = getattr(getattr(net, "args", None), "num_experts_per_tok", 1)
+        self.budget = max(1, int(round(factor * top_k)))
+        self.D = getattr(predictor, "d", 0)
+        self._router_in: dict[int, object] = {}
+        self._handles = []
+        self._torch = torch
+        self.layer_ids = [getattr(getattr(b, "experts", None), "layer", i) for i, (_, b) in enumerate(self.blocks)]
+        for i, (_, blk) in enumerate(self.blocks):
+            if self.D:
+                self._handles.append(blk.gate.register_forward_pre_hook(self._gate_hook(i)))
+            self._handles.append(blk.experts.register_forward_pre_hook(self._experts_hook(i)))
+        self.pending_info: dict | None = None
+
+    def on_mtp(self, info: dict) -> None:
+        """The MTP head's view of the next token; hints that token's layers at once."""
+        self.pending_info = info
+        tick = self.pred.tick
+        self.pred.begin_token(info)  # mtp predictors read only `info` for the next token
+        for l in range(self.L):
+            if self.pred.lead(l)[0] >= 1 and self.pred.scores(l) is not None:
+                self._hint(l, step=self.store.step + 1)
+        self.pred.tick = tick
+
+    def _gate_hook(self, i):
+        def hook(mod, args):
+            self._router_in[i] = args[0]
+        return hook
+
+    def _experts_hook(self, i):
+        def hook(mod, args):
+            ids = args[1]
+            if ids.shape[0] != 1:  # prefill: observe the last token only
+                ids = ids[-1:]
+            if i == 0:
+                info, self.pending_info = self.pending_info, None
+                self.pred.begin_token(info)
+                for l in range(self.L):
+                    if self.pred.lead(l) == (0, l + 1):
+                        self._hint(l, step=self.store.step + 1)
+            ahead = None
+            if self.D and i in self._router_in:
+                h = self._router_in.pop(i).reshape(-1, self._router_in_dim(i))[-1:]
+                ahead = {}
+                for d in range(1, self.D + 1):
+                    if i + d < self.L:
+                        g = self.blocks[i + d][1].gate
+                        ahead[d] = g(h.to(g.weight.dtype)).float()[0].numpy()
+            self.pred.observe(i, ids[0].tolist(), ahead)
+            for l in range(i + 1, self.L):
+                if self.pred.lead(l) == (0, l - i):
+                    self._hint(l, step=self.store.step)
+            if i == self.L - 1:  # temporal: the next token's layers
+                for l in range(self.L):
+                    if self.pred.lead(l) == (1, 0):
+                        self._hint(l, step=self.store.step + 1)
+        return hook
+
+    def _router_in_dim(self, i):
+        return self.blocks[i][1].gate.in_features
+
+    def _hint(self, l, step):
+        with self._torch.inference_mode():
+            ids = self.pred.predict(l, self.budget)
+        self.store.prefetch(self.layer_ids[l], [int(e) for e in ids], priority=-l, for_step=step)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def attach_predictor(net, store, name: str, trace=None, factor: float = 1.5) -> PrefetchDriver:
+    """`--predictor NAME`: build the predictor (fitted on `trace`, a Trace or a path, when it
+    needs a prior or probes) and drive `store`'s prefetcher from `net`'s routing.
+    frequency, temporal, layer_ahead1/2 run from the hooks alone; mtp, mtp_learned and
+    combined also need the engine to call `driver.on_mtp(info)` after each sampled token."""
+    from .profile import Trace, moe_blocks
+
+    L = len(moe_blocks(net))
+    E = net.args.num_experts
+    if trace is not None and not isinstance(trace, Trace):
+        trace = Trace.load(trace)
+    if trace is not None:
+        preds = make_predictors(trace, (name,))
+        if name not in preds:
+            raise MoerunError(f"predictor {name!r} needs signals the trace {trace.meta.get('trace', '')} lacks")
+        pred = preds[name]
+    elif name == "temporal":
+        pred = Temporal(L, E)
+    elif name.startswith("layer_ahead"):
+        pred = LayerAhead(L, E, d=int(name[len("layer_ahead"):] or 1))
+    else:
+        raise MoerunError(f"predictor {name!r} needs a routing trace (moerun profile) to fit on")
+    return PrefetchDriver(net, store, pred, factor)
