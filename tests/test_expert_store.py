@@ -433,7 +433,7 @@ def tiny_model(tmp_path_factory):
                norm_topk_prob=True, mlp_only_layers=[1])
     path = tmp_path_factory.mktemp("tiny_qwen3_moe")
     Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg, experts_implementation="eager")).eval().save_pretrained(path)
-    plain = moerun.load(path, dtype="float32")
+    plain = moerun.load(path, dtype="float32", threads=1)  # one thread: fast on a shared machine
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     logits = plain.forward(ids)
     greedy = plain.generate_ids([ids[0, :5].tolist(), ids[1, :3].tolist()], max_tokens=8, temperature=0.0)
@@ -465,7 +465,7 @@ def test_outputs_bit_identical_whatever_the_tiers(tiny_model, opts, hint):
     from moerun.experts import StoreOptions, load
 
     path, ids, logits, greedy = tiny_model
-    llm = load(path, dtype="float32", options=StoreOptions(**opts))
+    llm = load(path, dtype="float32", threads=1, options=StoreOptions(**opts))
     try:
         if hint:
             _hint_next_layer(llm)
@@ -487,8 +487,47 @@ def test_attach_store_to_a_loaded_model(tiny_model):
     from moerun.layers.moe import Experts
 
     path, ids, logits, _ = tiny_model
-    llm = moerun.load(path, dtype="float32")
+    llm = moerun.load(path, dtype="float32", threads=1)
     with attach_store(llm.net, path, StoreOptions(ram_budget="40%")) as store:
         assert not any(isinstance(m, Experts) for m in llm.net.modules())
         assert torch.equal(llm.forward(ids), logits)
         assert store.stats()["tiers"]["disk"]["reads"] > 0
+
+
+def _page_cache_fraction(path: Path) -> float:
+    """Share of a file's pages in the page cache (mincore on a mapping we never touch)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        buf = ctypes.c_char.from_buffer(mm)
+        n = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * n)()
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec) == 0
+        del buf
+        return sum(v & 1 for v in vec) / n
+    finally:
+        mm.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
+def test_streaming_leaves_no_page_cache(tmp_path):
+    dims = dict(layers=2, experts=8, hidden=128, inter=256)  # 384 KiB per expert
+    write_experts(tmp_path / "ckpt", **dims)
+    f = tmp_path / "ckpt" / "model.safetensors"
+    fd = os.open(f, os.O_RDONLY)
+    os.fsync(fd)  # dirty pages cannot be dropped
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    for drop, check in ((True, lambda x: x < 0.1), (False, lambda x: x > 0.8)):
+        specs = layer_specs(tmp_path / "ckpt", **dims)
+        with ExpertStore(specs, torch.float32, StoreOptions(ram_budget="25%", drop_page_cache=drop), top_k=2) as s:
+            for layer in range(2):
+                for e in range(8):
+                    touch(s, layer, [e])
+            frac = _page_cache_fraction(f)
+            assert check(frac), (drop, frac)

@@ -5,7 +5,7 @@ Entry points: `load(path, options=StoreOptions(...))` (an `LLM` whose `.store` i
 """
 
 from .attach import StoreExperts, attach_store, build, load
-from .store import ExpertStore, StoreOptions, load_profile, parse_budget, save_profile
+from .store import ExpertStore, StoreOptions, format_stats, load_profile, parse_budget, save_profile
 
-__all__ = ["ExpertStore", "StoreExperts", "StoreOptions", "attach_store", "build", "load", "load_profile",
+__all__ = ["ExpertStore", "StoreExperts", "StoreOptions", "attach_store", "build", "format_stats", "load", "load_profile",
            "parse_budget", "save_profile"]

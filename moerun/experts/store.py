@@ -40,6 +40,7 @@ from .policy import make_policy
 from .prefetch import Job, Mover
 
 NONE, LOADING, READY = 0, 1, 2
+PAGE = os.sysconf("SC_PAGE_SIZE")
 HOST, DEVICE = "host", "device"
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -131,6 +132,9 @@ class DiskReader:
                     fd = os.open(piece.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
                 except OSError as e:
                     raise MoerunError(f"cannot read expert tensor {piece.name!r}: {piece.path}: {e.strerror}") from None
+                if self.drop_cache and hasattr(os, "posix_fadvise"):
+                    # no readahead: it would fill the page cache with the neighbours of each read
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 self._fds[piece.path] = fd
             return fd
 
@@ -151,7 +155,11 @@ class DiskReader:
                 )
             got += n
         if self.drop_cache and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, piece.offset, piece.nbytes, os.POSIX_FADV_DONTNEED)
+            # whole pages: the kernel keeps partial ones (mapped pages, e.g. non-expert weights
+            # sharing a page, are never dropped by DONTNEED)
+            start = piece.offset // PAGE * PAGE
+            end = -(-(piece.offset + piece.nbytes) // PAGE) * PAGE
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
         with self._lock:
             self.reads += 1
             self.bytes += piece.nbytes
@@ -343,6 +351,9 @@ class ExpertStore:
         self._pin_pending = bool(o.pin_hot or o.pin_hot_fraction)
         if not _defer_preload:
             self.preload()
+        if o.drop_page_cache:
+            # reading headers read ahead into the experts; pages mapped by resident weights stay
+            self.reader.drop_all(self.paths)
 
     # -- public ---------------------------------------------------------------------------
 
@@ -796,6 +807,28 @@ class ExpertStore:
             finally:
                 ent.in_use -= 1
                 self._cv.notify_all()
+
+
+def format_stats(st: dict) -> str:
+    """`moerun generate --stats`: the store's figures in a few lines (emulated ones say so)."""
+    emu = " (EMULATED device)" if st["emulated"] else ""
+    lines = [
+        f"experts{emu}: hit rate {st['expert_hit_rate']:.1%} ({st['requests']} requests, {st['demand_misses']} demand misses), "
+        f"policy {st['policy']}",
+        f"  moved {st['bytes_moved_per_token'] / 1e6:.1f} MB/token, stall {st['stall_s_per_token'] * 1e3:.1f} ms/token "
+        f"({st['stall_s']:.2f} s over {st['tokens']} tokens), transient loads {st['transient_loads']}",
+        f"  prefetch: issued {st['prefetch_issued']}, used {st['prefetch_used']} (late {st['prefetch_late']}), "
+        f"wasted {st['prefetch_wasted']}, dropped {st['prefetch_dropped']}; precision {st['prefetch_precision']:.1%}, "
+        f"recall {st['prefetch_recall']:.1%}",
+    ]
+    for name, t in st["tiers"].items():
+        if "budget_bytes" in t:
+            tag = " EMULATED, " + st["link"] if name == DEVICE and st["emulated"] else ""
+            lines.append(f"  {name}{tag}: {_fmt(t['used_bytes'])} of {_fmt(t['budget_bytes'])} "
+                         f"({t['resident_experts']} experts), hit rate {t['hit_rate']:.1%}, {t['evictions']} evictions")
+        else:
+            lines.append(f"  {name}: {t['reads']} reads, {_fmt(t['bytes_read'])}")
+    return "\n".join(lines)
 
 
 def load_profile(profile) -> dict[int, list[int]]:

@@ -1,0 +1,151 @@
+"""Decode speed and stall share of the tiered expert store, per placement and policy.
+
+    .venv/bin/python benchmarks/expert_store.py                      # random Qwen3-30B-A3B-shaped, 4 layers
+    .venv/bin/python benchmarks/expert_store.py --model moerun/demo_model --dtype float32
+
+Rows: all experts in RAM; --ram-budget 50% and 25% of the experts (real disk streaming:
+the checkpoint's pages are dropped from the page cache before each measurement and after
+every read); the EMULATED PCIe 4.0 link with a device budget of 25% -- each with LRU
+alone and with LRU + a pinned hot set (taken from the routing profile of the first row's
+own run, i.e. the best case for pinning). No predictor drives prefetching yet (the next
+issue), so every miss is a demand miss. Emulated rows charge link time only; the experts
+still run on the CPU at CPU speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moerun.engine.cache import Cache  # noqa: E402
+from moerun.experts import StoreOptions, load  # noqa: E402
+
+ROWS = [
+    # label, options, pin fraction (of each layer's experts; from the profile)
+    ("all experts in RAM", dict(), 0.0),
+    ("RAM 50%, LRU", dict(ram_budget="50%"), 0.0),
+    ("RAM 50%, LRU + pinned 25%", dict(ram_budget="50%"), 0.25),
+    ("RAM 25%, LRU", dict(ram_budget="25%"), 0.0),
+    ("RAM 25%, LRU + pinned 12.5%", dict(ram_budget="25%"), 0.125),
+    ("EMULATED pcie4, VRAM 25%, LRU", dict(vram_budget="25%", emulate_link="pcie4"), 0.0),
+    ("EMULATED pcie4, VRAM 25%, LRU + pinned 12.5%", dict(vram_budget="25%", emulate_link="pcie4"), 0.125),
+]
+
+
+def random_model(layers: int, root: Path) -> Path:
+    from moerun.bench.random_model import preset_config, write_random_model
+
+    path = root / f"qwen3-30b-a3b-random-L{layers}"
+    if not (path / "config.json").is_file():
+        write_random_model(path, preset_config("qwen3-30b-a3b", layers=layers))
+    return path
+
+
+def measure(path, dtype, threads, opts, prompt, gen, warm, profile=None, pin=0.0, random_input=False) -> dict:
+    options = StoreOptions(**opts, profile=profile if pin else None, pin_hot_fraction=pin)
+    t0 = time.perf_counter()
+    llm = load(path, dtype=dtype, threads=threads, options=options)
+    load_s = time.perf_counter() - t0
+    store, net = llm.store, llm.net
+    try:
+        store.reader.drop_all(store.paths)  # the page cache must not hold the checkpoint
+        cache = Cache(net.cache_spec(), 1, prompt.shape[1] + warm + gen + 1, llm.dtype)
+        g = torch.Generator().manual_seed(1)
+        vocab = net.args.vocab_size
+
+        def next_input(logits):
+            # random weights decode to one repeated token, and so to one repeated routing; a
+            # random next token gives the varied routing a real model's text would
+            if random_input:
+                return torch.randint(0, vocab, (1, 1), generator=g)
+            return logits[:, -1].argmax(-1, keepdim=True)
+
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            tok = next_input(net(prompt, cache, last_only=True))
+            prefill_s = time.perf_counter() - t0
+            for _ in range(warm):
+                tok = next_input(net(tok, cache, last_only=True))
+            store.reset_stats()
+            t0 = time.perf_counter()
+            for _ in range(gen):
+                tok = next_input(net(tok, cache, last_only=True))
+            decode_s = time.perf_counter() - t0
+        st = store.stats()
+        return dict(
+            load_s=load_s, prefill_s=prefill_s, decode_s=decode_s, decode_tok_s=gen / decode_s,
+            stall_share=st["stall_s"] / decode_s, rss_gib=psutil.Process().memory_info().rss / 2**30,
+            profile=store.routing_profile(), **{k: v for k, v in st.items() if k != "tiers"}, tiers=st["tiers"],
+        )
+    finally:
+        store.close()
+        del llm, store, net
+        gc.collect()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a HF directory; default: a random Qwen3-30B-A3B-shaped model")
+    p.add_argument("--layers", type=int, default=4, help="layers of the random model")
+    p.add_argument("--work-dir", default="/tmp/moerun-bench", help="where the random model is written")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--warmup-tokens", type=int, default=4)
+    p.add_argument("--gen-tokens", type=int, default=16)
+    p.add_argument("--rows", default=None, help="comma-separated row numbers (0-based) to run")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--decode-input", choices=["auto", "random", "argmax"], default="auto",
+                   help="next decode input: random token ids (default for random-weight models) or the argmax")
+    a = p.parse_args()
+
+    path = Path(a.model) if a.model else random_model(a.layers, Path(a.work_dir))
+    cfg = json.loads((path / "config.json").read_text())
+    vocab = cfg.get("vocab_size", 1000)
+    random_input = {"random": True, "argmax": False}.get(a.decode_input, bool(cfg.get("random_weights")))
+    prompt = torch.randint(0, vocab, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    rows = ROWS if a.rows is None else [ROWS[int(i)] for i in a.rows.split(",")]
+    print(f"model {path}; prompt {a.prompt_tokens} tokens, {a.warmup_tokens} warm-up + {a.gen_tokens} measured decode "
+          f"tokens ({'random' if random_input else 'argmax'} decode inputs); threads {a.threads or torch.get_num_threads()}",
+          file=sys.stderr)
+    profile = None
+    results = []
+    for label, opts, pin in rows:
+        if pin and profile is None:  # a profile run of its own when the first row was skipped
+            profile = measure(path, a.dtype, a.threads, {}, prompt, a.gen_tokens, a.warmup_tokens,
+                              random_input=random_input)["profile"]
+        r = measure(path, a.dtype, a.threads, opts, prompt, a.gen_tokens, a.warmup_tokens, profile, pin, random_input)
+        if profile is None:
+            profile = r["profile"]
+        r.pop("profile")
+        r["row"] = label
+        results.append(r)
+        if a.json:
+            print(json.dumps(r), flush=True)
+        else:
+            print(f"  {label}: {r['decode_tok_s']:.2f} tok/s, stall {100 * r['stall_share']:.0f}%", file=sys.stderr, flush=True)
+    if not a.json:
+        print()
+        print("| placement, policy | decode tok/s | stall share | stall s/token | expert hit rate | "
+              "MB moved/token | RSS GiB |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for r in results:
+            print(f"| {r['row']} | {r['decode_tok_s']:.2f} | {100 * r['stall_share']:.0f}% | {r['stall_s_per_token']:.3f} | "
+                  f"{r['expert_hit_rate']:.2f} | {r['bytes_moved_per_token'] / 1e6:.0f} | {r['rss_gib']:.1f} |")
+        if any(r["emulated"] for r in results):
+            link = next(r["link"] for r in results if r["emulated"])
+            print(f"\nEMULATED rows: {link}; link time only, experts still computed on the CPU.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
