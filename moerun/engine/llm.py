@@ -42,13 +42,24 @@ class LLM:
         self.last_stats = GenerationStats()
 
     @classmethod
-    def load(cls, path=None, dtype="auto", threads: int | None = None) -> "LLM":
+    def load(cls, path=None, dtype="auto", threads: int | None = None, quant: str | None = None) -> "LLM":
+        """quant: None/"none" keeps the checkpoint's weights; "int4" (routed experts int4,
+        attention/shared experts/head int8), "int8", "int4-all" quantize at load, unless the
+        checkpoint was already written quantized by `moerun quantize`."""
         from ..loaders.hf import build
         from ..tokenizer import Tokenizer
 
         path = default_model_path() if path is None else Path(path)
         set_threads(threads)
         arch, args, net, dtype = build(path, dtype)
+        if quant not in (None, "none"):
+            from ..quant import quantize_model, resolve_policy
+
+            try:
+                policy = resolve_policy(quant)
+            except ValueError as e:
+                raise MoerunError(str(e)) from None
+            quantize_model(net, policy)
         tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
@@ -115,14 +126,25 @@ class LLM:
             params = SamplingParams(**{**params.__dict__, "max_tokens": ctx - len(ids)})
         return params
 
-    def generate_ids(self, prompts: list[list[int]], **sampling) -> list[list[int]]:
+    def _run(self, seqs: list[Sequence], speculative: str | None, draft_tokens: int | str) -> Iterator[tuple[int, str]]:
+        """The plain loop, or MTP speculative decoding (engine/speculative.py) when asked."""
+        if speculative is None:
+            self.last_stats = GenerationStats()
+            return run(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats)
+        from .speculative import SpeculativeStats, check_speculative, run_speculative
+
+        check_speculative(self.net, speculative)
+        self.last_stats = SpeculativeStats()
+        return run_speculative(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats, draft_tokens)
+
+    def generate_ids(self, prompts: list[list[int]], speculative: str | None = None, draft_tokens: int | str = 1,
+                     **sampling) -> list[list[int]]:
         """Token-level batch generation (no text, no stop strings): continuation ids per prompt."""
         seqs = []
         for ids in prompts:
             params = self._check_length(list(ids), self.sampling_params(**sampling))
             seqs.append(Sequence(list(ids), params))
-        self.last_stats = GenerationStats()
-        for _ in run(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats):
+        for _ in self._run(seqs, speculative, draft_tokens):
             pass
         return [s.out_ids for s in seqs]
 
@@ -137,21 +159,22 @@ class LLM:
             seqs.append(Sequence(ids, params, decoder=IncrementalDecoder(self._tokenizer(), ids)))
         return seqs
 
-    def generate(self, prompt: str | list[dict[str, Any]], **sampling) -> Iterator[str]:
+    def generate(self, prompt: str | list[dict[str, Any]], speculative: str | None = None, draft_tokens: int | str = 1,
+                 **sampling) -> Iterator[str]:
         """Yield text pieces continuing `prompt` (a string, or chat messages).
 
         Keyword arguments: max_tokens, temperature, top_k, top_p, min_p,
-        repetition_penalty, seed, stop.
+        repetition_penalty, seed, stop; speculative="mtp" drafts with the checkpoint's MTP
+        head, draft_tokens 1..4 or "auto" per step (engine/speculative.py).
         """
         seqs = self._sequences([prompt], sampling)
-        self.last_stats = GenerationStats()
-        for _, piece in run(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats):
+        for _, piece in self._run(seqs, speculative, draft_tokens):
             yield piece
 
-    def generate_batch(self, prompts: list, **sampling) -> list[str]:
+    def generate_batch(self, prompts: list, speculative: str | None = None, draft_tokens: int | str = 1,
+                       **sampling) -> list[str]:
         """Continue several prompts together (decoded as one batch); returns their texts."""
         seqs = self._sequences(prompts, sampling)
-        self.last_stats = GenerationStats()
-        for _ in run(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats):
+        for _ in self._run(seqs, speculative, draft_tokens):
             pass
         return [s.text for s in seqs]

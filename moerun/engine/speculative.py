@@ -1,0 +1,482 @@
+"""Self-speculative decoding with the checkpoint's multi-token-prediction (MTP) head.
+
+One step for a row whose last accepted token t_L sits at position L (not yet run through
+the trunk):
+
+1. Draft.  The MTP head turns (h_{L-1}, t_L) into a guess d1 for position L+1. Chained
+   drafts d2..dN reuse the *same* MTP layer (Qwen3.5 has one; DeepSeek-V3 checkpoints ship
+   one depth, and we always use depth 0): the head's own final normed hidden state stands
+   in for the trunk's h_{L+j-1} and d_j is the next token, as vLLM does when it asks for
+   more drafts than the checkpoint has MTP layers. The head's KV cache gets entries for
+   those guessed states; they are overwritten next step (below).
+2. Verify.  One trunk pass over [t_L, d1..dN] (T = N+1 per row) gives the trunk's
+   distribution at every draft position. Greedy (temperature 0): accept d_j while it is
+   the trunk's argmax (after the repetition penalty, exactly as the plain sampler sees
+   it); the first mismatch is replaced by the argmax, so the text is the plain greedy
+   text. Sampling: accept d_j with probability min(1, p(d_j)/q(d_j)), otherwise draw from
+   norm(max(0, p - q)) and stop (Leviathan et al. 2023); when all N are accepted one more
+   token comes from p at the last position. p is the plain sampler's distribution
+   (penalty, temperature, top-k/p, min-p), q the distribution the draft was drawn from,
+   so the output distribution equals plain sampling.
+3. Roll back to the last accepted position L+k.
+   - KV caches (trunk and MTP): set the slot's length back; the stale entries past it are
+     masked by attention and overwritten by the next write.
+   - Gated DeltaNet conv and recurrent states cannot be truncated. Before verification we
+     copy every recurrent layer's state for the active slots, and a forward pre-hook keeps
+     each DeltaNet mixer's input ([B, N+1, H], the normed hidden state entering it). On a
+     rejection the state is restored and only the mixers are re-run on their captured
+     inputs for the k+1 accepted positions: no attention, no experts, no second trunk
+     pass. Cost per row: one copy of the recurrent state (for Qwen3.6-35B-A3B: 30 DeltaNet
+     layers x (32 x 128 x 128 fp32 + conv 8192 x 3) ~ 61 MiB) plus (N+1) x H per DeltaNet
+     layer of captured inputs.
+   - The MTP cache is set back to the first position whose (trunk hidden, next token)
+     pair it has not seen with the trunk's own hidden state; the first MTP call of the
+     next step feeds the k+1 accepted hidden states together (T = k+1), rewriting the
+     guessed entries, and its last row is that step's first draft.
+
+Expert traffic: a forward pre-hook on every `moerun.layers.moe.Experts` module sees the
+routed ids of each pass; a verification pass reads the union of its tokens' experts.
+`SpeculativeStats` reports bytes read per emitted token against one token's experts.
+
+`draft_tokens="auto"` (`DraftLength`) chooses N each step to maximise
+    E[tokens per step](N) / cost(N),
+    E(N)    = 1 + sum_{j=1..N} prod_{i<=j} a_i       (a_i: measured acceptance of draft i
+                                                      given drafts < i were accepted, EMA)
+    cost(N) = 1 + expert_cost * (U(N)/U(0) - 1) + N * draft_cost
+U(N) is the measured expert bytes of a verification pass of N+1 tokens (EMA per N; before a
+measurement: the expected union of N+1 tokens routed uniformly, E(1-(1-K/E)^(N+1))), U(0)
+one token's bytes; expert_cost is the share of a plain decode step spent reading experts
+(1.0: memory-bound on experts; raise it when experts live far away, lower it when compute
+dominates), draft_cost one MTP call relative to a trunk step (~1 / (layers + 1)).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..errors import MoerunError
+from ..layers.moe import Experts
+from .cache import Cache, RecurrentState
+from .generate import GenerationStats, Sequence
+from .sampling import SamplingParams, apply_repetition_penalty, filter_logits, sample
+
+# B batch (active rows), N draft tokens, T tokens per pass, H hidden, V vocab
+
+MAX_DRAFT_TOKENS = 4
+
+
+@dataclass
+class SpeculativeStats(GenerationStats):
+    draft_tokens: int | str = 1
+    verify_steps: int = 0
+    row_steps: int = 0  # (row, verification step) pairs
+    drafted: int = 0  # drafts checked by the trunk
+    accepted: int = 0  # drafts the trunk accepted
+    emitted: int = 0  # tokens that came out of verification steps (accepted drafts + the trunk's own)
+    draft_hist: dict = field(default_factory=dict)  # N -> steps that used it
+    verify_expert_bytes: int = 0  # routed-expert bytes read by verification passes (union per layer)
+    draft_expert_bytes: int = 0  # routed-expert bytes read by the MTP head
+    single_token_expert_bytes: int = 0  # routed-expert bytes one token reads in the trunk
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def accepted_tokens_per_step(self) -> float:
+        return self.emitted / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def expert_bytes_per_token(self) -> float:
+        """Trunk expert bytes per emitted token (verification unions), drafts excluded."""
+        return self.verify_expert_bytes / self.emitted if self.emitted else 0.0
+
+    @property
+    def extra_expert_bytes_per_token(self) -> float:
+        """expert_bytes_per_token minus what a plain decode step reads per token."""
+        return self.expert_bytes_per_token - self.single_token_expert_bytes if self.emitted else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "draft_tokens": self.draft_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "accepted_tokens_per_step": self.accepted_tokens_per_step,
+            "decode_tok_s": self.decode_tok_s,
+            "prefill_tok_s": self.prefill_tok_s,
+            "generated_tokens": self.generated_tokens,
+            "verify_steps": self.verify_steps,
+            "draft_tokens_used": dict(sorted(self.draft_hist.items())),
+            "expert_bytes_per_token": self.expert_bytes_per_token,
+            "extra_expert_bytes_per_token": self.extra_expert_bytes_per_token,
+            "single_token_expert_bytes": self.single_token_expert_bytes,
+            "draft_expert_bytes_per_token": self.draft_expert_bytes / self.emitted if self.emitted else 0.0,
+        }
+
+
+def check_draft_tokens(draft_tokens) -> int | str:
+    if draft_tokens == "auto":
+        return "auto"
+    try:
+        n = int(draft_tokens)
+    except (TypeError, ValueError):
+        n = 0
+    if str(n) != str(draft_tokens).strip() or not 1 <= n <= MAX_DRAFT_TOKENS:
+        raise MoerunError(f"draft_tokens must be 1..{MAX_DRAFT_TOKENS} or 'auto', not {draft_tokens!r}")
+    return n
+
+
+def check_speculative(net, speculative: str | None) -> None:
+    if speculative is None:
+        return
+    if speculative != "mtp":
+        raise MoerunError(f"unknown speculative method {speculative!r} (known: mtp)")
+    if not getattr(net, "has_mtp", False):
+        raise MoerunError(
+            "speculative decoding with 'mtp' needs a checkpoint with a multi-token-prediction head; "
+            "this one has none (mtp_num_hidden_layers / num_nextn_predict_layers is 0)"
+        )
+
+
+class ExpertTracker:
+    """Counts the routed-expert bytes each pass reads: the union of ids per Experts module."""
+
+    def __init__(self, net):
+        self.phase: str | None = None
+        self.bytes = {"verify": 0, "draft": 0}
+        self.pass_bytes = 0
+        self.token_bytes = 0  # K * bytes per expert summed over the last pass's modules
+        self.top_k = 0
+        self.num_experts = 0
+        self._handles = []
+        for m in net.modules():
+            if isinstance(m, Experts):
+                self._handles.append(m.register_forward_pre_hook(self._hook, with_kwargs=True))
+
+    @staticmethod
+    def _expert_bytes(m) -> int:
+        params = [getattr(m, n) for n in ("gate_proj", "up_proj", "down_proj") if isinstance(getattr(m, n, None), torch.Tensor)]
+        return sum(p.numel() * p.element_size() for p in params) // max(m.num_experts, 1)
+
+    def _hook(self, m, args, kwargs):
+        if self.phase is None:
+            return
+        ids = args[1] if len(args) > 1 else kwargs["ids"]
+        per = self._expert_bytes(m)
+        b = int(torch.unique(ids).numel()) * per
+        self.bytes[self.phase] += b
+        if self.phase == "verify":
+            self.pass_bytes += b
+            self.token_bytes += ids.shape[-1] * per
+            self.top_k, self.num_experts = ids.shape[-1], m.num_experts
+
+    def start_pass(self, phase: str) -> None:
+        self.phase = phase
+        if phase == "verify":
+            self.pass_bytes = self.token_bytes = 0
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class DraftLength:
+    """`draft_tokens="auto"`: the N that maximises expected tokens per unit of cost (module doc)."""
+
+    def __init__(self, max_n: int = MAX_DRAFT_TOKENS, prior: float = 0.6, expert_cost: float = 1.0,
+                 draft_cost: float = 0.1, decay: float = 0.9):
+        self.max_n = max_n
+        self.accept = [prior] * max_n  # a_i: P(draft i accepted | drafts < i accepted)
+        self.expert_cost, self.draft_cost, self.decay = expert_cost, draft_cost, decay
+        self.union: dict[int, float] = {}  # N -> EMA of verify-pass bytes / one token's bytes
+        self.k_over_e = 0.0
+
+    def expected_tokens(self, n: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.accept[:n]:
+            run *= a
+            total += run
+        return total
+
+    def union_ratio(self, n: int) -> float:
+        if n in self.union:
+            return self.union[n]
+        f = self.k_over_e
+        return (1 - (1 - f) ** (n + 1)) / f if f > 0 else float(n + 1)
+
+    def cost(self, n: int) -> float:
+        return 1.0 + self.expert_cost * (self.union_ratio(n) - 1.0) + n * self.draft_cost
+
+    def choose(self) -> int:
+        return max(range(1, self.max_n + 1), key=lambda n: self.expected_tokens(n) / self.cost(n))
+
+    def update(self, checked: int, accepted: int) -> None:
+        for i in range(min(accepted + 1, checked)):  # drafts 1..accepted+1 were looked at
+            self.accept[i] = self.decay * self.accept[i] + (1 - self.decay) * (1.0 if i < accepted else 0.0)
+
+    def observe_union(self, n: int, ratio: float, k_over_e: float) -> None:
+        self.k_over_e = k_over_e
+        old = self.union.get(n)
+        self.union[n] = ratio if old is None else self.decay * old + (1 - self.decay) * ratio
+
+
+def _probs(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> torch.Tensor:
+    """The plain sampler's distribution for one row: logits [V] -> fp32 probabilities [V]."""
+    logits = apply_repetition_penalty(logits.float()[None], [history], p.repetition_penalty)
+    return filter_logits(logits, p).softmax(-1)[0]
+
+
+def _greedy(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> int:
+    return int(apply_repetition_penalty(logits.float()[None], [history], p.repetition_penalty)[0].argmax())
+
+
+class SpeculativeDecoder:
+    """Runs `Sequence`s like `generate.run`, drafting with the MTP head and verifying in one pass.
+
+    After `run` the trunk's `cache`, the head's `mtp_cache` and each row's pending (hidden
+    state, next token) pairs not yet given to the head (`pend_h`, `pend_t`) are kept for
+    inspection.
+    """
+
+    def __init__(self, net, dtype: torch.dtype, draft_tokens: int | str = 1, expert_cost: float = 1.0):
+        check_speculative(net, "mtp")
+        self.net = net
+        self.dtype = dtype
+        self.draft_tokens = check_draft_tokens(draft_tokens)
+        n_layers = len(getattr(getattr(net, "model", None), "layers", [])) or 1
+        self.chooser = DraftLength(expert_cost=expert_cost, draft_cost=1.0 / (n_layers + 1)) if self.draft_tokens == "auto" else None
+        self._mtp_returns_hidden = "return_hidden" in inspect.signature(net.mtp_logits).parameters
+        self.cache: Cache | None = None
+        self.mtp_cache: Cache | None = None
+
+    # -- the MTP head ----------------------------------------------------------
+    def _mtp(self, hidden, tokens, slots):
+        """-> (logits [B, T, V], the head's final normed hidden state [B, T, H])."""
+        if self._mtp_returns_hidden:
+            return self.net.mtp_logits(hidden, tokens, self.mtp_cache, slots, return_hidden=True)
+        seen = {}
+        handle = self.net.mtp.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("h", o))
+        try:
+            logits = self.net.mtp_logits(hidden, tokens, self.mtp_cache, slots)
+        finally:
+            handle.remove()
+        return logits, seen["h"]
+
+    def _recurrent_mixers(self) -> dict[int, torch.nn.Module]:
+        mixers = {}
+        for i, layer in enumerate(self.cache.layers):
+            if isinstance(layer, RecurrentState):
+                mixer = getattr(self.net.model.layers[i], "linear_attn", None)
+                if mixer is None:
+                    raise MoerunError(f"speculative decoding cannot roll back the recurrent state of layer {i} of this model")
+                mixers[i] = mixer
+        return mixers
+
+    # -- the loop --------------------------------------------------------------
+    def run(self, seqs: list[Sequence], eos_ids: set[int], stats: SpeculativeStats | None = None) -> Iterator[tuple[int, str]]:
+        stats = stats if stats is not None else SpeculativeStats()
+        stats.draft_tokens = self.draft_tokens
+        net = self.net
+        B = len(seqs)
+        n_max = MAX_DRAFT_TOKENS if self.draft_tokens == "auto" else self.draft_tokens
+        # slack: a verification pass may write up to n_max positions past the last useful one
+        max_len = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs) + n_max + 2
+        self.cache = cache = Cache(net.cache_spec(), B, max_len, self.dtype)
+        self.mtp_cache = Cache(net.mtp_cache_spec(), B, max_len, self.dtype)
+        mixers = self._recurrent_mixers()
+        captured: dict[int, torch.Tensor] = {}
+        capture = [False]
+
+        def keep_input(i):
+            def hook(m, args):
+                if capture[0]:
+                    captured[i] = args[0]
+            return hook
+
+        handles = [m.register_forward_pre_hook(keep_input(i)) for i, m in mixers.items()]
+        tracker = ExpertTracker(net)
+        # per row: trunk hidden states not yet given to the MTP head, and the token after each
+        # (the last of them: the sampled token the trunk has not run yet)
+        self.pend_h = pend_h = [None] * B
+        self.pend_t = pend_t = [[] for _ in range(B)]
+        try:
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                last = [None] * B
+                by_length: dict[int, list[int]] = {}
+                for b, s in enumerate(seqs):
+                    by_length.setdefault(len(s.prompt_ids), []).append(b)
+                    stats.prompt_tokens += len(s.prompt_ids)
+                for rows in by_length.values():  # prompts of one length prefill together
+                    ids = torch.tensor([seqs[b].prompt_ids for b in rows], dtype=torch.long)
+                    logits, hidden = net(ids, cache, torch.tensor(rows), last_only=True, return_hidden=True)
+                    for j, b in enumerate(rows):
+                        last[b], pend_h[b], pend_t[b] = logits[j, -1], hidden[j], list(seqs[b].prompt_ids[1:])
+                stats.prefill_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                active = []
+                for b, s in enumerate(seqs):
+                    if s.params.max_tokens == 0:
+                        s.finish_reason = "length"
+                        continue
+                    stats.decode_rows_started += 1
+                    tok = int(sample(last[b][None], s.params, [s.prompt_ids + s.out_ids], s.generator)[0])
+                    stats.generated_tokens += 1
+                    piece = s.accept(tok, eos_ids)
+                    if piece:
+                        yield b, piece
+                    if not s.finished:
+                        pend_t[b].append(tok)
+                        active.append(b)
+                while active:
+                    yield from self._step(seqs, active, pend_h, pend_t, eos_ids, stats, tracker, mixers, captured, capture)
+                    active = [b for b in active if not seqs[b].finished]
+                stats.decode_s += time.perf_counter() - t0
+        finally:
+            for h in handles:
+                h.remove()
+            tracker.close()
+
+    def _draft(self, seqs, active, n, pend_h, pend_t, tracker):
+        """Drafts [len(active)][n] and their distributions (None when greedy)."""
+        cache, mtp_cache = self.cache, self.mtp_cache
+        tracker.start_pass("draft")
+        row = {b: i for i, b in enumerate(active)}
+        first_logits: list = [None] * len(active)
+        h_last: list = [None] * len(active)
+        # the first call feeds every pending (hidden, next token) pair, grouped by count
+        groups: dict[int, list[int]] = {}
+        for b in active:
+            mtp_cache.lengths[b] = cache.lengths[b] - pend_h[b].shape[0]
+            groups.setdefault(pend_h[b].shape[0], []).append(b)
+        for _, rows in groups.items():
+            hidden = torch.stack([pend_h[b] for b in rows])
+            tokens = torch.tensor([pend_t[b] for b in rows], dtype=torch.long)
+            logits, h = self._mtp(hidden, tokens, torch.tensor(rows))
+            for j, b in enumerate(rows):
+                first_logits[row[b]], h_last[row[b]] = logits[j, -1], h[j, -1]
+        drafts = [[] for _ in active]
+        qs = [[] for _ in active]
+        slots = torch.tensor(active)
+        logits_now = first_logits
+        for d in range(n):
+            for i, b in enumerate(active):
+                s = seqs[b]
+                history = s.prompt_ids + s.out_ids + drafts[i]
+                if s.params.greedy:
+                    tok, q = _greedy(logits_now[i], s.params, history), None
+                else:
+                    q = _probs(logits_now[i], s.params, history)
+                    tok = int(torch.multinomial(q, 1, generator=s.generator)[0])
+                drafts[i].append(tok)
+                qs[i].append(q)
+            if d + 1 < n:
+                hidden = torch.stack(h_last)[:, None]  # [B, 1, H]
+                tokens = torch.tensor([[dr[-1]] for dr in drafts], dtype=torch.long)
+                logits, h = self._mtp(hidden, tokens, slots)
+                logits_now, h_last = list(logits[:, -1]), list(h[:, -1])
+        tracker.phase = None
+        return drafts, qs
+
+    def _step(self, seqs, active, pend_h, pend_t, eos_ids, stats, tracker, mixers, captured, capture):
+        net, cache = self.net, self.cache
+        n = self.chooser.choose() if self.chooser is not None else self.draft_tokens
+        stats.draft_hist[n] = stats.draft_hist.get(n, 0) + 1
+        drafts, qs = self._draft(seqs, active, n, pend_h, pend_t, tracker)
+        slots = torch.tensor(active)
+        L = cache.lengths[slots].clone()
+        snapshot = {i: {name: cache.layers[i].get(name, slots).clone() for name in cache.layers[i].tensors} for i in mixers}
+        ids = torch.tensor([[pend_t[b][-1]] + drafts[i] for i, b in enumerate(active)], dtype=torch.long)
+        tracker.start_pass("verify")
+        capture[0] = True
+        try:
+            logits, hidden = net(ids, cache, slots, return_hidden=True)  # [B, n+1, V], [B, n+1, H]
+        finally:
+            capture[0] = False
+            tracker.phase = None
+        stats.verify_steps += 1
+        stats.decode_steps += 1
+        stats.verify_expert_bytes += tracker.pass_bytes
+        stats.draft_expert_bytes = tracker.bytes["draft"]
+        stats.single_token_expert_bytes = max(stats.single_token_expert_bytes, tracker.token_bytes)
+        if self.chooser is not None and tracker.token_bytes:
+            k_over_e = tracker.top_k / tracker.num_experts if tracker.num_experts else 0.0
+            self.chooser.observe_union(n, tracker.pass_bytes / (tracker.token_bytes * len(active)), k_over_e)
+        rollback: dict[int, list[int]] = {}  # accepted positions -> rows of the batch
+        for i, b in enumerate(active):
+            s = seqs[b]
+            cap = min(n, s.params.max_tokens - len(s.out_ids))  # drafts worth checking
+            tokens, k = self._accept(s, drafts[i][:cap], qs[i][:cap], logits[i])
+            stats.drafted += cap
+            stats.accepted += k
+            if self.chooser is not None:
+                self.chooser.update(cap, k)
+            stats.row_steps += 1
+            emitted = 0
+            for tok in tokens:
+                stats.generated_tokens += 1
+                stats.emitted += 1
+                emitted += 1
+                piece = s.accept(tok, eos_ids)
+                if piece:
+                    yield b, piece
+                if s.finished:
+                    break
+            # the trunk keeps t_L and the drafts that were emitted (all k, unless the row
+            # finished on one of them); the token after them is the next to run. Finished
+            # rows are rolled back too, so the cache always ends at a token boundary.
+            keep = 1 + min(emitted, k)
+            cache.lengths[b] = int(L[i]) + keep
+            pend_h[b] = hidden[i, :keep]
+            pend_t[b] = (drafts[i][:k] + [tokens[-1]])[:keep]
+            if keep < n + 1:
+                rollback.setdefault(keep, []).append(i)
+        for keep, rows in rollback.items():
+            idx = torch.tensor(rows)
+            row_slots = slots[idx]
+            for li, mixer in mixers.items():
+                state = cache.layers[li]
+                for name in state.tensors:
+                    state.set(name, row_slots, snapshot[li][name][idx])
+                mixer(captured[li][idx, :keep], state, row_slots)
+
+    @staticmethod
+    def _accept(s: Sequence, drafts: list[int], qs: list, logits: torch.Tensor) -> tuple[list[int], int]:
+        """Check drafts against the trunk's logits [n+1, V]: (tokens to emit, drafts accepted)."""
+        p_ = s.params
+        history = s.prompt_ids + s.out_ids
+        out: list[int] = []
+        for j, d in enumerate(drafts):
+            h = history + out
+            if p_.greedy:
+                target = _greedy(logits[j], p_, h)
+                if target == d:
+                    out.append(d)
+                    continue
+                return out + [target], j
+            p = _probs(logits[j], p_, h)
+            q = qs[j]
+            u = float(torch.rand((), generator=s.generator))
+            if q[d] > 0 and u * float(q[d]) < float(p[d]):
+                out.append(d)
+                continue
+            residual = (p - q).clamp_min(0)
+            if float(residual.sum()) <= 0:
+                residual = p
+            return out + [int(torch.multinomial(residual, 1, generator=s.generator)[0])], j
+        j = len(drafts)
+        h = history + out
+        if p_.greedy:
+            return out + [_greedy(logits[j], p_, h)], j
+        return out + [int(torch.multinomial(_probs(logits[j], p_, h), 1, generator=s.generator)[0])], j
+
+
+def run_speculative(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats: SpeculativeStats | None = None,
+                    draft_tokens: int | str = 1, expert_cost: float = 1.0) -> Iterator[tuple[int, str]]:
+    """`generate.run` with MTP drafting: yields (row, text piece) as tokens are accepted."""
+    return SpeculativeDecoder(net, dtype, draft_tokens, expert_cost).run(seqs, eos_ids, stats)

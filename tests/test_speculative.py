@@ -1,0 +1,263 @@
+"""MTP self-speculative decoding: greedy output identical to plain decoding, exact rollback,
+the sampling distribution unchanged, and a clear error without an MTP head."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import moerun
+from conftest import make_tokenizer, rel_err
+from moerun.engine.cache import Cache, RecurrentState
+from moerun.engine.generate import Sequence, run
+from moerun.engine.sampling import SamplingParams
+from moerun.engine.speculative import SpeculativeDecoder, SpeculativeStats, _probs
+from moerun.errors import MoerunError
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny tensors on a shared machine: a second OpenMP thread only waits
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def build_qwen(path, mtp=True, **overrides):
+    """A tiny random qwen3_5_moe checkpoint (DeltaNet + attention) with a random MTP head."""
+    from test_qwen3_5_moe import ReferenceMTP, make_reference
+
+    ref = make_reference(**overrides)
+    ref.save_pretrained(path)
+    if mtp:
+        torch.manual_seed(1)
+        head = ReferenceMTP(ref.config, ref.config.layer_types.index("full_attention")).eval()
+        with torch.no_grad():
+            for p in head.parameters():
+                p.normal_(0.0, 0.2)
+        tensors = load_file(path / "model.safetensors")
+        tensors.update({f"mtp.{k}": v.contiguous() for k, v in head.state_dict().items()})
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    return path
+
+
+def load(path):
+    llm = moerun.load(path, dtype="float32", threads=1)
+    torch.set_num_threads(1)
+    return llm
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """vocab 300 with a real tokenizer, so stop strings can be tested too."""
+    path = tmp_path_factory.mktemp("qwen_mtp")
+    build_qwen(path, vocab_size=300)
+    make_tokenizer(path)
+    return load(path)
+
+
+def random_prompts(n, vocab, seed=0, max_len=20):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(1, max_len, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+class Oracle:
+    """Replaces the MTP head's draft logits with the plain greedy continuation, wrong at about
+    a quarter of the positions: acceptance runs long and rejections still happen, so EOS,
+    stop strings and rollback land in the middle of accepted drafts."""
+
+    def __init__(self, monkeypatch, sequences: dict[int, list[int]], vocab: int):
+        self.sequences, self.vocab = sequences, vocab
+        original = SpeculativeDecoder._mtp
+
+        def _mtp(dec, hidden, tokens, slots):
+            start = dec.mtp_cache.lengths[slots].clone()
+            logits, h = original(dec, hidden, tokens, slots)
+            logits = logits.clone()
+            for i, slot in enumerate(slots.tolist()):
+                seq = self.sequences.get(slot, [])
+                for t in range(tokens.shape[1]):
+                    pos = int(start[i]) + t + 2  # the position row t predicts
+                    if pos < len(seq):
+                        want = seq[pos] if (pos * 7 + slot) % 4 else (seq[pos] + 1) % self.vocab
+                        logits[i, t] = 0.0
+                        logits[i, t, want] = 50.0
+            return logits, h
+
+        monkeypatch.setattr(SpeculativeDecoder, "_mtp", _mtp)
+
+
+@pytest.mark.parametrize("draft_tokens,oracle", [(1, False), (3, False), (2, True), (4, True), ("auto", True)])
+def test_greedy_identical(qwen, monkeypatch, draft_tokens, oracle):
+    prompts = random_prompts(6, 300)
+    plain = qwen.generate_ids(prompts, max_tokens=16, temperature=0.0)
+    generated = qwen.last_stats.generated_tokens  # EOS included
+    single = random_prompts(1, 300, seed=5)[0]
+    plain_single = qwen.generate_ids([single], max_tokens=16, temperature=0.0)[0]
+    if oracle:
+        Oracle(monkeypatch, {b: p + o for b, (p, o) in enumerate(zip(prompts, plain))}, 300)
+    spec = qwen.generate_ids(prompts, max_tokens=16, temperature=0.0, speculative="mtp", draft_tokens=draft_tokens)
+    assert spec == plain
+    stats = qwen.last_stats
+    assert isinstance(stats, SpeculativeStats) and stats.generated_tokens == generated
+    if oracle:
+        assert 0.4 < stats.acceptance_rate < 0.95 and stats.accepted_tokens_per_step > 1.5
+        Oracle(monkeypatch, {0: single + plain_single}, 300)
+    assert qwen.generate_ids([single], max_tokens=16, temperature=0.0, speculative="mtp", draft_tokens=draft_tokens)[0] == plain_single
+
+
+def test_eos_and_stop_strings_mid_draft(qwen, monkeypatch):
+    prompts = random_prompts(4, 300, seed=1)
+    plain = qwen.generate_ids(prompts, max_tokens=20, temperature=0.0)
+    Oracle(monkeypatch, {b: p + o for b, (p, o) in enumerate(zip(prompts, plain))}, 300)
+    # EOS: a token each plain continuation produces somewhere in its middle
+    gen = dict(qwen.generation_config)
+    try:
+        tried = 0
+        for b, out in enumerate(plain):
+            if len(out) < 6:
+                continue
+            tried += 1
+            qwen.generation_config = {**gen, "eos_token_id": out[len(out) // 2 + b % 2]}
+            want = qwen.generate_ids([prompts[b]], max_tokens=20, temperature=0.0)[0]
+            Oracle(monkeypatch, {0: prompts[b] + plain[b]}, 300)
+            for n in (2, 4):
+                got = qwen.generate_ids([prompts[b]], max_tokens=20, temperature=0.0, speculative="mtp", draft_tokens=n)[0]
+                assert got == want and len(got) < len(out)
+        assert tried >= 2
+    finally:
+        qwen.generation_config = gen
+    # stop strings: text cut in the middle of the plain text
+    for text in ["The quick brown", "def add(a, b):", "héllo"]:
+        full = "".join(qwen.generate(text, max_tokens=24, temperature=0.0))
+        ids = qwen.encode_prompt(text)
+        Oracle(monkeypatch, {0: ids + qwen.tokenizer.encode(full)}, 300)
+        stop = full[len(full) // 2 : len(full) // 2 + 2]
+        if not stop.strip():
+            continue
+        want = "".join(qwen.generate(text, max_tokens=24, temperature=0.0, stop=[stop]))
+        got = "".join(qwen.generate(text, max_tokens=24, temperature=0.0, stop=[stop], speculative="mtp", draft_tokens=3))
+        assert got == want and len(want) < len(full)
+        assert qwen.generate_batch([text], max_tokens=24, temperature=0.0, stop=[stop], speculative="mtp", draft_tokens=2) == [want]
+
+
+def plain_cache(net, ids, max_len):
+    """The cache a plain run leaves after `ids`: prefill the prompt part, then one token at a time."""
+    cache = Cache(net.cache_spec(), 1, max_len, torch.float32)
+    net(torch.tensor([ids[:3]]), cache)
+    for t in ids[3:]:
+        net(torch.tensor([[t]]), cache)
+    return cache
+
+
+def test_rollback_restores_plain_state(qwen, monkeypatch):
+    """After speculation (with rejections) the trunk's KV and DeltaNet states, and the MTP
+    head's cache, are those of a plain run over the same tokens."""
+    net = qwen.net
+    prompts = [p for p in random_prompts(8, 300, seed=2) if len(p) >= 3][:2]
+    plain = qwen.generate_ids(prompts, max_tokens=13, temperature=0.0)
+    Oracle(monkeypatch, {b: p + o for b, (p, o) in enumerate(zip(prompts, plain))}, 300)
+    seqs = [Sequence(list(p), SamplingParams(max_tokens=13)) for p in prompts]
+    dec = SpeculativeDecoder(net, torch.float32, draft_tokens=3)
+    stats = SpeculativeStats()
+    list(dec.run(seqs, set(), stats))
+    assert [s.out_ids for s in seqs] == plain and 0 < stats.accepted < stats.drafted
+    with torch.inference_mode():
+        for b, s in enumerate(seqs):
+            seq = s.prompt_ids + s.out_ids
+            n = int(dec.cache.lengths[b])
+            assert n in (len(seq) - 1, len(seq))
+            ref = plain_cache(net, seq[:n], dec.cache.max_len)
+            for i, layer in enumerate(ref.layers):
+                if isinstance(layer, RecurrentState):
+                    for name, t in layer.tensors.items():
+                        assert rel_err(dec.cache.layers[i].tensors[name][b], t[0]) < 1e-5, (i, name)
+            nxt = torch.tensor([[seq[n] if n < len(seq) else 0]])
+            ours = net(nxt, dec.cache, torch.tensor([b]))
+            assert rel_err(ours, net(nxt, ref)) < 1e-4
+            # the MTP head: its cache plus the pending pairs give the uncached head's output
+            hidden = net(torch.tensor([seq[:n]]), return_hidden=True)[1]
+            want = net.mtp_logits(hidden, torch.tensor([seq[1:n] + [dec.pend_t[b][-1]]]))[:, -1]
+            k = dec.pend_h[b].shape[0]
+            dec.mtp_cache.lengths[b] = n - k
+            got = dec._mtp(dec.pend_h[b][None], torch.tensor([dec.pend_t[b]]), torch.tensor([b]))[0][:, -1]
+            assert rel_err(got, want) < 1e-4
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness-of-fit p-value; cells expected below 5 are pooled."""
+    n = counts.sum()
+    expected = probs * n
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]).double()
+    exp = torch.cat([expected[~small], expected[small].sum()[None]]).double()
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_sampling_distribution_unchanged(tmp_path):
+    """Tokens 2 and 3 (the first that speculation decides) follow the plain sampler's law."""
+    params = dict(temperature=0.8, top_k=10, repetition_penalty=1.3)  # every part of the plain sampler
+    V, R, prompt = 16, 800, [3, 5, 7]
+    llm = load(build_qwen(tmp_path, vocab_size=V))
+    net = llm.net
+    p = SamplingParams(max_tokens=3, **params)
+    # the exact distribution of tokens 2 and 3 under plain sampling, by enumeration
+    with torch.inference_mode():
+        first = net(torch.tensor([prompt]))[0, -1]
+        p1 = _probs(first, p, prompt)
+        two = torch.tensor([prompt + [a] for a in range(V)])
+        p2_given = torch.stack([_probs(net(two[a : a + 1])[0, -1], p, two[a].tolist()) for a in range(V)])  # [a, b]
+        p2 = p1 @ p2_given
+        three = [prompt + [a, b] for a in range(V) for b in range(V)]
+        logits3 = net(torch.tensor(three))[:, -1]
+        p3_given = torch.stack([_probs(logits3[i], p, three[i]) for i in range(V * V)]).view(V, V, V)
+        p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
+    seqs = [Sequence(list(prompt), SamplingParams(max_tokens=3, seed=1000 + r, **params)) for r in range(R)]
+    stats = SpeculativeStats()
+    list(SpeculativeDecoder(net, torch.float32, draft_tokens=2).run(seqs, set(), stats))
+    assert 0.05 < stats.acceptance_rate < 0.95  # both branches of the test ran
+    outs = torch.tensor([s.out_ids for s in seqs])
+    assert chi_square_p(torch.bincount(outs[:, 1], minlength=V).float(), p2) > 1e-3
+    assert chi_square_p(torch.bincount(outs[:, 2], minlength=V).float(), p3) > 1e-3
+
+
+def test_without_mtp_head_is_a_clear_error(tmp_path, qwen):
+    llm = load(build_qwen(tmp_path, mtp=False))
+    with pytest.raises(MoerunError, match="multi-token-prediction head"):
+        llm.generate_ids([[1, 2, 3]], max_tokens=4, speculative="mtp")
+    with pytest.raises(MoerunError, match="unknown speculative"):
+        qwen.generate_ids([[1, 2, 3]], max_tokens=4, speculative="ngram")
+    with pytest.raises(MoerunError, match="draft_tokens"):
+        qwen.generate_ids([[1, 2, 3]], max_tokens=4, speculative="mtp", draft_tokens=5)
+
+
+def test_deepseek_v3_greedy_identical(tmp_path, monkeypatch):
+    from test_deepseek_v3 import BASE, make_reference, randomize_routers, write_mtp_weights
+    from transformers.modeling_layers import MtpModel
+
+    ref = make_reference(num_mtp_layers=1)
+    torch.manual_seed(1)
+    mtp = MtpModel(ref, 1).eval()
+    with torch.no_grad():
+        for name, p in mtp.layers.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    randomize_routers(mtp)
+    ref.save_pretrained(tmp_path)
+    write_mtp_weights(mtp, tmp_path, BASE["num_hidden_layers"])
+    llm = load(tmp_path)
+    V = BASE["vocab_size"]
+    prompts = random_prompts(5, V, seed=3)
+    plain = llm.generate_ids(prompts, max_tokens=14, temperature=0.0)
+    assert llm.generate_ids(prompts, max_tokens=14, temperature=0.0, speculative="mtp", draft_tokens=2) == plain
+    Oracle(monkeypatch, {b: p + o for b, (p, o) in enumerate(zip(prompts, plain))}, V)
+    assert llm.generate_ids(prompts, max_tokens=14, temperature=0.0, speculative="mtp", draft_tokens=3) == plain
+    assert llm.last_stats.acceptance_rate > 0.4
