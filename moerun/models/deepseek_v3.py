@@ -172,11 +172,13 @@ class Attention(nn.Module):
         T = q_nope.shape[2]
         w = self.kv_b_proj.weight.view(self.n_heads, self.dn + self.dv, self.rank)
         q_lat = torch.einsum("bntd,ndr->bntr", q_nope, w[:, : self.dn])  # [B, N, T, R]
-        scores = q_lat @ latent.transpose(-1, -2) + q_rot @ k_rot.transpose(-1, -2)  # [B, N, T, S]
-        scores = scores.float() * self.scale
+        # fp32 over the cache: torch's CPU bf16 matmuls of these shapes are 4-7x slower
+        latent = latent.float()
+        scores = q_lat.float() @ latent.transpose(-1, -2) + q_rot.float() @ k_rot.float().transpose(-1, -2)
+        scores = scores * self.scale  # [B, N, T, S]
         if B > 1 or T > 1:
             scores = scores.masked_fill(~causal_mask(pos0, T, S), float("-inf"))
-        out_lat = scores.softmax(-1).to(latent.dtype) @ latent  # [B, N, T, R]
+        out_lat = (scores.softmax(-1) @ latent).to(q_nope.dtype)  # [B, N, T, R]
         return torch.einsum("bntr,nvr->bntv", out_lat, w[:, self.dn :])  # [B, N, T, Dv]
 
 
