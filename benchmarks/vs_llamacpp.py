@@ -1,0 +1,328 @@
+"""moerun vs llama.cpp on the same quantized weights, same threads, one after the other.
+
+    .venv/bin/python benchmarks/vs_llamacpp.py [--layers 8] [--prompt-tokens 512] \
+        [--gen-tokens 128] [--threads 2] [--rows int4,int8]
+
+A random model with Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts, top-8, expert width
+768, 32/4 heads of 128, vocab 151936) is built in memory, already quantized by moerun's
+policy (row int4: routed experts int4, attention and LM head int8; row int8: all int8).
+The GGUF file for llama.cpp is written from those very blocks: moerun's int4 and int8 blocks
+are bit-for-bit llama.cpp's Q4_0 and Q8_0 blocks (fp16 scale + the same packed values), so
+both engines read identical weights; router, norms stay fp32 in both, the embedding is Q8_0
+for llama.cpp and fp32 for moerun (one row per token: no effect on speed).
+
+Prints prefill tok/s (one prompt of --prompt-tokens), decode tok/s (--gen-tokens steps with
+a KV cache), the ratio, and the decode roofline: bytes read per decoded token / measured
+memory read bandwidth. A sanity line compares the two engines' last-token logits after the
+prompt (same weights -> nearly the same logits).
+
+Needs `gguf` and `llama-cpp-python` (pip install gguf llama-cpp-python; the latter compiles
+llama.cpp for this CPU). Weights are random: routing is near uniform, outputs meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moerun import kernels
+from moerun.bench.random_model import preset_config
+from moerun.engine.cache import Cache
+from moerun.layers.moe import Experts
+from moerun.models import qwen3_moe
+from moerun.quant import POLICIES, quantize_model
+from moerun.quant import formats
+from moerun.quant.modules import QuantizedExperts, QuantizedLinear
+
+
+def build_model(layers: int, row: str, seed: int = 0):
+    """Random Qwen3-30B-A3B-shaped model, quantized by policy `row`, without ever holding
+    the float experts (they would need 19 GB for 8 layers)."""
+    cfg = preset_config("qwen3-30b-a3b", layers=layers)
+    args = qwen3_moe.ModelArgs.from_dict(cfg)
+    torch.manual_seed(seed)
+    net = qwen3_moe.Model(args)  # Experts params are torch.empty: untouched pages, no RSS
+    policy = POLICIES[row]
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, mod in list(net.named_modules()):
+            if isinstance(mod, Experts):
+                parent, _, child = name.rpartition(".")
+                setattr(net.get_submodule(parent), child, random_experts(args, policy.experts, g))
+        for name, p in net.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    quantize_model(net, policy)
+    return net.eval(), args
+
+
+def random_experts(args, fmt: str, g) -> QuantizedExperts:
+    """Random codes and N(0, 0.02)-like scales straight in the packed format."""
+    E, H, I = args.num_experts, args.hidden_size, args.moe_intermediate_size
+    m = QuantizedExperts(E, H, I, fmt)
+    for name in ("gate", "up", "down"):
+        q, s = getattr(m, f"{name}_q"), getattr(m, f"{name}_scales")
+        if fmt == "int4":
+            q.copy_(torch.randint(0, 256, q.shape, dtype=torch.uint8, generator=g))
+            s.copy_((0.02 * 2.5 / 8) * (1 + 0.1 * torch.randn(s.shape, generator=g)))
+        else:
+            q.copy_(torch.randint(-127, 128, q.shape, dtype=torch.int8, generator=g))
+            s.copy_((0.02 * 2.5 / 127) * (1 + 0.1 * torch.randn(s.shape, generator=g)))
+    return m
+
+
+# -- GGUF ----------------------------------------------------------------------------------
+
+def ggml_blocks(qweight: torch.Tensor, scales: torch.Tensor, fmt: str) -> np.ndarray:
+    """moerun blocks -> llama.cpp Q4_0 / Q8_0 blocks: [..., N, nb * (2 + bytes)] uint8."""
+    per = formats.GROUP // 2 if fmt == "int4" else formats.GROUP
+    q = qweight.view(torch.uint8).reshape(*scales.shape, per)
+    d = scales.contiguous().view(torch.uint8).reshape(*scales.shape, 2)
+    return torch.cat([d, q], dim=-1).reshape(*scales.shape[:-1], -1).numpy()
+
+
+def write_gguf(net, args, path: Path) -> None:
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    qtype = {"int4": Q.Q4_0, "int8": Q.Q8_0}
+    entries = []  # (name, producer of a numpy array, its shape, dtype, raw type)
+
+    def add_quant(name, mod: QuantizedLinear):
+        nb = formats.blocks(mod.in_features)
+        per = formats.GROUP // 2 if mod.fmt == "int4" else formats.GROUP
+        shape = (mod.out_features, nb * (2 + per))
+        entries.append((name, lambda: ggml_blocks(mod.qweight, mod.scales, mod.fmt), shape, np.uint8, qtype[mod.fmt]))
+
+    def add_experts(name, ex: QuantizedExperts, which: str):
+        q, s = getattr(ex, f"{which}_q"), getattr(ex, f"{which}_scales")
+        per = formats.GROUP // 2 if ex.fmt == "int4" else formats.GROUP
+        shape = (*s.shape[:-1], s.shape[-1] * (2 + per))
+        entries.append((name, lambda: ggml_blocks(q, s, ex.fmt), shape, np.uint8, qtype[ex.fmt]))
+
+    def add_f32(name, t):
+        entries.append((name, lambda: t.detach().float().contiguous().numpy(), tuple(t.shape), np.float32, None))
+
+    m = net.model
+    emb_q, emb_s = formats.quantize_int8(m.embed_tokens.weight.detach())
+    entries.append(("token_embd.weight", lambda: ggml_blocks(emb_q, emb_s, "int8"),
+                    (emb_q.shape[0], emb_s.shape[1] * 34), np.uint8, Q.Q8_0))
+    for i, layer in enumerate(m.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        add_f32(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight)
+        add_quant(f"blk.{i}.attn_q.weight", a.q_proj)
+        add_quant(f"blk.{i}.attn_k.weight", a.k_proj)
+        add_quant(f"blk.{i}.attn_v.weight", a.v_proj)
+        add_quant(f"blk.{i}.attn_output.weight", a.o_proj)
+        add_f32(f"blk.{i}.attn_q_norm.weight", a.q_norm.weight)
+        add_f32(f"blk.{i}.attn_k_norm.weight", a.k_norm.weight)
+        add_f32(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight)
+        add_f32(f"blk.{i}.ffn_gate_inp.weight", mlp.gate.weight)
+        add_experts(f"blk.{i}.ffn_gate_exps.weight", mlp.experts, "gate")
+        add_experts(f"blk.{i}.ffn_up_exps.weight", mlp.experts, "up")
+        add_experts(f"blk.{i}.ffn_down_exps.weight", mlp.experts, "down")
+    add_f32("output_norm.weight", m.norm.weight)
+    add_quant("output.weight", net.lm_head)
+
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_context_length(4096)
+    w.add_embedding_length(args.hidden_size)
+    w.add_block_count(args.num_hidden_layers)
+    w.add_feed_forward_length(args.intermediate_size)
+    w.add_expert_feed_forward_length(args.moe_intermediate_size)
+    w.add_head_count(args.num_attention_heads)
+    w.add_head_count_kv(args.num_key_value_heads)
+    w.add_key_length(args.head_dim)
+    w.add_value_length(args.head_dim)
+    w.add_rope_freq_base(float(args.rope.get("rope_theta", 1e6)) if args.rope else 1e6)
+    w.add_layer_norm_rms_eps(args.rms_norm_eps)
+    w.add_expert_count(args.num_experts)
+    w.add_expert_used_count(args.num_experts_per_tok)
+    # a SentencePiece-style vocabulary of placeholder pieces: only token ids are fed
+    V = args.vocab_size
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    tokens += [f"<t{i}>" for i in range(len(tokens), V)]
+    types += [1] * (V - len(types))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * V)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    for name, _, shape, dt, raw in entries:
+        nbytes = int(np.prod(shape)) * np.dtype(dt).itemsize
+        w.add_tensor_info(name, shape, np.dtype(dt), nbytes, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, make, shape, dt, raw in entries:
+        arr = make()
+        assert arr.shape == tuple(shape), (name, arr.shape, shape)
+        w.write_tensor_data(arr)
+    w.close()
+
+
+# -- measurements --------------------------------------------------------------------------
+
+def read_bandwidth(threads: int, mib: int = 1024) -> float:
+    """Bytes/s of a parallel read (sum) over a buffer much larger than the caches; best of 5."""
+    torch.set_num_threads(threads)
+    x = torch.ones(mib << 18)  # float32: mib MiB
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.nbytes / best
+
+
+def decode_bytes(net, args) -> int:
+    """Weight bytes one decoded token reads: active experts, attention, routers, norms, LM head."""
+    total = 0
+    K, E = args.num_experts_per_tok, args.num_experts
+    for name, mod in net.named_modules():
+        if isinstance(mod, QuantizedExperts):
+            total += sum(b.nbytes for b in mod.buffers()) * K // E
+        elif isinstance(mod, (QuantizedLinear, torch.nn.Linear)):
+            total += sum(b.nbytes for b in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)])
+    return total
+
+
+class CpuClock:
+    """Wall time, process CPU time and context switches over a block."""
+
+    def __enter__(self):
+        self.t = time.perf_counter()
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        self.cpu, self.ivcsw = r.ru_utime + r.ru_stime, r.ru_nivcsw
+        return self
+
+    def __exit__(self, *exc):
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        self.wall = time.perf_counter() - self.t
+        self.cpu_s = r.ru_utime + r.ru_stime - self.cpu
+        self.invol = r.ru_nivcsw - self.ivcsw
+
+
+def run_moerun(net, args, prompt: list[int], gen: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    cache = Cache(net.cache_spec(), 1, len(prompt) + gen + 1, torch.float32)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        with CpuClock() as pre:
+            logits = net(ids, cache, last_only=True)
+        tok = torch.tensor([[prompt[0]]])
+        with CpuClock() as dec:
+            for i in range(gen):
+                net(tok, cache, last_only=True)
+                tok = torch.tensor([[prompt[(i + 1) % len(prompt)]]])
+    return dict(prefill_tok_s=len(prompt) / pre.wall, decode_tok_s=gen / dec.wall,
+                decode_cpu_per_wall=dec.cpu_s / dec.wall, decode_invol_csw_per_tok=dec.invol / gen,
+                logits=logits[0, -1].float())
+
+
+def run_llamacpp(path: Path, prompt: list[int], gen: int, threads: int) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=len(prompt) + gen + 16, n_batch=len(prompt), n_ubatch=min(512, len(prompt)),
+                n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm.eval(prompt[:8])  # warm-up: first-touch of the mmap'ed weights of the layers
+    llm.reset()
+    with CpuClock() as pre:
+        llm.eval(prompt)
+    logits = torch.tensor(np.array(llm.scores[llm.n_tokens - 1]))
+    with CpuClock() as dec:
+        for i in range(gen):
+            llm.eval([prompt[i % len(prompt)]])
+    out = dict(prefill_tok_s=len(prompt) / pre.wall, decode_tok_s=gen / dec.wall,
+               decode_cpu_per_wall=dec.cpu_s / dec.wall, decode_invol_csw_per_tok=dec.invol / gen, logits=logits)
+    del llm
+    gc.collect()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--rows", default="int4,int8", help="policies to compare: int4 (vs Q4_0), int8 (vs Q8_0)")
+    p.add_argument("--workdir", default="/tmp/moerun-vs-llamacpp")
+    p.add_argument("--skip-llamacpp", action="store_true")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+
+    work = Path(a.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(1)
+    results = []
+    bw = read_bandwidth(a.threads)
+    print(f"kernels: {kernels.describe()}; threads {a.threads}; read bandwidth {bw / 1e9:.1f} GB/s", file=sys.stderr)
+    for row in a.rows.split(","):
+        t0 = time.perf_counter()
+        net, args = build_model(a.layers, row)
+        prompt = torch.randint(300, args.vocab_size, (a.prompt_tokens,), generator=g).tolist()
+        nbytes = decode_bytes(net, args)
+        print(f"[{row}] built in {time.perf_counter() - t0:.0f} s; {nbytes / 1e6:.0f} MB read per decoded token", file=sys.stderr)
+        res = dict(row=row, llama_type={"int4": "Q4_0 experts + Q8_0", "int8": "Q8_0"}[row],
+                   layers=a.layers, threads=a.threads, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens,
+                   bytes_per_token=nbytes, read_bw=bw, roofline_tok_s=bw / nbytes)
+        lc = None
+        if not a.skip_llamacpp:
+            gguf_path = work / f"random-{a.layers}L-{row}.gguf"
+            t0 = time.perf_counter()
+            write_gguf(net, args, gguf_path)
+            print(f"[{row}] wrote {gguf_path} ({gguf_path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            lc = run_llamacpp(gguf_path, prompt, a.gen_tokens, a.threads)
+            gguf_path.unlink()
+            res["llamacpp"] = {k: v for k, v in lc.items() if k != "logits"}
+            print(f"[{row}] llama.cpp: {res['llamacpp']}", file=sys.stderr)
+        ours = run_moerun(net, args, prompt, a.gen_tokens, a.threads)
+        res["moerun"] = {k: v for k, v in ours.items() if k != "logits"}
+        print(f"[{row}] moerun: {res['moerun']}", file=sys.stderr)
+        if lc is not None:
+            x, y = ours["logits"], lc["logits"]
+            res["logits_cosine"] = float(torch.nn.functional.cosine_similarity(x, y, dim=0))
+            res["prefill_ratio"] = ours["prefill_tok_s"] / lc["prefill_tok_s"]
+            res["decode_ratio"] = ours["decode_tok_s"] / lc["decode_tok_s"]
+        res["decode_of_roofline"] = ours["decode_tok_s"] / res["roofline_tok_s"]
+        results.append(res)
+        del net
+        gc.collect()
+
+    if a.json:
+        print(json.dumps(results, indent=1))
+        return 0
+    print(f"\n{a.layers} layers, Qwen3-30B-A3B shapes, {a.threads} threads, prompt {a.prompt_tokens}, "
+          f"decode {a.gen_tokens}, read bandwidth {bw / 1e9:.1f} GB/s, kernels {kernels.isa()}")
+    print("| weights | engine | prefill tok/s | decode tok/s | decode % of roofline |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        for eng in ("llamacpp", "moerun"):
+            if eng in r:
+                e = r[eng]
+                print(f"| {r['row'] if eng == 'moerun' else r['llama_type']} | {eng} | {e['prefill_tok_s']:.1f} | "
+                      f"{e['decode_tok_s']:.2f} | {100 * e['decode_tok_s'] / r['roofline_tok_s']:.0f}% |")
+        if "decode_ratio" in r:
+            print(f"| {r['row']} | moerun / llama.cpp | {r['prefill_ratio']:.2f}x | {r['decode_ratio']:.2f}x | "
+                  f"logits cosine {r['logits_cosine']:.4f} |")
+        print(f"| {r['row']} | roofline | | {r['roofline_tok_s']:.2f} | {r['bytes_per_token'] / 1e6:.0f} MB/token |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
