@@ -64,6 +64,21 @@ class Trace:
     mtp_valid: np.ndarray | None = None
     OPTIONAL = ("logits", "ahead", "mtp_route", "mtp_hidden", "mtp_cand", "mtp_prob", "mtp_valid")
 
+    @classmethod
+    def from_ids(cls, ids, num_experts: int, seq=None, **optional) -> "Trace":
+        """A trace from expert ids [N, L, K] alone (weights uniform): hand-made traces for tests
+        and for routing recorded elsewhere."""
+        ids = np.asarray(ids, dtype=np.int16)
+        N, L, K = ids.shape
+        seq = np.zeros(N, dtype=np.int32) if seq is None else np.asarray(seq, dtype=np.int32)
+        pos = np.zeros(N, dtype=np.int32)
+        for s in np.unique(seq):
+            pos[seq == s] = np.arange((seq == s).sum())
+        meta = {"num_experts": int(num_experts), "top_k": K, "moe_layers": list(range(L)), "tokens": N,
+                "ahead": 0 if optional.get("ahead") is None else int(np.asarray(optional["ahead"]).shape[0])}
+        return cls(ids=ids, weights=np.full((N, L, K), 1.0 / K, dtype=np.float16), tokens=np.zeros(N, dtype=np.int32),
+                   seq=seq, pos=pos, meta=meta, **optional)
+
     @property
     def num_tokens(self) -> int:
         return self.ids.shape[0]
