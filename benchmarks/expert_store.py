@@ -7,9 +7,11 @@ Rows: all experts in RAM; --ram-budget 50% and 25% of the experts (real disk str
 the checkpoint's pages are dropped from the page cache before each measurement and after
 every read); the EMULATED PCIe 4.0 link with a device budget of 25% -- each with LRU
 alone and with LRU + a pinned hot set (taken from the routing profile of the first row's
-own run, i.e. the best case for pinning). No predictor drives prefetching yet (the next
-issue), so every miss is a demand miss. Emulated rows charge link time only; the experts
-still run on the CPU at CPU speed.
+own run, i.e. the best case for pinning). In those rows no predictor drives prefetching,
+so every miss is a demand miss; the last two rows add the `layer_ahead1` predictor
+(moerun.experts.predict) hinting the async prefetcher. Emulated rows charge link time
+only; the experts still run on the CPU at CPU speed. Use --threads 1 on a shared machine:
+two threads on two busy cores ran 15x slower here.
 """
 
 from __future__ import annotations
@@ -30,14 +32,18 @@ from moerun.engine.cache import Cache  # noqa: E402
 from moerun.experts import StoreOptions, load  # noqa: E402
 
 ROWS = [
-    # label, options, pin fraction (of each layer's experts; from the profile)
-    ("all experts in RAM", dict(), 0.0),
-    ("RAM 50%, LRU", dict(ram_budget="50%"), 0.0),
-    ("RAM 50%, LRU + pinned 25%", dict(ram_budget="50%"), 0.25),
-    ("RAM 25%, LRU", dict(ram_budget="25%"), 0.0),
-    ("RAM 25%, LRU + pinned 12.5%", dict(ram_budget="25%"), 0.125),
-    ("EMULATED pcie4, VRAM 25%, LRU", dict(vram_budget="25%", emulate_link="pcie4"), 0.0),
-    ("EMULATED pcie4, VRAM 25%, LRU + pinned 12.5%", dict(vram_budget="25%", emulate_link="pcie4"), 0.125),
+    # label, options, pin fraction (of each layer's experts; from the profile), predictor driving prefetch
+    ("all experts in RAM", dict(), 0.0, None),
+    ("RAM 50%, LRU", dict(ram_budget="50%"), 0.0, None),
+    ("RAM 50%, LRU + pinned 25%", dict(ram_budget="50%"), 0.25, None),
+    ("RAM 25%, LRU", dict(ram_budget="25%"), 0.0, None),
+    ("RAM 25%, LRU + pinned 12.5%", dict(ram_budget="25%"), 0.125, None),
+    ("EMULATED pcie4, VRAM 25%, LRU", dict(vram_budget="25%", emulate_link="pcie4"), 0.0, None),
+    ("EMULATED pcie4, VRAM 25%, LRU + pinned 12.5%", dict(vram_budget="25%", emulate_link="pcie4"), 0.125, None),
+    # the same with the layer_ahead1 predictor (moerun.experts.predict) hinting the prefetcher
+    ("RAM 25%, LRU, layer_ahead1 prefetch", dict(ram_budget="25%"), 0.0, "layer_ahead1"),
+    ("EMULATED pcie4, VRAM 25%, LRU, layer_ahead1 prefetch", dict(vram_budget="25%", emulate_link="pcie4"), 0.0,
+     "layer_ahead1"),
 ]
 
 
@@ -50,12 +56,20 @@ def random_model(layers: int, root: Path) -> Path:
     return path
 
 
-def measure(path, dtype, threads, opts, prompt, gen, warm, profile=None, pin=0.0, random_input=False) -> dict:
+def measure(path, dtype, threads, opts, prompt, gen, warm, profile=None, pin=0.0, random_input=False,
+            predictor=None, uniform=False) -> dict:
     options = StoreOptions(**opts, profile=profile if pin else None, pin_hot_fraction=pin)
     t0 = time.perf_counter()
     llm = load(path, dtype=dtype, threads=threads, options=options)
     load_s = time.perf_counter() - t0
     store, net = llm.store, llm.net
+    driver = None
+    if uniform:
+        _uniform_routing(net)
+    if predictor:
+        from moerun.experts.predict import attach_predictor
+
+        driver = attach_predictor(net, store, predictor)
     try:
         store.reader.drop_all(store.paths)  # the page cache must not hold the checkpoint
         cache = Cache(net.cache_spec(), 1, prompt.shape[1] + warm + gen + 1, llm.dtype)
@@ -87,9 +101,26 @@ def measure(path, dtype, threads, opts, prompt, gen, warm, profile=None, pin=0.0
             profile=store.routing_profile(), **{k: v for k, v in st.items() if k != "tiers"}, tiers=st["tiers"],
         )
     finally:
+        if driver is not None:
+            driver.close()
         store.close()
         del llm, store, net
         gc.collect()
+
+
+def _uniform_routing(net) -> None:
+    """Replace each MoE layer's choice by K distinct experts drawn uniformly (a synthetic,
+    worst-case spread of routing); registered first, so predictor hooks see the drawn ids."""
+    from moerun.experts import StoreExperts
+
+    g = torch.Generator().manual_seed(2)
+    for m in net.modules():
+        if isinstance(m, StoreExperts):
+            def hook(mod, args):
+                x, ids, w = args
+                drawn = torch.stack([torch.randperm(mod.num_experts, generator=g)[: ids.shape[1]] for _ in range(ids.shape[0])])
+                return x, drawn, w
+            m.register_forward_pre_hook(hook)
 
 
 def main() -> int:
@@ -104,6 +135,8 @@ def main() -> int:
     p.add_argument("--gen-tokens", type=int, default=16)
     p.add_argument("--rows", default=None, help="comma-separated row numbers (0-based) to run")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--routing", choices=["model", "uniform"], default="model",
+                   help="the model's own routing, or K experts drawn uniformly per token and layer (synthetic)")
     p.add_argument("--decode-input", choices=["auto", "random", "argmax"], default="auto",
                    help="next decode input: random token ids (default for random-weight models) or the argmax")
     a = p.parse_args()
@@ -115,15 +148,16 @@ def main() -> int:
     prompt = torch.randint(0, vocab, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(0))
     rows = ROWS if a.rows is None else [ROWS[int(i)] for i in a.rows.split(",")]
     print(f"model {path}; prompt {a.prompt_tokens} tokens, {a.warmup_tokens} warm-up + {a.gen_tokens} measured decode "
-          f"tokens ({'random' if random_input else 'argmax'} decode inputs); threads {a.threads or torch.get_num_threads()}",
+          f"tokens ({'random' if random_input else 'argmax'} decode inputs, {a.routing} routing); threads {a.threads or torch.get_num_threads()}",
           file=sys.stderr)
     profile = None
     results = []
-    for label, opts, pin in rows:
+    for label, opts, pin, predictor in rows:
         if pin and profile is None:  # a profile run of its own when the first row was skipped
             profile = measure(path, a.dtype, a.threads, {}, prompt, a.gen_tokens, a.warmup_tokens,
-                              random_input=random_input)["profile"]
-        r = measure(path, a.dtype, a.threads, opts, prompt, a.gen_tokens, a.warmup_tokens, profile, pin, random_input)
+                              random_input=random_input, uniform=a.routing == "uniform")["profile"]
+        r = measure(path, a.dtype, a.threads, opts, prompt, a.gen_tokens, a.warmup_tokens, profile, pin, random_input,
+                    predictor, a.routing == "uniform")
         if profile is None:
             profile = r["profile"]
         r.pop("profile")
@@ -136,11 +170,12 @@ def main() -> int:
     if not a.json:
         print()
         print("| placement, policy | decode tok/s | stall share | stall s/token | expert hit rate | "
-              "MB moved/token | RSS GiB |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+              "prefetch precision / recall | MB moved/token | RSS GiB |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in results:
+            pf = f"{r['prefetch_precision']:.2f} / {r['prefetch_recall']:.2f}" if r["prefetch_issued"] else "-"
             print(f"| {r['row']} | {r['decode_tok_s']:.2f} | {100 * r['stall_share']:.0f}% | {r['stall_s_per_token']:.3f} | "
-                  f"{r['expert_hit_rate']:.2f} | {r['bytes_moved_per_token'] / 1e6:.0f} | {r['rss_gib']:.1f} |")
+                  f"{r['expert_hit_rate']:.2f} | {pf} | {r['bytes_moved_per_token'] / 1e6:.0f} | {r['rss_gib']:.1f} |")
         if any(r["emulated"] for r in results):
             link = next(r["link"] for r in results if r["emulated"])
             print(f"\nEMULATED rows: {link}; link time only, experts still computed on the CPU.")
