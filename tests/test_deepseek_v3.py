@@ -73,6 +73,8 @@ def test_matches_transformers(tmp_path, overrides):
     ref = make_reference(**overrides)
     llm = save_and_load(ref, tmp_path)
     assert not llm.net.has_mtp
+    with pytest.raises(MoerunError, match="no MTP"):
+        llm.net.mtp_logits(torch.zeros(1, 1, BASE["hidden_size"]), torch.zeros(1, 1, dtype=torch.long))
     assert (llm.args.n_routed_experts, llm.args.num_experts_per_tok) == (ref.config.n_routed_experts,
                                                                          ref.config.num_experts_per_tok)
     check_against_reference(ref, llm, BASE["vocab_size"])

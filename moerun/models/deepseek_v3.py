@@ -327,15 +327,17 @@ class Model(nn.Module):
 
     def mtp_logits(self, hidden, next_token_ids, cache=None, slots=None, *, depth=0, return_hidden=False):
         """MTP logits for the token after next: hidden [B, T, H] at positions p..p+T-1 (the final
-        normed hidden state of `forward`), next_token_ids [B, T] the tokens at p+1..p+T
-        -> logits [B, T, vocab], row t predicting the token at p+t+2.
+        normed hidden state of `forward(..., return_hidden=True)`), next_token_ids [B, T] the
+        tokens at p+1..p+T -> logits [B, T, vocab], row t predicting the token at p+t+2
+        (and, with return_hidden, this module's normed output [B, T, H]).
 
         `cache` is this depth's own `Cache(mtp_cache_spec(), ...)`: its entry i pairs hidden
-        state i with token i+1, so it stays in step with the main cache. For depth d > 0 pass
-        the hidden state this method returned (return_hidden) for depth d-1.
+        state i with token i+1, so after each decode step it holds one entry per main-cache
+        token. Depth d > 0 (checkpoints with several MTP modules) takes depth d-1's output
+        hidden state and the tokens one further along, and predicts the token at p+t+2+d.
         """
         if not self.has_mtp:
-            raise ValueError("this checkpoint has no MTP module (num_nextn_predict_layers is 0)")
+            raise MoerunError("this checkpoint has no MTP module (num_nextn_predict_layers is 0)")
         mtp = self.mtp[depth]
         B, T = next_token_ids.shape
         slots, pos0 = self._positions(B, cache, slots)
