@@ -95,7 +95,9 @@ class EmulatedLink:
         t0 = time.perf_counter()
         dt = self.spec.seconds(nbytes)
         try:
-            _sleep_until(t0 + dt)
+            # a demand caller is blocked anyway: spin, since a sleeping thread on a busy machine
+            # wakes milliseconds late and would charge the link for the scheduler's delay
+            _sleep_until(t0 + dt, spin=demand)
         finally:
             with self._cv:
                 self._busy = False
@@ -139,8 +141,13 @@ class CudaLink:
         return out
 
 
-def _sleep_until(deadline: float) -> None:
-    # time.sleep overshoots by ~50-100 µs; that error is reported as busy_s - modeled_s
+def _sleep_until(deadline: float, spin: bool) -> None:
+    # what the emulation got wrong (sleep overshoot, preemption) is reported as busy_s - modeled_s
     left = deadline - time.perf_counter()
-    if left > 0:
+    if spin:
+        if left > 2e-3:
+            time.sleep(left - 2e-3)
+        while time.perf_counter() < deadline:
+            pass
+    elif left > 0:
         time.sleep(left)

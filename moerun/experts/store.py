@@ -525,6 +525,8 @@ class ExpertStore:
             out["tiers"][DEVICE].update(
                 emulated=self.emulated, transfers=c["transfers_link"], bytes=c["bytes_link"],
                 bytes_per_token=c["bytes_link"] / tok,
+                # since the store was made: the link model's time, and the time the link was held
+                link_modeled_s=self.link.modeled_s, link_busy_s=self.link.busy_s,
             )
         out["tiers"]["disk"] = {"reads": c["reads_disk"], "bytes_read": c["bytes_disk"],
                                 "bytes_per_token": c["bytes_disk"] / tok}
