@@ -20,6 +20,8 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
     if model:
         p.add_argument("-m", "--model", default=None, help="Hugging Face model directory (default: the bundled demo model)")
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weight and activation dtype")
+        p.add_argument("--quant", default="none", choices=["none", "int4", "int8", "int4-all"],
+                       help="quantize at load: int4 = routed experts int4, attention/shared/head int8")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available cores)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -45,7 +47,7 @@ def _sampling_kwargs(a) -> dict:
 def _load(a):
     import moerun
 
-    return moerun.load(a.model, dtype=a.dtype, threads=a.threads)
+    return moerun.load(a.model, dtype=a.dtype, threads=a.threads, quant=a.quant)
 
 
 def cmd_generate(a) -> int:
@@ -144,7 +146,7 @@ def _kernel_isa() -> str:
     try:
         from . import kernels  # the native extension's one import point, when built
 
-        return kernels.active_isa()
+        return kernels.isa()
     except Exception:
         return "torch (native kernels not built)"
 

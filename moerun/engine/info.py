@@ -33,40 +33,43 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def describe(net: torch.nn.Module, args) -> dict:
-    """Totals per component: parameters, bytes held, bytes read per decoded token."""
+    """Totals per component: parameters, bytes held, bytes read per decoded token.
+
+    Counts every tensor of the state dict (parameters and the packed buffers of quantized
+    modules), each shared tensor once.
+    """
     k = getattr(args, "num_experts_per_tok", 0)
+    # Experts modules and their replacements (quantized, store-backed) mark themselves
+    routed = {
+        name + ".": mod.num_experts
+        for name, mod in net.named_modules()
+        if isinstance(mod, Experts) or getattr(mod, "routed_experts", False)
+    }
     params: dict[str, int] = defaultdict(int)
     held: dict[str, int] = defaultdict(int)
     per_token: dict[str, float] = defaultdict(float)
-    routed_ids = set()
-    for mod_name, mod in net.named_modules():
-        # quantized or store-backed replacements of Experts mark themselves `routed_experts`
-        if isinstance(mod, Experts) or getattr(mod, "routed_experts", False):
-            comp = "mtp" if component_of(mod_name + ".") == "mtp" else "routed experts"
-            n_exp = mod.num_experts
-            for p in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]:
-                routed_ids.add(id(p))
-                params[comp] += p.numel()
-                held[comp] += tensor_bytes(p)
-                if comp != "mtp":
-                    per_token[comp] += tensor_bytes(p) * k / n_exp
-    seen = set(routed_ids)
     hidden = getattr(args, "hidden_size", 0)
-    for name, p in net.named_parameters():
-        if id(p) in seen:
+    seen = set()
+    for name, t in net.state_dict().items():
+        if t.data_ptr() in seen and t.numel():
             continue
-        seen.add(id(p))
+        seen.add(t.data_ptr())
         comp = component_of(name)
-        params[comp] += p.numel()
-        held[comp] += tensor_bytes(p)
-        if comp == "embedding":
-            per_token[comp] += hidden * p.element_size()  # one row per token
+        prefix = next((p for p in routed if name.startswith(p)), None)
+        if prefix is not None and comp != "mtp":
+            comp = "routed experts"
+        params[comp] += t.numel() if t.dtype != torch.uint8 else 2 * t.numel()  # uint8 packs two int4
+        held[comp] += tensor_bytes(t)
+        if comp == "routed experts":
+            per_token[comp] += tensor_bytes(t) * k / routed[prefix]
+        elif comp == "embedding":
+            per_token[comp] += hidden * t.element_size()  # one row per token
         elif comp != "mtp":
-            per_token[comp] += tensor_bytes(p)
+            per_token[comp] += tensor_bytes(t)
     total = sum(params.values())
-    routed = params.get("routed experts", 0)
+    n_routed = params.get("routed experts", 0)
     n_experts = _num_experts(args)
-    active = total - params.get("mtp", 0) - params.get("embedding", 0) - routed + (routed * k / n_experts if n_experts else 0)
+    active = total - params.get("mtp", 0) - params.get("embedding", 0) - n_routed + (n_routed * k / n_experts if n_experts else 0)
     return {
         "parameters": total,
         "active_parameters": int(active),

@@ -49,6 +49,8 @@ class QuantizedLinear(nn.Module):
 class QuantizedExperts(nn.Module):
     """Routed experts with gate/up [E, I, H] and down [E, H, I] packed in `fmt`."""
 
+    routed_experts = True  # tells `moerun info` and the expert machinery what this module is
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str):
         super().__init__()
         if fmt not in formats.FORMATS:
