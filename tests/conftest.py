@@ -7,10 +7,15 @@ import torch
 import moerun
 
 
+# Tiny models: one thread. Two OpenMP threads on a busy 2-core machine stall for
+# milliseconds per op, which turns seconds of tests into minutes.
+torch.set_num_threads(1)
+
+
 def save_and_load(hf_model, path, dtype="float32"):
     """Save a transformers model to `path` and load it back with moerun."""
     hf_model.save_pretrained(path)
-    return moerun.load(path, dtype=dtype)
+    return moerun.load(path, dtype=dtype, threads=1)
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

@@ -68,8 +68,8 @@ def test_context_overflow_is_clamped_or_refused(llm):
 
 def test_bf16_runs_close_to_fp32(tmp_path):
     make_tiny_model(tmp_path)
-    f32 = moerun.load(tmp_path, dtype="float32")
-    b16 = moerun.load(tmp_path, dtype="bfloat16")
+    f32 = moerun.load(tmp_path, dtype="float32", threads=1)
+    b16 = moerun.load(tmp_path, dtype="bfloat16", threads=1)
     ids = torch.tensor([[5, 6, 7, 8]])
     a, b = f32.forward(ids), b16.forward(ids)
     assert b16.net.lm_head.weight.dtype == torch.bfloat16
