@@ -63,77 +63,141 @@ MOERUN_AVX2 inline __m256i unpack_q4(const uint8_t* p) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
 }
 
-MOERUN_AVX2 inline __m256 dot_u8i8(__m256i u, __m256i x) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones));
-}
-
-MOERUN_AVX2 inline __m256 dot_i8i8(__m256i w, __m256i x) {
-    // maddubs wants one unsigned operand: |w| times x carrying w's sign (|w| <= 127, no overflow)
-    return dot_u8i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-}
-
-template <int FMT>
-MOERUN_AVX2 inline __m256 block_dot(const uint8_t* w, int b, __m256i x) {
-    if (FMT == FMT_INT4) return dot_u8i8(unpack_q4(w + b * (QK / 2)), x);
-    return dot_i8i8(_mm256_loadu_si256((const __m256i*)(w + b * QK)), x);
-}
-
-// Four weight rows against one activation row: the activation block is loaded once for all
-// four and the four independent accumulators hide the FMA latency.
-template <int FMT>
-MOERUN_AVX2 void gemm_avx2(const GemmArgs& a) {
+// One tile of R weight rows x TT tokens. Per group of 8 blocks the R x TT scale products
+// d_w * d_x are computed once (8 at a time) and laid out so that the inner loop reads each
+// as one memory operand. int4 runs two blocks per step: one 32-byte load holds blocks b and
+// b + 1 (16 bytes each), its low nibbles are elements 0..15 of both and its high nibbles
+// elements 16..31, matched by two lane permutes of the activations shared by all R rows;
+// the two maddubs results are added in int16 (|sum| <= 2 * 2 * 15 * 127) before one madd.
+// The int4 offset (stored q + 8) is removed at the end as 8 * sum_b d_w[b] * d_x[b] * sum(x_b).
+template <int FMT, int R, int TT>
+MOERUN_AVX2 void gemm_tile(const GemmArgs& a, int r0, int i0) {
     const int nb = a.nb;
-    for (int i = 0; i < a.ntok; ++i) {
-        size_t j = a.xidx ? (size_t)a.xidx[i] : (size_t)i;
-        const int8_t* xq = a.xq + j * nb * QK;
-        const float* xd = a.xd + j * nb;
-        const float* xs = a.xs + j * nb;
-        float* y = a.y + i * a.y_row;
-        int r = 0;
-        for (; r + 4 <= a.nrows; r += 4) {
-            const uint8_t* w0 = a.w + r * a.w_row;
-            const uint8_t* w1 = w0 + a.w_row;
-            const uint8_t* w2 = w1 + a.w_row;
-            const uint8_t* w3 = w2 + a.w_row;
-            const uint16_t* s0 = a.ws + (size_t)r * nb;
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-            __m128 corr = _mm_setzero_ps();
-            for (int b = 0; b < nb; ++b) {
-                __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + b * QK));
-                __m128 dw = _mm_cvtph_ps(_mm_setr_epi16((short)s0[b], (short)s0[nb + b], (short)s0[2 * nb + b],
-                                                       (short)s0[3 * nb + b], 0, 0, 0, 0));
-                __m128 dwx = _mm_mul_ps(dw, _mm_set1_ps(xd[b]));
-                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(_mm_cvtss_f32(dwx)), block_dot<FMT>(w0, b, xv), acc0);
-                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(_mm_cvtss_f32(_mm_shuffle_ps(dwx, dwx, 1))),
-                                       block_dot<FMT>(w1, b, xv), acc1);
-                acc2 = _mm256_fmadd_ps(_mm256_set1_ps(_mm_cvtss_f32(_mm_shuffle_ps(dwx, dwx, 2))),
-                                       block_dot<FMT>(w2, b, xv), acc2);
-                acc3 = _mm256_fmadd_ps(_mm256_set1_ps(_mm_cvtss_f32(_mm_shuffle_ps(dwx, dwx, 3))),
-                                       block_dot<FMT>(w3, b, xv), acc3);
-                if (FMT == FMT_INT4) corr = _mm_fmadd_ps(dw, _mm_set1_ps(xs[b]), corr);
+    const uint8_t* w[R];
+    const uint16_t* ws[R];
+    for (int r = 0; r < R; ++r) {
+        w[r] = a.w + (size_t)(r0 + r) * a.w_row;
+        ws[r] = a.ws + (size_t)(r0 + r) * nb;
+    }
+    const int8_t* xq[TT];
+    const float* xd[TT];
+    const float* xs[TT];
+    for (int t = 0; t < TT; ++t) {
+        size_t j = a.xidx ? (size_t)a.xidx[i0 + t] : (size_t)(i0 + t);
+        xq[t] = a.xq + j * nb * QK;
+        xd[t] = a.xd + j * nb;
+        xs[t] = a.xs + j * nb;
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc[R][TT];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < TT; ++t) acc[r][t] = _mm256_setzero_ps();
+    // sc[r][t][p]: lanes 0-3 the scale of block 2p of the group, lanes 4-7 of block 2p + 1
+    alignas(32) float sc[R][TT][4][8];
+
+    for (int b0 = 0; b0 < nb; b0 += 8) {
+        const int n8 = nb - b0 < 8 ? nb - b0 : 8;
+        if (n8 == 8) {
+            for (int r = 0; r < R; ++r) {
+                __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ws[r] + b0)));
+                for (int t = 0; t < TT; ++t) {
+                    __m256 prod = _mm256_mul_ps(dw, _mm256_loadu_ps(xd[t] + b0));
+                    for (int p = 0; p < 4; ++p)
+                        _mm256_store_ps(sc[r][t][p], _mm256_permutevar8x32_ps(
+                            prod, _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1)));
+                }
             }
-            float c[4] = {0.f, 0.f, 0.f, 0.f};
-            if (FMT == FMT_INT4) _mm_storeu_ps(c, _mm_mul_ps(corr, _mm_set1_ps(8.f)));
-            y[r] = hsum(acc0) - c[0];
-            y[r + 1] = hsum(acc1) - c[1];
-            y[r + 2] = hsum(acc2) - c[2];
-            y[r + 3] = hsum(acc3) - c[3];
+        } else {
+            for (int r = 0; r < R; ++r)
+                for (int t = 0; t < TT; ++t)
+                    for (int j = 0; j < n8; ++j) {
+                        float v = _cvtsh_ss(ws[r][b0 + j]) * xd[t][b0 + j];
+                        for (int l = 0; l < 4; ++l) sc[r][t][j / 2][(j % 2) * 4 + l] = v;
+                    }
         }
-        for (; r < a.nrows; ++r) {
-            const uint8_t* w0 = a.w + r * a.w_row;
-            const uint16_t* s0 = a.ws + (size_t)r * nb;
-            __m256 acc = _mm256_setzero_ps();
-            float corr = 0.f;
-            for (int b = 0; b < nb; ++b) {
-                __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + b * QK));
-                float dw = _cvtsh_ss(s0[b]);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[b]), block_dot<FMT>(w0, b, xv), acc);
-                if (FMT == FMT_INT4) corr += dw * xs[b];
+        int j = 0;
+        if (FMT == FMT_INT4) {
+            for (; j + 2 <= n8; j += 2) {
+                const int b = b0 + j;
+                __m256i xlo[TT], xhi[TT];
+                for (int t = 0; t < TT; ++t) {
+                    __m256i xa = _mm256_loadu_si256((const __m256i*)(xq[t] + b * QK));
+                    __m256i xc = _mm256_loadu_si256((const __m256i*)(xq[t] + (b + 1) * QK));
+                    xlo[t] = _mm256_permute2x128_si256(xa, xc, 0x20);
+                    xhi[t] = _mm256_permute2x128_si256(xa, xc, 0x31);
+                }
+                for (int r = 0; r < R; ++r) {
+                    __m256i v = _mm256_loadu_si256((const __m256i*)(w[r] + b * (QK / 2)));
+                    __m256i ulo = _mm256_and_si256(v, m4);
+                    __m256i uhi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    for (int t = 0; t < TT; ++t) {
+                        __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(ulo, xlo[t]), _mm256_maddubs_epi16(uhi, xhi[t]));
+                        __m256 pf = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                        acc[r][t] = _mm256_fmadd_ps(pf, _mm256_load_ps(sc[r][t][j / 2]), acc[r][t]);
+                    }
+                }
             }
-            y[r] = hsum(acc) - 8.f * corr;
+        }
+        for (; j < n8; ++j) {
+            const int b = b0 + j;
+            __m256i xv[TT];
+            for (int t = 0; t < TT; ++t) xv[t] = _mm256_loadu_si256((const __m256i*)(xq[t] + b * QK));
+            for (int r = 0; r < R; ++r) {
+                __m256i u, sx[TT];
+                if (FMT == FMT_INT4) {
+                    u = unpack_q4(w[r] + b * (QK / 2));
+                    for (int t = 0; t < TT; ++t) sx[t] = xv[t];
+                } else {
+                    // maddubs wants one unsigned operand: |w| times x carrying w's sign
+                    __m256i wv = _mm256_loadu_si256((const __m256i*)(w[r] + b * QK));
+                    u = _mm256_sign_epi8(wv, wv);
+                    for (int t = 0; t < TT; ++t) sx[t] = _mm256_sign_epi8(xv[t], wv);
+                }
+                for (int t = 0; t < TT; ++t) {
+                    __m256 pf = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, sx[t]), ones));
+                    acc[r][t] = _mm256_fmadd_ps(pf, _mm256_broadcast_ss(&sc[r][t][j / 2][(j % 2) * 4]), acc[r][t]);
+                }
+            }
         }
     }
+    for (int r = 0; r < R; ++r) {
+        for (int t = 0; t < TT; ++t) {
+            float corr = 0.f;
+            if (FMT == FMT_INT4) {
+                __m256 c8 = _mm256_setzero_ps();
+                int b = 0;
+                for (; b + 8 <= nb; b += 8)
+                    c8 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ws[r] + b))),
+                                         _mm256_loadu_ps(xs[t] + b), c8);
+                corr = hsum(c8);
+                for (; b < nb; ++b) corr += _cvtsh_ss(ws[r][b]) * xs[t][b];
+            }
+            a.y[(size_t)(i0 + t) * a.y_row + r0 + r] = hsum(acc[r][t]) - 8.f * corr;
+        }
+    }
+}
+
+// Rows in groups of R (tail one by one) for one group of TT tokens.
+template <int FMT, int R, int TT>
+MOERUN_AVX2 void gemm_rows(const GemmArgs& a, int i0) {
+    int r = 0;
+    for (; r + R <= a.nrows; r += R) gemm_tile<FMT, R, TT>(a, r, i0);
+    for (; r < a.nrows; ++r) gemm_tile<FMT, 1, TT>(a, r, i0);
+}
+
+// Tile shapes keep accumulators + activations + one weight vector within 16 ymm registers:
+// many tokens share each unpacked weight block, many rows share each activation block.
+template <int FMT>
+MOERUN_AVX2 void gemm_avx2(const GemmArgs& a) {
+    int i = 0;
+    if (FMT == FMT_INT4) {
+        for (; i + 2 <= a.ntok; i += 2) gemm_rows<FMT, 2, 2>(a, i);
+    } else {
+        for (; i + 4 <= a.ntok; i += 4) gemm_rows<FMT, 2, 4>(a, i);
+        for (; i + 2 <= a.ntok; i += 2) gemm_rows<FMT, 2, 2>(a, i);
+    }
+    for (; i < a.ntok; ++i) gemm_rows<FMT, 4, 1>(a, i);
 }
 
 MOERUN_AVX2 void gemm_q4_avx2(const GemmArgs& a) { gemm_avx2<FMT_INT4>(a); }
