@@ -191,10 +191,25 @@ def test_mtp_matches_transformers(tmp_path, depth):
         assert rel_err(torch.cat(one, dim=1), ours[1:, :9]) < 1e-4
 
 
-def test_config_claiming_mtp_without_tensors_fails(tmp_path):
+def test_checkpoint_without_mtp_tensors_loads_without_the_head(tmp_path):
     ref = make_reference(num_mtp_layers=1)
-    ref.save_pretrained(tmp_path)  # transformers does not save the MTP module
-    with pytest.raises(MoerunError, match="missing tensor 'mtp.0"):
+    ref.save_pretrained(tmp_path)  # transformers writes num_nextn_predict_layers but not the module
+    llm = moerun.load(tmp_path, dtype="float32", threads=1)
+    assert not llm.net.has_mtp
+    with pytest.raises(MoerunError):
+        llm.net.mtp_logits(torch.zeros(1, 1, BASE["hidden_size"]), torch.zeros(1, 1, dtype=torch.long))
+
+
+def test_partial_mtp_tensors_fail_naming_the_missing_one(tmp_path):
+    ref = make_reference(num_mtp_layers=1)
+    mtp = MtpModel(ref, 1).eval()
+    ref.save_pretrained(tmp_path)
+    write_mtp_weights(mtp, tmp_path, BASE["num_hidden_layers"])
+    w = load_file(tmp_path / "model.safetensors")
+    victim = f"model.layers.{BASE['num_hidden_layers']}.enorm.weight"
+    del w[victim]
+    save_file(w, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MoerunError, match="missing tensor 'mtp.0.enorm"):
         moerun.load(tmp_path, dtype="float32", threads=1)
 
 

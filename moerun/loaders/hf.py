@@ -66,6 +66,14 @@ def build(model_dir, dtype="auto"):
 def load_state(net: torch.nn.Module, ckpt: Checkpoint, dtype: torch.dtype, renames) -> dict[str, torch.Tensor]:
     names = _renamed(ckpt, renames)
     expected = net.state_dict(keep_vars=True)
+    for opt in getattr(net, "optional_submodules", ()):
+        # e.g. an MTP head: a checkpoint with none of its tensors loads without it (a
+        # checkpoint with some of them is broken and fails below, naming what is missing)
+        prefix = opt + "."
+        wanted = [n for n in expected if n.startswith(prefix)]
+        if wanted and not any(_resolvable(n, expected[n], names, net) for n in wanted):
+            setattr(net, opt, None)
+            expected = {n: p for n, p in expected.items() if not n.startswith(prefix)}
     plan = [(name, p, _sources(name, p, names, net)) for name, p in expected.items()]
     total = sum(r.nbytes for _, _, srcs in plan for r in srcs if isinstance(r, TensorRef))
     state: dict[str, torch.Tensor] = {}
@@ -94,6 +102,14 @@ def _renamed(ckpt: Checkpoint, renames) -> dict[str, TensorRef]:
             name = pat.sub(rep, name)
         out[name] = ref
     return out
+
+
+def _resolvable(name, p, names, net) -> bool:
+    try:
+        _sources(name, p, names, net)
+        return True
+    except MoerunError:
+        return False
 
 
 def _sources(name: str, p: torch.Tensor, names: dict[str, TensorRef], net) -> list[TensorRef] | str:

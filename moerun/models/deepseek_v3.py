@@ -273,6 +273,9 @@ class Model(nn.Module):
     # the loader keeps these in fp32 whatever the model dtype (transformers does the same):
     # in bf16 the selection bias would lose the digits that separate close experts
     fp32_parameters = (r"\.mlp\.gate\.(weight|e_score_correction_bias)$",)
+    # a checkpoint without any MTP tensor loads without the head (transformers writes
+    # num_nextn_predict_layers into every config it saves, with or without the weights)
+    optional_submodules = ("mtp",)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -294,7 +297,7 @@ class Model(nn.Module):
 
     @property
     def has_mtp(self) -> bool:
-        return len(self.mtp) > 0
+        return self.mtp is not None and len(self.mtp) > 0
 
     def cache_spec(self) -> list:
         a = self.args
