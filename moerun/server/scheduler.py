@@ -1,0 +1,252 @@
+"""Continuous batching: one worker thread owns the model and a fixed set of cache slots.
+
+A request takes a free slot, is prefilled alone (one pass over its prompt into its slot),
+then joins the running batch; every step decodes all live slots in one `net(...)` call, so
+concurrent requests share each layer's expert reads. Requests join and leave only between
+steps. The asyncio side submits requests and reads their events through thread-safe
+hand-offs (`loop.call_soon_threadsafe` into an `asyncio.Queue` per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.cache import Cache
+from ..engine.generate import Sequence
+from ..engine.sampling import SamplingParams, sample
+from ..errors import MoerunError
+
+# B live slots in a decode step, V vocabulary
+
+
+class Overloaded(Exception):
+    """Every slot is busy and the waiting queue is full."""
+
+
+@dataclass
+class Event:
+    """What the worker tells a request: a text piece, the end, or a failure."""
+
+    kind: str  # "piece" | "done" | "error"
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    decoder: object | None
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    id: int = 0
+    ignore_eos: bool = False
+    seq: Sequence | None = None
+    slot: int | None = None
+    sampled: int = 0  # tokens sampled, the final EOS included
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    def emit(self, ev: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:  # the event loop has closed (server shutting down)
+            self.cancelled = True
+
+
+class Scheduler:
+    """Owns `llm.net` and a `Cache` of `max_concurrency` slots, each `max_len` tokens long."""
+
+    def __init__(self, llm, max_concurrency: int = 4, max_queue: int = 64, max_len: int | None = None, metrics=None):
+        if max_concurrency < 1:
+            raise MoerunError("max_concurrency must be at least 1")
+        if max_queue < 0:
+            raise MoerunError("max_queue must be >= 0")
+        self.llm = llm
+        self.net = llm.net
+        self.max_concurrency = max_concurrency
+        self.max_queue = max_queue
+        self.max_len = min(llm.context_length, max_len) if max_len else llm.context_length
+        self.eos_ids = llm.eos_ids()
+        self.metrics = metrics
+        self.cache = Cache(self.net.cache_spec(), max_concurrency, self.max_len, llm.dtype)
+        self.free = list(range(max_concurrency - 1, -1, -1))  # pop() hands out slot 0 first
+        self.live: list[Request] = []
+        self.last: dict[int, torch.Tensor] = {}  # slot -> logits [V] of its newest position
+        self.inbox: queue.Queue[Request | None] = queue.Queue()
+        self.waiting: collections.deque[Request] = collections.deque()  # worker side
+        self._lock = threading.Lock()
+        self._pending = 0  # submitted, not yet given a slot (queue depth)
+        self._running = 0
+        self._ids = itertools.count(1)
+        self._stop = threading.Event()
+        self.steps = 0
+        self.batch_rows = 0  # sum of batch sizes over decode steps
+        self._thread = threading.Thread(target=self._worker, name="moerun-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- asyncio side ---------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return self._pending
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, decoder=None, ignore_eos: bool = False) -> Request:
+        """Queue a request (from the event loop's thread); raises Overloaded past the queue."""
+        with self._lock:
+            if self._running + self._pending >= self.max_concurrency + self.max_queue:
+                raise Overloaded(
+                    f"the server is busy: {self._running} requests running and {self._pending} waiting "
+                    f"(max_concurrency {self.max_concurrency}, max_queue {self.max_queue})"
+                )
+            self._pending += 1
+        loop = asyncio.get_running_loop()
+        req = Request(list(prompt_ids), params, decoder, loop, asyncio.Queue(), id=next(self._ids),
+                      ignore_eos=ignore_eos)
+        self.inbox.put(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request (client gone); its slot is freed before the next step."""
+        req.cancelled = True
+        self.inbox.put(None)  # wake the worker if it is idle
+
+    def close(self) -> None:
+        self._stop.set()
+        self.inbox.put(None)
+        self._thread.join(timeout=10)
+
+    # -- worker thread --------------------------------------------------------
+    def _worker(self) -> None:
+        torch.set_grad_enabled(False)
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                self._drain_inbox(block=not self.live and not self.waiting)
+                self._admit()
+                if self.live:
+                    self._step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self.waiting.append(item)
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _admit(self) -> None:
+        while self.waiting and self.free:
+            req = self.waiting.popleft()
+            with self._lock:
+                self._pending -= 1
+                if not req.cancelled:
+                    self._running += 1
+            if req.cancelled:
+                continue
+            slot = self.free.pop()
+            req.slot = slot
+            self.cache.reset(slot)
+            try:
+                req.seq = Sequence(req.prompt_ids, req.params, decoder=req.decoder)
+                t0 = time.perf_counter()
+                ids = torch.tensor([req.prompt_ids], dtype=torch.long)
+                logits = self.net(ids, self.cache, torch.tensor([slot]), last_only=True)
+                self.last[slot] = logits[0, -1]
+                if self.metrics is not None:
+                    self.metrics.prefill(len(req.prompt_ids), time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
+                self._finish(req, error=f"prefill failed: {e}")
+                continue
+            if req.params.max_tokens == 0:
+                req.seq.finish_reason = "length"
+                self._finish(req)
+                continue
+            self.live.append(req)
+
+    def _step(self) -> None:
+        """Sample one token for every live slot, drop the finished, decode the rest together."""
+        tokens: dict[int, int] = {}
+        n_sampled = 0
+        for req in list(self.live):
+            if req.cancelled:
+                self._finish(req)
+                continue
+            s = req.seq
+            try:
+                tok = int(sample(self.last[req.slot][None], s.params, [s.prompt_ids + s.out_ids], s.generator)[0])
+                piece = s.accept(tok, set() if req.ignore_eos else self.eos_ids)
+            except Exception as e:  # noqa: BLE001
+                self._finish(req, error=f"sampling failed: {e}")
+                continue
+            req.sampled += 1
+            n_sampled += 1
+            now = time.perf_counter()
+            if req.first_token_at is None:
+                req.first_token_at = now
+                if self.metrics is not None:
+                    self.metrics.first_token(now - req.submitted)
+            if piece:
+                req.emit(Event("piece", text=piece))
+            if s.finished or len(s.prompt_ids) + len(s.out_ids) >= self.max_len:
+                if not s.finished:
+                    s.finish_reason = "length"
+                self._finish(req)
+            else:
+                tokens[req.slot] = tok
+        if self.metrics is not None:
+            self.metrics.generated(n_sampled)
+        if not tokens:
+            return
+        slots = list(tokens)
+        ids = torch.tensor([[tokens[s]] for s in slots], dtype=torch.long)  # [B, 1]
+        try:
+            logits = self.net(ids, self.cache, torch.tensor(slots), last_only=True)[:, -1]  # [B, V]
+        except Exception as e:  # noqa: BLE001
+            for req in [r for r in self.live if r.slot in tokens]:
+                self._finish(req, error=f"decode failed: {e}")
+            return
+        for i, s in enumerate(slots):
+            self.last[s] = logits[i]
+        self.steps += 1
+        self.batch_rows += len(slots)
+        if self.metrics is not None:
+            self.metrics.decode_step(len(slots))
+
+    def _finish(self, req: Request, error: str | None = None) -> None:
+        if req in self.live:
+            self.live.remove(req)
+        if req.slot is not None:
+            self.last.pop(req.slot, None)
+            self.cache.reset(req.slot)
+            self.free.append(req.slot)
+            req.slot = None
+            with self._lock:
+                self._running -= 1
+        if self.metrics is not None:
+            self.metrics.finished(req)
+        if error is not None:
+            req.emit(Event("error", text=error))
+            return
+        seq = req.seq
+        req.emit(Event(
+            "done",
+            finish_reason="cancelled" if req.cancelled and not seq.finished else seq.finish_reason,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=req.sampled,
+        ))
