@@ -57,15 +57,15 @@ def random_model(layers: int, root: Path) -> Path:
 
 
 def measure(path, dtype, threads, opts, prompt, gen, warm, profile=None, pin=0.0, random_input=False,
-            predictor=None, uniform=False) -> dict:
+            predictor=None, uniform=None) -> dict:
     options = StoreOptions(**opts, profile=profile if pin else None, pin_hot_fraction=pin)
     t0 = time.perf_counter()
     llm = load(path, dtype=dtype, threads=threads, options=options)
     load_s = time.perf_counter() - t0
     store, net = llm.store, llm.net
     driver = None
-    if uniform:
-        _uniform_routing(net)
+    if uniform is not None:
+        _uniform_routing(net, uniform)
     if predictor:
         from moerun.experts.predict import attach_predictor
 
@@ -108,12 +108,14 @@ def measure(path, dtype, threads, opts, prompt, gen, warm, profile=None, pin=0.0
         gc.collect()
 
 
-def _uniform_routing(net) -> None:
+def _uniform_routing(net, seed: int) -> None:
     """Replace each MoE layer's choice by K distinct experts drawn uniformly (a synthetic,
-    worst-case spread of routing); registered first, so predictor hooks see the drawn ids."""
+    worst-case spread of routing); registered first, so predictor hooks see the drawn ids.
+    Each row draws with its own seed, so a pinned set profiled in one row knows nothing of
+    another row's draws."""
     from moerun.experts import StoreExperts
 
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(seed)
     for m in net.modules():
         if isinstance(m, StoreExperts):
             def hook(mod, args):
@@ -155,9 +157,9 @@ def main() -> int:
     for label, opts, pin, predictor in rows:
         if pin and profile is None:  # a profile run of its own when the first row was skipped
             profile = measure(path, a.dtype, a.threads, {}, prompt, a.gen_tokens, a.warmup_tokens,
-                              random_input=random_input, uniform=a.routing == "uniform")["profile"]
+                              random_input=random_input, uniform=1000 if a.routing == "uniform" else None)["profile"]
         r = measure(path, a.dtype, a.threads, opts, prompt, a.gen_tokens, a.warmup_tokens, profile, pin, random_input,
-                    predictor, a.routing == "uniform")
+                    predictor, ROWS.index((label, opts, pin, predictor)) if a.routing == "uniform" else None)
         if profile is None:
             profile = r["profile"]
         r.pop("profile")
@@ -179,6 +181,11 @@ def main() -> int:
         if any(r["emulated"] for r in results):
             link = next(r["link"] for r in results if r["emulated"])
             print(f"\nEMULATED rows: {link}; link time only, experts still computed on the CPU.")
+            for r in results:
+                if r["emulated"]:
+                    d = r["tiers"]["device"]
+                    print(f"  {r['row']}: the link model charged {d['link_modeled_s']:.3f} s, the link was held "
+                          f"{d['link_busy_s']:.3f} s (sleep/preemption error), whole run incl. warm-up")
     return 0
 
 

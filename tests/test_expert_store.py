@@ -389,7 +389,7 @@ RSS_CHILD = """
     s = ExpertStore(specs, torch.float32, StoreOptions(ram_budget={budget!r}), top_k=2)
     peak = proc.memory_info().rss
     g = torch.Generator().manual_seed(0)
-    for step in range(300):
+    for step in range(150):
         for layer in range({layers}):
             ids = torch.randperm({experts}, generator=g)[:2].tolist()
             s.get(layer, ids); s.release(layer, ids)
