@@ -217,6 +217,39 @@ class CpuClock:
         self.invol = r.ru_nivcsw - self.ivcsw
 
 
+def pool_interplay(threads: int, steps: int = 300) -> dict:
+    """Do torch's pool and ours fight? Time a torch op alone, a native op alone, and the two
+    alternating as in a decode step (attention in torch, then experts in our kernels). If
+    either pool's threads kept spinning while the other works, the alternating loop would
+    cost more than the sum of its parts."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(1, 2048), torch.randn(4096, 2048)
+    q, s = formats.quantize(torch.randn(4096, 2048) * 0.02, "int8")
+
+    def torch_op():
+        torch.nn.functional.linear(a, b)
+
+    def native_op():
+        kernels.qlinear(a, q, s, "int8", 2048)
+
+    def both():
+        torch_op()
+        native_op()
+
+    out = {}
+    for name, f in (("torch", torch_op), ("native", native_op), ("alternating", both)):
+        f()
+        best = float("inf")
+        for _ in range(3):
+            with CpuClock() as c:
+                for _ in range(steps):
+                    f()
+            best = min(best, c.wall)
+        out[f"{name}_us"] = best / steps * 1e6
+    out["alternating_overhead"] = out["alternating_us"] / (out["torch_us"] + out["native_us"]) - 1
+    return out
+
+
 def run_moerun(net, args, prompt: list[int], gen: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     cache = Cache(net.cache_spec(), 1, len(prompt) + gen + 1, torch.float32)
@@ -272,6 +305,8 @@ def main(argv=None) -> int:
     results = []
     bw = read_bandwidth(a.threads)
     print(f"kernels: {kernels.describe()}; threads {a.threads}; read bandwidth {bw / 1e9:.1f} GB/s", file=sys.stderr)
+    pools = pool_interplay(a.threads)
+    print(f"pools: {pools}", file=sys.stderr)
     for row in a.rows.split(","):
         t0 = time.perf_counter()
         net, args = build_model(a.layers, row)
@@ -305,7 +340,7 @@ def main(argv=None) -> int:
         gc.collect()
 
     if a.json:
-        print(json.dumps(results, indent=1))
+        print(json.dumps({"pools": pools, "rows": results}, indent=1))
         return 0
     print(f"\n{a.layers} layers, Qwen3-30B-A3B shapes, {a.threads} threads, prompt {a.prompt_tokens}, "
           f"decode {a.gen_tokens}, read bandwidth {bw / 1e9:.1f} GB/s, kernels {kernels.isa()}")
@@ -321,6 +356,9 @@ def main(argv=None) -> int:
             print(f"| {r['row']} | moerun / llama.cpp | {r['prefill_ratio']:.2f}x | {r['decode_ratio']:.2f}x | "
                   f"logits cosine {r['logits_cosine']:.4f} |")
         print(f"| {r['row']} | roofline | | {r['roofline_tok_s']:.2f} | {r['bytes_per_token'] / 1e6:.0f} MB/token |")
+    print(f"\nthread pools, one decode-sized torch linear then one native int8 linear, {a.threads} threads: "
+          f"torch {pools['torch_us']:.0f} us, native {pools['native_us']:.0f} us, alternating "
+          f"{pools['alternating_us']:.0f} us ({100 * pools['alternating_overhead']:+.0f}% vs the sum)")
     return 0
 
 

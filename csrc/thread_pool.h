@@ -9,10 +9,13 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 namespace moerun {
@@ -26,6 +29,7 @@ public:
 
     void resize(int n) {
         if (n < 1) n = 1;
+        if (pid_ != getpid()) forget_after_fork();
         if (n == n_ && (int)workers_.size() == n - 1) return;
         stop();
         n_ = n;
@@ -38,6 +42,7 @@ public:
     // Run f(task) for task in [0, n_tasks), spread over the pool; returns when all are done.
     void parallel_for(int n_tasks, const std::function<void(int)>& f) {
         if (n_tasks <= 0) return;
+        if (pid_ != getpid()) resize(n_);  // a forked child: its workers stayed in the parent
         if (n_ == 1 || n_tasks == 1) {
             for (int t = 0; t < n_tasks; ++t) f(t);
             return;
@@ -66,9 +71,13 @@ private:
 
     void loop(unsigned seen) {
         for (;;) {
-            // spin briefly for the next job, then sleep
-            for (int spin = 0; spin < kSpin && gen_.load(std::memory_order_acquire) == seen && !quit_; ++spin)
+            // spin briefly for the next job (time-bounded: PAUSE costs 10-150 cycles
+            // depending on the core), then sleep
+            auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinUs);
+            for (int spin = 0; gen_.load(std::memory_order_acquire) == seen && !quit_; ++spin) {
                 _mm_pause_();
+                if ((spin & 63) == 63 && std::chrono::steady_clock::now() > until) break;
+            }
             if (gen_.load(std::memory_order_acquire) == seen && !quit_) {
                 std::unique_lock<std::mutex> lk(m_);
                 cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen || quit_; });
@@ -78,6 +87,16 @@ private:
             work();
             pending_.fetch_sub(1, std::memory_order_acq_rel);
         }
+    }
+
+    // After fork() only the forking thread exists in the child: drop the others unjoined.
+    void forget_after_fork() {
+        for (auto& t : workers_) t.detach();
+        workers_.clear();
+        new (&m_) std::mutex();
+        new (&cv_) std::condition_variable();
+        n_ = 0;
+        pid_ = getpid();
     }
 
     void stop() {
@@ -90,8 +109,9 @@ private:
         workers_.clear();
     }
 
-    static constexpr int kSpin = 20000;  // roughly 50-200 us of pause instructions
+    static constexpr int kSpinUs = 50;  // a decode step's native ops come closer together than this
     int n_ = 0;
+    pid_t pid_ = getpid();
     std::vector<std::thread> workers_;
     std::mutex m_;
     std::condition_variable cv_;

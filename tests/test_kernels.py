@@ -172,3 +172,25 @@ def test_quantized_linear_module_shapes_and_bias():
     with torch.no_grad():
         assert norm_rel(y, lin(x)) < FLOAT_TOL["int8"]
     assert ql(torch.randn(0, 70)).shape == (0, 9)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_pool_survives_fork():
+    """A forked child (servers, data loaders) has none of the parent's pool threads."""
+    import os
+
+    q, s = formats.quantize(torch.randn(300, 64), "int8")
+    x = torch.randn(20, 64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        y = kernels.qlinear(x, q, s, "int8", 64)
+        pid = os.fork()
+        if pid == 0:  # child: exit status says whether the op ran and agreed
+            ok = torch.equal(kernels.qlinear(x, q, s, "int8", 64), y)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert torch.equal(kernels.qlinear(x, q, s, "int8", 64), y)
+    finally:
+        torch.set_num_threads(before)
