@@ -2,12 +2,13 @@
 
 Uses the bundled demo model when it is present, else a tiny random qwen3_moe with a real
 tokenizer (random weights: the text is gibberish, but every check here is about equality,
-shape and bookkeeping, not meaning).
+shape and bookkeeping, not meaning). MOERUN_TEST_SERVER_MODEL=DIR picks another model.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -35,7 +36,10 @@ KEY = "sekrit-key"
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    if (DEMO_MODEL / "config.json").is_file():
+    override = os.environ.get("MOERUN_TEST_SERVER_MODEL")  # e.g. a checkpoint exported mid-training
+    if override:
+        path = Path(override)
+    elif (DEMO_MODEL / "config.json").is_file():
         path = DEMO_MODEL
     else:
         path = tmp_path_factory.mktemp("tiny")

@@ -74,13 +74,14 @@ class ServerMetrics:
 
 
 class _ExpertStoreCollector:
-    """Exports every numeric value of `llm.expert_store.stats()` (when the model has a store)."""
+    """Exports every numeric value of the model's expert store's `stats()` (when it has one)."""
 
     def __init__(self, llm):
         self.llm = llm
 
     def collect(self):
-        store = getattr(self.llm, "expert_store", None)
+        # `expert_store` by convention; `store` is what moerun.experts.attach.load() sets
+        store = getattr(self.llm, "expert_store", None) or getattr(self.llm, "store", None)
         if store is None or not hasattr(store, "stats"):
             return
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -25,6 +26,8 @@ from ..engine.sampling import SamplingParams, sample
 from ..errors import MoerunError
 
 # B live slots in a decode step, V vocabulary
+
+log = logging.getLogger("moerun.server")
 
 
 class Overloaded(Exception):
@@ -51,6 +54,7 @@ class Request:
     events: asyncio.Queue
     id: int = 0
     ignore_eos: bool = False
+    next_token: int | None = None  # sampled, not yet run through the net
     seq: Sequence | None = None
     slot: int | None = None
     sampled: int = 0  # tokens sampled, the final EOS included
@@ -68,7 +72,8 @@ class Request:
 class Scheduler:
     """Owns `llm.net` and a `Cache` of `max_concurrency` slots, each `max_len` tokens long."""
 
-    def __init__(self, llm, max_concurrency: int = 4, max_queue: int = 64, max_len: int | None = None, metrics=None):
+    def __init__(self, llm, max_concurrency: int = 4, max_queue: int = 64, max_len: int | None = None, metrics=None,
+                 prefill_budget: int = 512):
         if max_concurrency < 1:
             raise MoerunError("max_concurrency must be at least 1")
         if max_queue < 0:
@@ -80,10 +85,10 @@ class Scheduler:
         self.max_len = min(llm.context_length, max_len) if max_len else llm.context_length
         self.eos_ids = llm.eos_ids()
         self.metrics = metrics
+        self.prefill_budget = prefill_budget
         self.cache = Cache(self.net.cache_spec(), max_concurrency, self.max_len, llm.dtype)
         self.free = list(range(max_concurrency - 1, -1, -1))  # pop() hands out slot 0 first
         self.live: list[Request] = []
-        self.last: dict[int, torch.Tensor] = {}  # slot -> logits [V] of its newest position
         self.inbox: queue.Queue[Request | None] = queue.Queue()
         self.waiting: collections.deque[Request] = collections.deque()  # worker side
         self._lock = threading.Lock()
@@ -135,10 +140,15 @@ class Scheduler:
         torch.set_grad_enabled(False)
         with torch.inference_mode():
             while not self._stop.is_set():
-                self._drain_inbox(block=not self.live and not self.waiting)
-                self._admit()
-                if self.live:
-                    self._step()
+                try:
+                    self._drain_inbox(block=not self.live and not self.waiting)
+                    self._admit()
+                    if self.live:
+                        self._step()
+                except Exception as e:  # noqa: BLE001 - fail the batch, keep the worker alive
+                    log.exception("scheduler step failed")
+                    for req in list(self.live):
+                        self._finish(req, error=f"generation failed: {e}")
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -151,23 +161,33 @@ class Scheduler:
             pass
 
     def _admit(self) -> None:
+        """Prefill waiting requests into free slots and sample their first tokens. While
+        others are decoding, at most `prefill_budget` prompt tokens are taken per step (but
+        always one request), so a burst of arrivals stalls the running streams only briefly."""
+        stalled_any = bool(self.live)
+        spent = 0
         while self.waiting and self.free:
-            req = self.waiting.popleft()
+            req = self.waiting[0]
+            if stalled_any and spent and spent + len(req.prompt_ids) > self.prefill_budget:
+                break
+            self.waiting.popleft()
             with self._lock:
                 self._pending -= 1
                 if not req.cancelled:
                     self._running += 1
-            if req.cancelled:
+            if req.cancelled:  # gave up while waiting for a slot
+                if self.metrics is not None:
+                    self.metrics.finished(req)
                 continue
+            spent += len(req.prompt_ids)
             slot = self.free.pop()
             req.slot = slot
             self.cache.reset(slot)
             try:
                 req.seq = Sequence(req.prompt_ids, req.params, decoder=req.decoder)
                 t0 = time.perf_counter()
-                ids = torch.tensor([req.prompt_ids], dtype=torch.long)
-                logits = self.net(ids, self.cache, torch.tensor([slot]), last_only=True)
-                self.last[slot] = logits[0, -1]
+                ids = torch.tensor([req.prompt_ids], dtype=torch.long)  # [1, T]
+                logits = self.net(ids, self.cache, torch.tensor([slot]), last_only=True)[0, -1]  # [V]
                 if self.metrics is not None:
                     self.metrics.prefill(len(req.prompt_ids), time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
@@ -178,61 +198,62 @@ class Scheduler:
                 self._finish(req)
                 continue
             self.live.append(req)
+            if self._take(req, logits) and self.metrics is not None:
+                self.metrics.generated(1)
+
+    def _take(self, req: Request, logits: torch.Tensor) -> bool:
+        """Sample req's next token from logits [V], stream its text, finish it if it is done.
+        Returns whether a token was sampled; the token waits in `req.next_token` otherwise."""
+        s = req.seq
+        try:
+            tok = int(sample(logits[None], s.params, [s.prompt_ids + s.out_ids], s.generator)[0])
+            piece = s.accept(tok, set() if req.ignore_eos else self.eos_ids)
+        except Exception as e:  # noqa: BLE001
+            self._finish(req, error=f"sampling failed: {e}")
+            return False
+        req.sampled += 1
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.first_token(req.first_token_at - req.submitted)
+        if piece:
+            req.emit(Event("piece", text=piece))
+        if s.finished or len(s.prompt_ids) + len(s.out_ids) >= self.max_len:
+            if not s.finished:
+                s.finish_reason = "length"
+            self._finish(req)
+        else:
+            req.next_token = tok
+        return True
 
     def _step(self) -> None:
-        """Sample one token for every live slot, drop the finished, decode the rest together."""
-        tokens: dict[int, int] = {}
-        n_sampled = 0
-        for req in list(self.live):
-            if req.cancelled:
-                self._finish(req)
-                continue
-            s = req.seq
-            try:
-                tok = int(sample(self.last[req.slot][None], s.params, [s.prompt_ids + s.out_ids], s.generator)[0])
-                piece = s.accept(tok, set() if req.ignore_eos else self.eos_ids)
-            except Exception as e:  # noqa: BLE001
-                self._finish(req, error=f"sampling failed: {e}")
-                continue
-            req.sampled += 1
-            n_sampled += 1
-            now = time.perf_counter()
-            if req.first_token_at is None:
-                req.first_token_at = now
-                if self.metrics is not None:
-                    self.metrics.first_token(now - req.submitted)
-            if piece:
-                req.emit(Event("piece", text=piece))
-            if s.finished or len(s.prompt_ids) + len(s.out_ids) >= self.max_len:
-                if not s.finished:
-                    s.finish_reason = "length"
-                self._finish(req)
-            else:
-                tokens[req.slot] = tok
-        if self.metrics is not None:
-            self.metrics.generated(n_sampled)
-        if not tokens:
+        """One decode step: every live slot's newest token through the net together, then
+        each slot samples its next token; the finished and the cancelled leave."""
+        for req in [r for r in self.live if r.cancelled]:
+            self._finish(req)
+        batch = list(self.live)
+        if not batch:
             return
-        slots = list(tokens)
-        ids = torch.tensor([[tokens[s]] for s in slots], dtype=torch.long)  # [B, 1]
+        slots = torch.tensor([r.slot for r in batch])
+        ids = torch.tensor([[r.next_token] for r in batch], dtype=torch.long)  # [B, 1]
         try:
-            logits = self.net(ids, self.cache, torch.tensor(slots), last_only=True)[:, -1]  # [B, V]
+            logits = self.net(ids, self.cache, slots, last_only=True)[:, -1]  # [B, V]
         except Exception as e:  # noqa: BLE001
-            for req in [r for r in self.live if r.slot in tokens]:
+            for req in batch:
                 self._finish(req, error=f"decode failed: {e}")
             return
-        for i, s in enumerate(slots):
-            self.last[s] = logits[i]
         self.steps += 1
-        self.batch_rows += len(slots)
+        self.batch_rows += len(batch)
         if self.metrics is not None:
-            self.metrics.decode_step(len(slots))
+            self.metrics.decode_step(len(batch))
+        n = sum(self._take(req, logits[i]) for i, req in enumerate(batch))
+        if self.metrics is not None:
+            self.metrics.generated(n)
 
     def _finish(self, req: Request, error: str | None = None) -> None:
         if req in self.live:
             self.live.remove(req)
         if req.slot is not None:
-            self.last.pop(req.slot, None)
             self.cache.reset(req.slot)
             self.free.append(req.slot)
             req.slot = None
