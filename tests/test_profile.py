@@ -48,6 +48,8 @@ def test_record_round_trip(tmp_path):
     assert tr.ids.shape == (N, 4, 2) and tr.ids.dtype == np.int16 and tr.weights.dtype == np.float16
     assert tr.logits.shape == (N, 4, 8) and tr.ahead.shape == (2, N, 4, 8)
     assert tr.mtp_route.shape == (N, 4, 8) and tr.mtp_hidden.shape == (N, 32) and tr.mtp_cand.shape == (N, 4)
+    assert tr.token_route.shape == (N, 4, 8)
+    np.testing.assert_allclose(tr.token_route.astype(np.float32).sum(-1), 1.0, atol=1e-2)  # routing probabilities
     # the recorded experts are the router's top-k, with renormalised weights
     top = np.sort(np.argsort(-tr.logits.astype(np.float32), axis=-1, kind="stable")[..., :2], axis=-1)
     assert (top == np.sort(tr.ids, axis=-1)).mean() > 0.99

@@ -108,17 +108,21 @@ def _geom(name, layers, experts, top_k, hidden, inter, dense_params_per_layer, v
 #   + shared expert 3x2048x512 + router 2048x256 -> 35.8M
 # Qwen3-30B-A3B: q 2048x4096, k/v 2048x512, o 4096x2048 -> 18.9M + router 0.26M
 # Mixtral 8x7B: q 4096x4096, k/v 4096x1024, o 4096x4096 -> 41.9M + router
-GEOMETRIES = {
-    "qwen3.6-35b-a3b": _geom("qwen3.6-35b-a3b (4.5 bpw)", 40, 256, 8, 2048, 512, 35.8e6, 248320),
-    "qwen3-30b-a3b": _geom("qwen3-30b-a3b (4.5 bpw)", 48, 128, 8, 2048, 768, 19.2e6, 151936),
-    "mixtral-8x7b": _geom("mixtral-8x7b (4.5 bpw)", 32, 8, 2, 4096, 14336, 42.0e6, 32000),
+SPECS = {  # name -> (layers, experts, top_k, hidden, expert width, dense params per layer, vocab)
+    "qwen3.6-35b-a3b": (40, 256, 8, 2048, 512, 35.8e6, 248320),
+    "qwen3-30b-a3b": (48, 128, 8, 2048, 768, 19.2e6, 151936),
+    "mixtral-8x7b": (32, 8, 2, 4096, 14336, 42.0e6, 32000),
 }
+GEOMETRIES = {k: _geom(f"{k} (4.5 bpw)", *v) for k, v in SPECS.items()}
 
 
-def geometry(name: str = "qwen3.6-35b-a3b") -> Geometry:
-    if name not in GEOMETRIES:
-        raise MoerunError(f"unknown model geometry {name!r}; presets: {', '.join(GEOMETRIES)}")
-    return GEOMETRIES[name]
+def geometry(name: str = "qwen3.6-35b-a3b", bits: float | None = None) -> Geometry:
+    """A preset at 4.5 bits per weight (4-bit with group scales), or at `bits` (8.5 for 8-bit, 16)."""
+    if name not in SPECS:
+        raise MoerunError(f"unknown model geometry {name!r}; presets: {', '.join(SPECS)}")
+    if bits is None:
+        return GEOMETRIES[name]
+    return _geom(f"{name} ({bits:g} bpw)", *SPECS[name], bpw=bits)
 
 
 def cache_share(hw: Hardware, geo: Geometry, vram_gb: float | None = None) -> float:
@@ -310,12 +314,13 @@ def run_policy(name: str, trace, hw: Hardware, geo: Geometry, share: float, *, p
     plan: dict[tuple, list] = {}
     if predictions is not None:
         b = budget or K
+        rows = predictions[:N, :, :b].tolist()
         for j in range(L):
-            dt, dl = predictor.lead(int(g[j]))
-            issue_layer = -1 if dl == g[j] + 1 else max(j - dl, -1)
+            gj = int(g[j])
+            dt, dl = predictor.lead(gj)
+            issue_layer = -1 if dl == gj + 1 else max(j - dl, -1)
             for n in range(N):
-                keys = [(j, int(e)) for e in predictions[n, g[j], :b]]
-                plan.setdefault((n - dt, issue_layer), []).append(((n, j), keys))
+                plan.setdefault((n - dt, issue_layer), []).append(((n, j), [(j, e) for e in rows[n][gj]]))
 
     expiry: list = []  # (need, key) of wanted keys, to forget hints whose use has passed
 
@@ -327,6 +332,8 @@ def run_policy(name: str, trace, hw: Hardware, geo: Geometry, share: float, *, p
                     heapq.heappush(expiry, (need, k))
             sim.prefetch(keys, need, now)
 
+    used = trace.ids.tolist()
+    gl = g.tolist()
     t = 0.0
     start_n = int(warmup * N)
     t_start, c_start = 0.0, None
@@ -338,14 +345,15 @@ def run_policy(name: str, trace, hw: Hardware, geo: Geometry, share: float, *, p
             t += sim.dense_t
             sim.c["compute_s"] += sim.dense_t
             issue(n, j, t)
-            keys = [(j, int(e)) for e in trace.ids[n, g[j]]]
-            for k in keys:
-                if k in wanted and wanted[k] <= (n, j):
-                    del wanted[k]
-            while expiry and expiry[0][0] < (n, j):
-                need, k = heapq.heappop(expiry)
-                if wanted.get(k) == need:
-                    del wanted[k]
+            keys = [(j, e) for e in used[n][gl[j]]]
+            if wanted:
+                for k in keys:
+                    if k in wanted and wanted[k] <= (n, j):
+                        del wanted[k]
+                while expiry and expiry[0][0] < (n, j):
+                    need, k = heapq.heappop(expiry)
+                    if wanted.get(k) == need:
+                        del wanted[k]
             t = sim.layer(t, keys, (n, j))
         t += sim.head_t
         sim.c["compute_s"] += sim.head_t
@@ -366,22 +374,26 @@ def run_policy(name: str, trace, hw: Hardware, geo: Geometry, share: float, *, p
 
 def simulate(trace, hardware_name: str = "pcie4+rtx4090", geometry_name: str = "qwen3.6-35b-a3b", *,
              vram_gb: float | None = None, link_gbps: float | None = None, link_latency_us: float | None = None,
-             vram_gbps: float | None = None, predictors=None, factor: float = 1.0, warmup: float = 0.2,
-             as_json: bool = False, quiet: bool = False) -> dict:
+             vram_gbps: float | None = None, bits: float | None = None, predictors=None, factor: float = 1.0, warmup: float = 0.2,
+             max_tokens: int | None = 1000, as_json: bool = False, quiet: bool = False) -> dict:
     """`moerun simulate --trace TRACE --hardware PRESET [--model-geometry PRESET] [--json]`.
 
     Returns {policy: {"decode_tok_s", "compute_s", "transfer_s", "stall_s", ...}} (plus
     "_setup" describing the run); prints JSON with as_json, else a table."""
-    from ..experts.predict import NAMES, evaluate
+    from ..experts.predict import PREFETCHERS, evaluate
     from ..experts.profile import Trace
 
     tr = trace if isinstance(trace, Trace) else Trace.load(trace)
     hw = hardware(hardware_name, vram_gb=vram_gb, link_gbps=link_gbps, link_latency_us=link_latency_us,
                   vram_gbps=vram_gbps)
-    geo = geometry(geometry_name)
+    geo = geometry(geometry_name, bits)
     share = cache_share(hw, geo)
-    names = tuple(predictors) if predictors else NAMES
+    names = tuple(predictors) if predictors else PREFETCHERS
     _, preds, ev, objs = evaluate(tr, names, factors=(factor,), return_predictions=True)
+    if max_tokens and ev.num_tokens > max_tokens:  # the replay is pure Python: cap its length
+        keep = np.arange(ev.num_tokens) < max_tokens
+        ev = ev.select(keep)
+        preds = {k: v[:max_tokens] for k, v in preds.items()}
     fit, _ = tr.split(0.5)
     counts = fit.counts()
     b = max(1, int(round(factor * tr.top_k)))

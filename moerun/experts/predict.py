@@ -28,8 +28,11 @@ Predictors (names as `predict-eval` prints them):
                     embedding through every layer's router (profile.mtp_route_scores)
     mtp_learned     per-layer linear probes (ridge least squares) from the MTP head's hidden
                     state to the next token's experts, fitted on the fit part of the trace
-    combined        mtp_learned for layers < 2 (lead: one token), then layer_ahead1's router
-                    probabilities plus half the probe's normalised scores (lead: one layer)
+    combined        mtp_learned for layer 0 (lead: one token), then layer_ahead1's router
+                    probabilities plus `mix` x the probe's normalised scores (lead: one layer);
+                    `mix` in {0, 0.1, 0.3} is chosen on the fit part of the trace
+    mtp_oracle      diagnostic, not a prefetcher: `mtp`'s routing approximation applied to the
+                    true next token (what `mtp` would reach with a perfect candidate list)
 Where a predictor has no signal (first tokens, first layers) it falls back to `temporal`,
 then to the frequency prior.
 """
@@ -44,7 +47,8 @@ from ..errors import MoerunError
 
 # N tokens, L MoE layers, K experts per token, E experts, H hidden
 
-NAMES = ("frequency", "temporal", "layer_ahead1", "layer_ahead2", "mtp", "mtp_learned", "combined")
+NAMES = ("frequency", "temporal", "layer_ahead1", "layer_ahead2", "mtp", "mtp_learned", "combined", "mtp_oracle")
+PREFETCHERS = NAMES[:-1]  # mtp_oracle reads the true next token: a diagnostic, not a prefetcher
 FACTORS = (1.0, 1.5, 2.0)
 
 
@@ -136,10 +140,11 @@ class MTP(Predictor):
     """Reads `info["mtp_route"]` (made by the MTP head one token earlier)."""
 
     name = "mtp"
+    key = "mtp_route"
 
     def begin_token(self, info=None):
         super().begin_token(info)
-        r = (info or {}).get("mtp_route")
+        r = (info or {}).get(self.key)
         self.route = None if r is None else np.asarray(r, dtype=np.float64)
 
     def reset(self):
@@ -151,6 +156,11 @@ class MTP(Predictor):
 
     def lead(self, layer):
         return (1, layer + 1)  # the head runs once token n-1 is sampled, before its forward pass
+
+
+class MTPOracle(MTP):
+    name = "mtp_oracle"
+    key = "token_route"
 
 
 class MTPLearned(Predictor):
@@ -263,7 +273,17 @@ def make_predictors(fit, names=NAMES) -> dict[str, Predictor]:
         elif n == "combined":
             if probes is None or fit.ahead is None:
                 continue
-            out[n] = Combined(L, E, prior, probes)
+            best = None
+            for mix in (0.0, 0.1, 0.3):  # the probe's weight, chosen on the fit part
+                c = Combined(L, E, prior, probes, mix=mix)
+                r = score(fit, replay(fit, c, fit.top_k)[0], fit.top_k)["recall"]
+                if best is None or r > best[0]:
+                    best = (r, c)
+            out[n] = best[1]
+        elif n == "mtp_oracle":
+            if fit.token_route is None:
+                continue
+            out[n] = MTPOracle(L, E, prior)
         else:
             raise MoerunError(f"unknown predictor {n!r}; choose one of {', '.join(NAMES)}")
     return out
@@ -289,6 +309,8 @@ def replay(trace, pred: Predictor, budget: int) -> tuple[np.ndarray, float]:
                 info["mtp_route"] = trace.mtp_route[n]
             if trace.mtp_hidden is not None:
                 info["mtp_hidden"] = trace.mtp_hidden[n]
+        if trace.token_route is not None:
+            info["token_route"] = trace.token_route[n]
         ahead_n = [trace.ahead[d, n].astype(np.float64) for d in range(D)] if D else None
         t0 = time.perf_counter()
         pred.begin_token(info)
@@ -315,7 +337,7 @@ def model_cost_us(trace, name: str) -> float:
     D = max(int(trace.meta.get("ahead", 1)), 1)
     if name.startswith("layer_ahead"):
         return t.get("ahead_us", 0.0) / D
-    if name == "mtp":
+    if name in ("mtp", "mtp_oracle"):
         return t.get("mtp_head_us", 0.0) + t.get("mtp_route_us", 0.0)
     if name == "mtp_learned":
         return t.get("mtp_head_us", 0.0)

@@ -24,6 +24,9 @@ C MTP candidates, H hidden, D layer-ahead distances):
     mtp_hidden float16 [N, H]      the MTP head's final normed state that predicts token n
     mtp_cand   int32   [N, C]      its top-C candidates for token n, mtp_prob float16 [N, C]
     mtp_valid  bool    [N]         False for the first two positions of a sequence
+    token_route float16 [N, L, E]  the same routing approximation applied to the *true* token
+                                   (the `mtp_oracle` diagnostic: the mtp predictor with a
+                                   perfect candidate)
 
 Plots (`plot_trace`): expert-use heatmap per layer, rank-frequency per layer (log-log),
 hit rate vs cache size for LRU, LFU, a static hot set and LRU + pinned hot set, replayed
@@ -62,7 +65,8 @@ class Trace:
     mtp_cand: np.ndarray | None = None
     mtp_prob: np.ndarray | None = None
     mtp_valid: np.ndarray | None = None
-    OPTIONAL = ("logits", "ahead", "mtp_route", "mtp_hidden", "mtp_cand", "mtp_prob", "mtp_valid")
+    token_route: np.ndarray | None = None
+    OPTIONAL = ("logits", "ahead", "mtp_route", "mtp_hidden", "mtp_cand", "mtp_prob", "mtp_valid", "token_route")
 
     @classmethod
     def from_ids(cls, ids, num_experts: int, seq=None, **optional) -> "Trace":
@@ -314,8 +318,9 @@ def record_sequence(net, recorder: RoutingRecorder, ids: list[int], start: int =
                     hk.remove()
                 route[2:], cand[2:], prob[2:], valid[2:] = r, cd, pr, True
                 mh[2:] = captured["h"][0].float()
+            oracle = mtp_route_scores(net, blocks, x[0, :, None], torch.ones(T, 1))  # the true token
             out.update(mtp_route=route[start:], mtp_hidden=mh[start:], mtp_cand=cand[start:],
-                       mtp_prob=prob[start:], mtp_valid=valid[start:])
+                       mtp_prob=prob[start:], mtp_valid=valid[start:], token_route=oracle[start:])
     recorder.enabled = True
     return {"arrays": out, "timing": timing}
 
@@ -347,7 +352,7 @@ def record_trace(llm, sequences: list[list[int]], starts: list[int] | None = Non
     if not parts:
         raise MoerunError("nothing to trace: every sequence is empty")
     cat = {k: torch.cat([p[k] for p in parts], dim=1 if k == "ahead" else 0) for k in parts[0]}
-    half = {"weights", "logits", "ahead", "mtp_route", "mtp_hidden", "mtp_prob"}
+    half = {"weights", "logits", "ahead", "mtp_route", "mtp_hidden", "mtp_prob", "token_route"}
     arrays = {}
     for k, v in cat.items():
         if k in half:
@@ -603,13 +608,15 @@ def plot_trace(trace: Trace, out_dir, curves: dict | None = None) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for p, pts in curves.items():
         xs = sorted(pts)
-        ax.plot([100 * x for x in xs], [pts[x] for x in xs], marker="o", label=p)
+        label = {"static": "static hot set (oracle: the trace's own counts)",
+                 "lru_pinned": "LRU + pinned hot half (oracle counts)"}.get(p, p.upper())
+        ax.plot([100 * x for x in xs], [pts[x] for x in xs], marker="o", label=label)
     ax.set_xlabel("cache size (% of all routed experts)")
     ax.set_ylabel("hit rate")
     ax.set_ylim(0, 1.02)
     ax.set_title("hit rate vs cache size, replayed on the trace")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(str(out_dir / "hit_rate.png"))
     fig.savefig(paths[-1], dpi=110)
