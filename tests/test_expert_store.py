@@ -531,3 +531,16 @@ def test_streaming_leaves_no_page_cache(tmp_path):
                     touch(s, layer, [e])
             frac = _page_cache_fraction(f)
             assert check(frac), (drop, frac)
+
+
+def test_pinned_set_from_a_routing_trace(tmp_path):
+    import numpy as np
+
+    from moerun.experts.profile import Trace
+
+    ids = np.zeros((10, 2, 2), dtype=np.int16)
+    ids[:, 0] = (6, 2)
+    ids[:, 1] = (1, 4)
+    path = Trace.from_ids(ids, num_experts=8).save(tmp_path / "trace.npz")
+    with make_store(tmp_path, ram_budget=8 * expert_bytes(), top_k=1, pin_hot=2, profile=str(path)) as s:
+        assert s.pinned == {(0, 6), (0, 2), (1, 1), (1, 4)}

@@ -834,10 +834,17 @@ def format_stats(st: dict) -> str:
 
 
 def load_profile(profile) -> dict[int, list[int]]:
-    """A routing profile: {layer: [count per expert]}, from a dict or a JSON file
-    (`{"layers": {"0": [...], ...}}` or the bare mapping)."""
+    """A routing profile: {layer: [count per expert]}, from a dict, a JSON file
+    (`{"layers": {"0": [...], ...}}` or the bare mapping), or a routing trace (`moerun
+    profile`'s .npz, or a `Trace`)."""
     import json
 
+    if hasattr(profile, "counts") or str(profile).endswith(".npz"):  # a routing trace (profile.py)
+        from .profile import Trace
+
+        trace = profile if hasattr(profile, "counts") else Trace.load(profile)
+        layers = trace.meta.get("moe_layers") or list(range(trace.num_layers))
+        return {int(layer): [int(c) for c in row] for layer, row in zip(layers, trace.counts())}
     if isinstance(profile, dict):
         d = profile
     else:
