@@ -193,10 +193,15 @@ def test_mtp_head(tmp_path):
             steps.append(net.mtp_logits(hidden[:, t : t + 1], nxt[:, t : t + 1], cache))
         assert rel_err(torch.cat(steps, 1), want) < 1e-4
 
-    # a config that claims an MTP head whose tensors are absent: the loader names what is missing
-    no_mtp = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
-    save_file(no_mtp, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(MoerunError, match="missing tensor 'mtp"):
+    # a config that claims an MTP head over a checkpoint stripped of it: loads, without the head
+    save_file({k: v for k, v in tensors.items() if not k.startswith("mtp.")}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    stripped = moerun.load(tmp_path, dtype="float32").net
+    assert not stripped.has_mtp and stripped.mtp_cache_spec() == []
+    with pytest.raises(RuntimeError, match="no MTP head"):
+        stripped.mtp_logits(hidden, nxt)
+    # a checkpoint with only part of the head is broken: the loader names what is missing
+    save_file({k: v for k, v in tensors.items() if k != "mtp.fc.weight"}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MoerunError, match="missing tensor 'mtp.fc.weight'"):
         moerun.load(tmp_path, dtype="float32")
 
 

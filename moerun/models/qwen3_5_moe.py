@@ -79,6 +79,7 @@ class ModelArgs(BaseModelArgs):
     tie_word_embeddings: bool = False
     mtp_num_hidden_layers: int = 0
     mtp_use_dedicated_embeddings: bool = False
+    attn_output_gate: bool = True  # transformers always gates; a config saying otherwise is refused
     rope: dict[str, Any] | None = None
 
     def __post_init__(self):
@@ -100,6 +101,8 @@ class ModelArgs(BaseModelArgs):
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
         if self.mtp_num_hidden_layers not in (0, 1):
             raise ValueError(f"mtp_num_hidden_layers={self.mtp_num_hidden_layers} is not supported (0 or 1)")
+        if not self.attn_output_gate:
+            raise ValueError("attn_output_gate=false is not supported")
         if self.mtp_use_dedicated_embeddings:
             raise ValueError("mtp_use_dedicated_embeddings is not supported")
 
@@ -257,15 +260,21 @@ class MultiTokenPredictor(nn.Module):
 class Model(nn.Module):
     tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
     checkpoint_renames = [(r"^model\.language_model\.", "model.")]
+    # a config may claim an MTP head (real configs carry mtp_num_hidden_layers: 1) while the
+    # checkpoint was stripped of it: with none of the mtp.* tensors the model loads without the
+    # head (has_mtp False); with only some of them the loader names the missing one
+    optional_submodules = ("mtp",)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model = Qwen3_5MoeTextModel(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.has_mtp = args.mtp_num_hidden_layers > 0
-        if self.has_mtp:  # then the loader requires every mtp.* tensor
-            self.mtp = MultiTokenPredictor(args)
+        self.mtp = MultiTokenPredictor(args) if args.mtp_num_hidden_layers > 0 else None
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp is not None
 
     def _kv_spec(self) -> KVSpec:
         a = self.args
@@ -286,7 +295,7 @@ class Model(nn.Module):
 
     def mtp_cache_spec(self) -> list:
         """Specs for the MTP head's own `Cache` (one KV entry per MTP layer; [] without MTP)."""
-        return [self._kv_spec()] * self.args.mtp_num_hidden_layers
+        return [self._kv_spec()] * len(self.mtp.layers) if self.has_mtp else []
 
     def _positions(self, B, cache, slots):
         if cache is None:
