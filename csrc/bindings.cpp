@@ -27,7 +27,9 @@ static std::map<std::string, bool> cpu_features() {
         {"fma", (bool)__builtin_cpu_supports("fma")},
         {"avx512f", (bool)__builtin_cpu_supports("avx512f")},
         {"avx512bw", (bool)__builtin_cpu_supports("avx512bw")},
+        {"avx512vl", (bool)__builtin_cpu_supports("avx512vl")},
         {"avx512vnni", (bool)__builtin_cpu_supports("avx512vnni")},
+        {"avxvnni", (bool)__builtin_cpu_supports("avxvnni")},
         {"avx512bf16", (bool)__builtin_cpu_supports("avx512bf16")},
     };
 }
@@ -129,8 +131,10 @@ void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq
 }
 
 std::vector<std::string> available_isas() {
-    std::vector<std::string> r{"generic"};
-    if (moerun::cpu_has_avx2()) r.push_back("avx2");
+    const moerun::KernelTable* all[8];
+    int n = moerun::supported_kernels(all);
+    std::vector<std::string> r;
+    for (int i = 0; i < n; ++i) r.push_back(all[i]->name);
     return r;
 }
 
@@ -152,7 +156,7 @@ NB_MODULE(_native, m) {
     m.doc() = "moerun native CPU kernels";
     m.def("cpu_features", &cpu_features, "CPU instruction-set extensions this process can use");
     m.def("available_isas", &available_isas, "kernel paths this CPU can run, slowest first");
-    m.def("set_isa", &set_isa, nb::arg("name"), "choose the kernel path (generic, avx2)");
+    m.def("set_isa", &set_isa, nb::arg("name"), "choose the kernel path (generic, avx2, avxvnni, avx512vnni)");
     m.def("isa", [] { return std::string(moerun::current_isa()); }, "the kernel path in use");
     m.def("set_threads", &set_threads, nb::arg("n"), "size of the native thread pool");
     m.def("get_threads", &moerun::get_threads, "size of the native thread pool");

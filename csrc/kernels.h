@@ -45,11 +45,15 @@ struct KernelTable {
 };
 
 extern const KernelTable generic_kernels;
-extern const KernelTable avx2_kernels;  // only valid where the CPU has AVX2 + FMA + F16C
+// only valid where the CPU has them (checked by the dispatch point below)
+extern const KernelTable avx2_kernels;        // AVX2 + FMA + F16C
+extern const KernelTable avxvnni_kernels;     // + AVX-VNNI (untested: no such CPU here)
+extern const KernelTable avx512vnni_kernels;  // + AVX-512F/VL/VNNI, 256-bit (untested)
 
 // The one dispatch point. Returns nullptr for an unknown or unsupported name.
 const KernelTable* kernels_for(const char* name);
 const KernelTable* best_kernels();
+int supported_kernels(const KernelTable** out);  // out holds 8; slowest first
 bool cpu_has_avx2();
 
 float fp16_to_fp32(uint16_t h);

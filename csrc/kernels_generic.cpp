@@ -108,12 +108,34 @@ bool cpu_has_avx2() {
            __builtin_cpu_supports("f16c");
 }
 
+static bool cpu_has_avx512vnni() {
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+static bool cpu_has_avxvnni() { return cpu_has_avx2() && __builtin_cpu_supports("avxvnni"); }
+
+// Every path this CPU can run, slowest first; the last is the default.
+int supported_kernels(const KernelTable** out) {
+    int n = 0;
+    out[n++] = &generic_kernels;
+    if (cpu_has_avx2()) out[n++] = &avx2_kernels;
+    if (cpu_has_avxvnni()) out[n++] = &avxvnni_kernels;
+    if (cpu_has_avx512vnni()) out[n++] = &avx512vnni_kernels;
+    return n;
+}
+
 const KernelTable* kernels_for(const char* name) {
-    if (!std::strcmp(name, "generic")) return &generic_kernels;
-    if (!std::strcmp(name, "avx2")) return cpu_has_avx2() ? &avx2_kernels : nullptr;
+    const KernelTable* all[8];
+    int n = supported_kernels(all);
+    for (int i = 0; i < n; ++i)
+        if (!std::strcmp(name, all[i]->name)) return all[i];
     return nullptr;
 }
 
-const KernelTable* best_kernels() { return cpu_has_avx2() ? &avx2_kernels : &generic_kernels; }
+const KernelTable* best_kernels() {
+    const KernelTable* all[8];
+    return all[supported_kernels(all) - 1];
+}
 
 }  // namespace moerun

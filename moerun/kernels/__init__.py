@@ -2,10 +2,11 @@
 every native op.
 
 The kernel path is chosen once at run time from the CPU (`moerun._native` checks it with
-`__builtin_cpu_supports`): `avx2` (AVX2 + FMA + F16C) where the CPU has it, else `generic`
-(portable C++). `MOERUN_ISA=torch|generic|avx2` forces a path (`torch` runs the references,
-which is also what happens when the extension is not built). AVX-512 / VNNI / AMX paths are
-not built yet.
+`__builtin_cpu_supports`), the fastest the CPU has of: `generic` (portable C++), `avx2`
+(AVX2 + FMA + F16C), `avxvnni` and `avx512vnni` (the same 256-bit tiles with vpdpbusd dot
+products; written but untested, no CPU here has VNNI). `MOERUN_ISA=torch|generic|avx2|...`
+forces a path (`torch` runs the references, which is also what happens when the extension
+is not built). Full 512-bit AVX-512 and AMX tiles are not written yet.
 
 Threads: the native pool is resized to `torch.get_num_threads()` before each op, so
 `--threads N` (which sets torch's count) sizes both; the two pools take turns, never run
@@ -52,7 +53,7 @@ def available_isas() -> list[str]:
 
 
 def isa() -> str:
-    """The kernel path in use: 'torch', 'generic' or 'avx2'."""
+    """The kernel path in use: 'torch', 'generic', 'avx2', 'avxvnni' or 'avx512vnni'."""
     nat = _native()
     return "torch" if nat is None else nat.isa()
 

@@ -1,0 +1,38 @@
+// VNNI kernels: the 256-bit kernels of kernels_x86.inc with vpdpbusd dot products (one
+// instruction for u8 x s8 products summed into int32, where AVX2 needs maddubs + madd).
+// Two tables: AVX-512 VNNI (EVEX, with AVX-512VL) and AVX-VNNI (VEX).
+// UNTESTED on real hardware: the machines this was written on have AVX2 only. They run only
+// where the CPU reports the feature; tests/test_kernels.py checks every path the CPU has.
+#include <immintrin.h>
+
+#include "kernels.h"
+
+#define MOERUN_DOT(u, x) MOERUN_DPBUSD(_mm256_setzero_si256(), u, x)
+#define MOERUN_DOT2(ulo, xlo, uhi, xhi) MOERUN_DPBUSD(MOERUN_DPBUSD(_mm256_setzero_si256(), ulo, xlo), uhi, xhi)
+
+namespace moerun {
+
+namespace avx512vnni {
+#define MOERUN_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#define MOERUN_DPBUSD _mm256_dpbusd_epi32
+namespace {
+#include "kernels_x86.inc"
+}  // namespace
+#undef MOERUN_TARGET
+#undef MOERUN_DPBUSD
+}  // namespace avx512vnni
+
+namespace avxvnni {
+#define MOERUN_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define MOERUN_DPBUSD _mm256_dpbusd_avx_epi32
+namespace {
+#include "kernels_x86.inc"
+}  // namespace
+#undef MOERUN_TARGET
+#undef MOERUN_DPBUSD
+}  // namespace avxvnni
+
+const KernelTable avx512vnni_kernels = {"avx512vnni", avx512vnni::quantize_row, avx512vnni::gemm_q4, avx512vnni::gemm_q8};
+const KernelTable avxvnni_kernels = {"avxvnni", avxvnni::quantize_row, avxvnni::gemm_q4, avxvnni::gemm_q8};
+
+}  // namespace moerun
