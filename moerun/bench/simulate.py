@@ -434,3 +434,81 @@ def format_table(out: dict, setup: dict) -> str:
         lines.append(f"{name:<18} {r['decode_tok_s']:7.1f}  {r['ms_per_token']:7.2f}  {r['hit_rate']:8.3f}  "
                      f"{r['transfers_per_token']:13.1f}  {r['compute_s']:9.3f}  {r['transfer_s']:10.3f}  {r['stall_s']:7.3f}")
     return "\n".join(lines)
+
+
+# -- validation against the expert store's emulated link ------------------------------------------
+
+
+def validate_store(model: str, prompt_ids: list[int], *, link: str = "0.5,500", vram_share: float = 0.25,
+                   tokens: int = 48, threads: int = 1, repeats: int = 1) -> dict:
+    """Run the real expert store (emulated device, LRU) and the simulator on the same routing.
+
+    1. all experts on the emulated device: decode time per token = the compute the simulator
+       is given (per layer, no per-expert term: the experts' CPU time is inside it);
+    2. `vram_share` of the experts on the device, LRU, misses over the emulated `link`:
+       measured decode tok/s;
+    3. the routing of exactly those tokens is traced, and the simulator replays it with the
+       same link, budget and the calibrated compute.
+    Returns {"measured_tok_s", "simulated_tok_s", "ratio", ...}. Both figures are EMULATED."""
+    import moerun
+    from moerun.experts import StoreOptions
+    from moerun.experts import load as store_load
+
+    from ..experts.emulated import parse_link
+    from ..experts.profile import record_trace
+
+    def run(share):
+        opts = StoreOptions(vram_budget=f"{100 * share:g}%", emulate_link=link, cache_policy="lru")
+        llm = store_load(model, threads=threads, options=opts)
+        try:
+            best = None
+            for _ in range(repeats):
+                out = llm.generate_ids([prompt_ids], max_tokens=tokens, temperature=0.0)[0]
+                s = llm.last_stats
+                tok_s = s.decode_tok_s
+                st = llm.store.stats()
+                lk = llm.store.link
+                st["link_busy_s"], st["link_modeled_s"] = lk.busy_s, lk.modeled_s
+                if best is None or tok_s > best[0]:
+                    best = (tok_s, out, st)
+            return best
+        finally:
+            llm.store.close()
+
+    full_tok_s, out, _ = run(1.0)
+    part_tok_s, out2, st = run(vram_share)
+    plain = moerun.load(model, threads=threads)
+    ids = list(prompt_ids) + out2
+    # the decode steps read the tokens after the first generated one
+    # the prompt's routing warms the cache as the store's prefill did (token by token here,
+    # one pass there); only the decode tokens are counted
+    tr = record_trace(plain, [ids[:-1]], [0], ahead=0, mtp_candidates=0)
+    spec = parse_link(link)
+    a = plain.args
+    L, E, K = tr.num_layers, tr.num_experts, tr.top_k
+    ebytes = tr.meta["expert_params"] * torch_itemsize(plain.dtype)
+    geo = Geometry("measured", L, E, K, ebytes, 0.0, 0.0, 0.0)
+    hw = Hardware("emulated", spec.gbps, spec.latency_us, vram_gb=0.0, vram_gbps=math.inf, gpu_efficiency=1.0,
+                  layer_overhead_us=1e6 / full_tok_s / L, token_overhead_us=0.0, reserve_gb=0.0)
+    # the store's budget in bytes, rounded down to whole experts
+    cap = int(vram_share * L * E * ebytes) // int(ebytes)
+    res = run_policy("lru", tr, hw, geo, cap / (L * E), warmup=len(prompt_ids) / tr.num_tokens)
+    sim = res["decode_tok_s"]
+    return {
+        "link": spec.describe(), "vram_share": vram_share, "tokens": res["tokens"],
+        "all_resident_measured_tok_s": full_tok_s,
+        "measured_tok_s": part_tok_s, "simulated_tok_s": sim, "ratio": sim / part_tok_s if part_tok_s else None,
+        # the emulated link's own accuracy: the time it held the link vs the time it should have
+        "emulated_link_busy_over_modeled": st["link_busy_s"] / st["link_modeled_s"] if st["link_modeled_s"] else None,
+        "store_tokens_incl_prompt": st["tokens"], "store_transfers": st["tiers"]["device"].get("transfers"),
+        "measured_hit_rate": st["expert_hit_rate"], "simulated_hit_rate": res["hit_rate"],
+        "measured_stall_s_per_token_incl_prompt": st["stall_s_per_token"],
+        "simulated_stall_s_per_token": res["stall_s"] / max(res["tokens"], 1),
+        "same_tokens": out == out2,
+    }
+
+
+def torch_itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()

@@ -326,8 +326,11 @@ def score(trace, predictions: np.ndarray, budget: int) -> dict:
     experts that were used) at `budget` (the first `budget` of each ranking)."""
     p = predictions[:, :, :budget].astype(np.int64)
     t = trace.ids.astype(np.int64)
-    hit = (p[..., :, None] == t[..., None, :]).any(-1).sum()  # predicted and used
-    return {"recall": float(hit / t.size), "precision": float(hit / p.size)}
+    hit = (p[..., :, None] == t[..., None, :]).any(-1)  # [N, L, budget]: predicted and used
+    by_layer = hit.sum(axis=(0, 2)) / (t.shape[0] * t.shape[2])
+    n = hit.sum()
+    return {"recall": float(n / t.size), "precision": float(n / p.size),
+            "recall_by_layer": [round(float(x), 4) for x in by_layer]}
 
 
 def model_cost_us(trace, name: str) -> float:
@@ -353,7 +356,8 @@ def evaluate(trace, names=NAMES, factors=FACTORS, fit_fraction: float = 0.5, ret
     (and, with return_predictions, {predictor: int16 [N_eval, L, max budget]} and the eval
     trace). lead_layers: how many layers before its use a prediction exists, averaged over
     layers (one token = L layers; null for the static frequency prior). cost_us: the
-    predictor's replay time per token plus the model-side work timed at profiling."""
+    predictor's replay time per token (this Python implementation) plus the model-side work
+    timed at profiling (`model_cost_us`: router matmuls, the MTP head); recall_by_layer: [L]."""
     if trace.num_tokens < 4:
         raise MoerunError("the trace is too short to fit and evaluate predictors (needs 4+ tokens)")
     fit, ev = trace.split(fit_fraction)
@@ -368,10 +372,10 @@ def evaluate(trace, names=NAMES, factors=FACTORS, fit_fraction: float = 0.5, ret
         leads = [p.lead(l) for l in range(L)]
         lead_layers = None if name == "frequency" else float(np.mean([t * L + d for t, d in leads]))
         lead_tokens = float(np.mean([t for t, _ in leads]))
-        cost = own_us + model_cost_us(trace, name)
+        model_us = model_cost_us(trace, name)
         results[name] = {
             f"{f:.1f}": {**score(ev, out, b), "budget": b, "lead_layers": lead_layers, "lead_tokens": lead_tokens,
-                         "cost_us": round(cost, 2)}
+                         "cost_us": round(own_us + model_us, 2), "model_cost_us": round(model_us, 2)}
             for f, b in budgets.items()
         }
     if return_predictions:
