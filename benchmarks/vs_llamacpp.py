@@ -44,10 +44,10 @@ from moerun.quant import formats
 from moerun.quant.modules import QuantizedExperts, QuantizedLinear
 
 
-def build_model(layers: int, row: str, seed: int = 0):
+def build_model(layers: int, row: str, seed: int = 0, **overrides):
     """Random Qwen3-30B-A3B-shaped model, quantized by policy `row`, without ever holding
     the float experts (they would need 19 GB for 8 layers)."""
-    cfg = preset_config("qwen3-30b-a3b", layers=layers)
+    cfg = preset_config("qwen3-30b-a3b", layers=layers, **overrides)
     args = qwen3_moe.ModelArgs.from_dict(cfg)
     torch.manual_seed(seed)
     net = qwen3_moe.Model(args)  # Experts params are torch.empty: untouched pages, no RSS
