@@ -146,3 +146,33 @@ def test_driver_hints_the_store():
     ahead_hints = [hint for hint in store.hints if hint[0] in (1, 2, 3)]
     assert [l for l, _ in ahead_hints][:3] == [1, 2, 3] and all(len(ids) == 2 for _, ids in ahead_hints)
     assert routed and not any(b.experts._forward_pre_hooks for _, b in moe_blocks(llm.net))
+
+
+def test_driver_with_the_expert_store(tmp_path):
+    """layer_ahead1 drives a real store (emulated device): prefetches are used, tokens unchanged."""
+    import torch
+
+    from moerun.bench.random_model import write_random_model
+    from moerun.experts import StoreOptions
+    from moerun.experts import load as store_load
+
+    cfg = dict(model_type="qwen3_5_moe_text", vocab_size=64, hidden_size=32, num_hidden_layers=4,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_key_head_dim=8,
+               linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, moe_intermediate_size=16,
+               shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+               layer_types=["linear_attention", "full_attention"] * 2, torch_dtype="float32")
+    write_random_model(tmp_path, cfg, dtype=torch.float32)
+    outs, stats = [], []
+    for name in (None, "layer_ahead1"):
+        llm = store_load(tmp_path, threads=1, options=StoreOptions(vram_budget="50%", emulate_link="pcie4"))
+        drv = attach_predictor(llm.net, llm.store, name) if name else None
+        try:
+            outs.append(llm.generate_ids([[1, 2, 3]], max_tokens=12, temperature=0.0)[0])
+            stats.append(llm.store.stats())
+        finally:
+            if drv:
+                drv.close()
+            llm.store.close()
+    assert outs[0] == outs[1]
+    assert stats[0]["prefetch_issued"] == 0
+    assert stats[1]["prefetch_issued"] > 0 and stats[1]["prefetch_used"] > 0
