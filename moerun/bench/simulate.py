@@ -404,6 +404,9 @@ def simulate(trace, hardware_name: str = "pcie4+rtx4090", geometry_name: str = "
         out[f"pred:{name}"] = run_policy("pred:" + name, ev, hw, geo, share, predictions=p, predictor=objs[name],
                                           warmup=warmup, budget=b)
     out["all_resident"] = run_policy("all_resident", ev, hw, geo, share, warmup=warmup)
+    lo, hi = out["on_demand"]["decode_tok_s"], out["all_resident"]["decode_tok_s"]
+    for r in out.values():  # where each policy lands: 0 = on demand, 1 = all resident
+        r["position"] = (r["decode_tok_s"] - lo) / (hi - lo) if hi > lo else 1.0
     setup = {
         "hardware": {f.name: getattr(hw, f.name) for f in fields(hw)},
         "geometry": {f.name: getattr(geo, f.name) for f in fields(geo)},
@@ -425,13 +428,14 @@ def format_table(out: dict, setup: dict) -> str:
         f"{geo['name']} on {hw['name']} ({hw['link_gbps']:g} GB/s, {hw['link_latency_us']:g} µs/transfer; "
         f"{hw['vram_gb']:g} GB VRAM at {hw['vram_gbps']:g} GB/s): experts cache share {setup['expert_cache_share']:.1%}",
         f"replayed {setup['trace_tokens_replayed']} trace tokens (trace L,E,K = {setup['trace_geometry']}); "
-        f"times are over the counted tokens",
-        "policy               tok/s   ms/tok  hit rate  transfers/tok  compute_s  transfer_s  stall_s",
+        f"times are over the counted tokens; position: 0 = on_demand, 1 = all_resident",
+        "policy               tok/s   ms/tok  position  hit rate  transfers/tok  compute_s  transfer_s  stall_s",
     ]
     for name, r in out.items():
         if name.startswith("_"):
             continue
-        lines.append(f"{name:<18} {r['decode_tok_s']:7.1f}  {r['ms_per_token']:7.2f}  {r['hit_rate']:8.3f}  "
+        lines.append(f"{name:<18} {r['decode_tok_s']:7.1f}  {r['ms_per_token']:7.2f}  {r.get('position', 0):8.2f}  "
+                     f"{r['hit_rate']:8.3f}  "
                      f"{r['transfers_per_token']:13.1f}  {r['compute_s']:9.3f}  {r['transfer_s']:10.3f}  {r['stall_s']:7.3f}")
     return "\n".join(lines)
 
