@@ -544,3 +544,25 @@ def test_pinned_set_from_a_routing_trace(tmp_path):
     path = Trace.from_ids(ids, num_experts=8).save(tmp_path / "trace.npz")
     with make_store(tmp_path, ram_budget=8 * expert_bytes(), top_k=1, pin_hot=2, profile=str(path)) as s:
         assert s.pinned == {(0, 6), (0, 2), (1, 1), (1, 4)}
+
+
+@pytest.mark.skipif(not (ROOT / "moerun" / "demo_model" / "config.json").is_file(), reason="no bundled demo model")
+def test_demo_model_with_mtp_head_bit_identical():
+    # qwen3_5_moe: its MTP head has an experts module of its own, `mtp.layers.0`, which
+    # must not share a store layer with the trunk's `model.layers.0`
+    import moerun
+    from moerun.experts import StoreExperts, StoreOptions, load
+
+    path = ROOT / "moerun" / "demo_model"
+    plain = moerun.load(path, threads=1)
+    ids = torch.randint(0, plain.args.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
+    llm = load(path, threads=1, options=StoreOptions(ram_budget="25%", vram_budget="20%", emulate_link="pcie4"))
+    try:
+        layers = [m.layer for m in llm.net.modules() if isinstance(m, StoreExperts)]
+        assert len(layers) == len(set(layers))
+        assert torch.equal(llm.forward(ids), plain.forward(ids))
+        prompt = ids[0].tolist()
+        assert llm.generate_ids([prompt], max_tokens=6, temperature=0.0) == plain.generate_ids(
+            [prompt], max_tokens=6, temperature=0.0)
+    finally:
+        llm.store.close()

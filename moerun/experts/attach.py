@@ -77,10 +77,21 @@ def _layer_index(name: str, fallback: int) -> int:
 def _swap_experts(net: nn.Module) -> list[tuple[str, StoreExperts]]:
     """Replace every `Experts` in `net` with a `StoreExperts`; returns (name, new module)."""
     found = [(n, m) for n, m in net.named_modules() if isinstance(m, Experts)]
+    # trunk layers keep their index; others (an MTP head's `mtp.layers.0`) get fresh ones after
+    trunk = [n for n, _ in found if not (n.startswith("mtp") or ".mtp." in n)]
+    ids: dict[str, int | None] = {}
+    for n in trunk:
+        i = _layer_index(n, len(ids))
+        ids[n] = i if i not in ids.values() else None
+    nxt = max((i for i in ids.values() if i is not None), default=-1) + 1
+    for n, _ in found:
+        if ids.get(n) is None:
+            ids[n] = nxt
+            nxt += 1
     out = []
-    for i, (name, mod) in enumerate(found):
+    for name, mod in found:
         E, I, H = mod.gate_proj.shape
-        new = StoreExperts(_layer_index(name, i), E, H, I)
+        new = StoreExperts(ids[name], E, H, I)
         parent_name, _, attr = name.rpartition(".")
         setattr(net.get_submodule(parent_name) if parent_name else net, attr, new)
         out.append((name, new))
