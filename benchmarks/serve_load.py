@@ -2,8 +2,9 @@
 
 Prints, per concurrency level: aggregate generated tokens/s, p50/p99 time to first token,
 p50/p99 inter-token latency (gap between streamed chunks), the mean decode batch the server
-ran, and the expert store's hit rate over that level when the model has a store
-(--ram-budget). --unbatched repeats the largest level on a server with one slot
+ran, and the expert store's hit rate and misses per generated token over that level when
+the model has a store (--ram-budget). Lookups count once per expert per layer per step, so
+a batch that shares an expert reads it once for all its rows. --unbatched repeats the largest level on a server with one slot
 (max_concurrency=1: requests queue and are decoded one at a time) for the
 with/without-batching comparison.
 
@@ -136,6 +137,7 @@ def measure(base: str, model: str, clients: int, args) -> dict:
         hits = m1["moerun_expert_store_expert_hit_rate"] * req1 - m0["moerun_expert_store_expert_hit_rate"] * req0
         row["expert_hit_rate"] = round(hits / (req1 - req0), 4)
         row["expert_lookups_per_token"] = round((req1 - req0) / max(lv["tokens"], 1), 2)
+        row["expert_misses_per_token"] = round((req1 - req0 - hits) / max(lv["tokens"], 1), 2)
     return row
 
 
@@ -187,11 +189,11 @@ def main(argv=None) -> int:
                           "levels": rows}))
     else:
         print(f"\n{'server':10} {'clients':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-              f"{'batch':>6} {'hit rate':>8}")
+              f"{'batch':>6} {'hit rate':>8} {'miss/tok':>8}")
         for r in rows:
             print(f"{r['server']:10} {r['clients']:>7} {r['tok_s']:>8.1f} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>9.3f} "
                   f"{r['itl_p50_s']:>8.4f} {r['itl_p99_s']:>8.4f} {r['mean_decode_batch']:>6.2f} "
-                  f"{r.get('expert_hit_rate', float('nan')):>8.3f}")
+                  f"{r.get('expert_hit_rate', float('nan')):>8.3f} {r.get('expert_misses_per_token', float('nan')):>8.2f}")
     return 0
 
 

@@ -71,7 +71,8 @@ def running_server(llm, **kw):
 
 @pytest.fixture(scope="module")
 def server(llm):
-    with running_server(llm, max_concurrency=16, max_queue=8) as s:
+    # a small prefill budget, so that prompts go in as chunks between decode steps
+    with running_server(llm, max_concurrency=16, max_queue=8, prefill_budget=48) as s:
         yield s
 
 
@@ -187,6 +188,19 @@ def test_completions_plain_stream_and_stop(server):
         stop = text[i : i + 2]
         cut = c.completions.create(model=model, prompt="def add(a, b):", max_tokens=10, temperature=0, stop=[stop])
         assert cut.choices[0].text == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_long_prompt_prefilled_in_chunks_matches_the_engine(server, llm):
+    base, model = server
+    prompt = "The quick brown fox jumps over the lazy dog. " * 12  # several prefill chunks
+    ids = llm.encode_prompt(prompt)
+    assert len(ids) > 3 * 48 and len(ids) + 8 < llm.context_length
+    r = client(base).completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    assert r.usage.prompt_tokens == len(ids)
+    wait_idle(base)
+    ref = llm.generate_ids([ids], max_tokens=8, temperature=0.0)[0]  # one full prefill, plain loop
+    assert r.choices[0].text == llm.tokenizer.decode(ref)
+    assert r.usage.completion_tokens == len(ref) + (r.choices[0].finish_reason == "stop")
 
 
 # -- errors ----------------------------------------------------------------------------

@@ -8,28 +8,30 @@ from __future__ import annotations
 
 
 def create_app(llm, *, api_key: str | None = None, max_concurrency: int = 4, max_queue: int = 64,
-               max_len: int | None = None, model_name: str | None = None):
+               max_len: int | None = None, model_name: str | None = None, prefill_budget: int = 512):
     """The FastAPI app serving `llm` (see app.py); its scheduler runs while the app runs."""
     from .app import create_app as _create
 
     return _create(llm, api_key=api_key, max_concurrency=max_concurrency, max_queue=max_queue,
-                   max_len=max_len, model_name=model_name)
+                   max_len=max_len, model_name=model_name, prefill_budget=prefill_budget)
 
 
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None,
           max_concurrency: int = 4, max_queue: int = 64, max_len: int | None = None,
-          model_name: str | None = None, log_level: str = "info") -> None:
+          model_name: str | None = None, prefill_budget: int = 512, log_level: str = "info") -> None:
     """Serve `llm` over HTTP until interrupted (blocks).
 
     max_concurrency: cache slots, i.e. requests decoded together in one batch;
     max_queue: requests waiting for a slot beyond those, after which the server answers 429;
     max_len: tokens per slot (prompt + completion), default and cap the model's context;
-    model_name: the id clients must send as `model` (default: the model directory's name).
+    model_name: the id clients must send as `model` (default: the model directory's name);
+    prefill_budget: prompt tokens prefilled per scheduler step while others decode (long
+    prompts go in as chunks of this size between decode steps).
     """
     import uvicorn
 
     app = create_app(llm, api_key=api_key, max_concurrency=max_concurrency, max_queue=max_queue,
-                     max_len=max_len, model_name=model_name)
+                     max_len=max_len, model_name=model_name, prefill_budget=prefill_budget)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 

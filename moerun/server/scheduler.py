@@ -55,6 +55,7 @@ class Request:
     id: int = 0
     ignore_eos: bool = False
     next_token: int | None = None  # sampled, not yet run through the net
+    prefilled: int = 0  # prompt tokens already in the cache
     seq: Sequence | None = None
     slot: int | None = None
     sampled: int = 0  # tokens sampled, the final EOS included
@@ -88,7 +89,8 @@ class Scheduler:
         self.prefill_budget = prefill_budget
         self.cache = Cache(self.net.cache_spec(), max_concurrency, self.max_len, llm.dtype)
         self.free = list(range(max_concurrency - 1, -1, -1))  # pop() hands out slot 0 first
-        self.live: list[Request] = []
+        self.live: list[Request] = []  # decoding
+        self.prefilling: collections.deque[Request] = collections.deque()  # holding a slot, prompt partly in
         self.inbox: queue.Queue[Request | None] = queue.Queue()
         self.waiting: collections.deque[Request] = collections.deque()  # worker side
         self._lock = threading.Lock()
@@ -131,9 +133,17 @@ class Scheduler:
         self.inbox.put(None)  # wake the worker if it is idle
 
     def close(self) -> None:
+        """Stop the worker; requests still running or waiting get an error event."""
         self._stop.set()
         self.inbox.put(None)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            return  # stuck in a long forward pass; it is a daemon thread
+        self._drain_inbox(block=False)
+        for req in list(self.live) + list(self.prefilling):
+            self._finish(req, error="the server is shutting down")
+        while self.waiting:
+            self.waiting.popleft().emit(Event("error", text="the server is shutting down"))
 
     # -- worker thread --------------------------------------------------------
     def _worker(self) -> None:
@@ -141,13 +151,13 @@ class Scheduler:
         with torch.inference_mode():
             while not self._stop.is_set():
                 try:
-                    self._drain_inbox(block=not self.live and not self.waiting)
+                    self._drain_inbox(block=not (self.live or self.waiting or self.prefilling))
                     self._admit()
                     if self.live:
                         self._step()
                 except Exception as e:  # noqa: BLE001 - fail the batch, keep the worker alive
                     log.exception("scheduler step failed")
-                    for req in list(self.live):
+                    for req in list(self.live) + list(self.prefilling):
                         self._finish(req, error=f"generation failed: {e}")
 
     def _drain_inbox(self, block: bool) -> None:
@@ -161,38 +171,38 @@ class Scheduler:
             pass
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free slots and sample their first tokens. While
-        others are decoding, at most `prefill_budget` prompt tokens are taken per step (but
-        always one request), so a burst of arrivals stalls the running streams only briefly."""
-        stalled_any = bool(self.live)
+        """Prefill: continue prompts already holding a slot, then give free slots to waiting
+        requests. At most `prefill_budget` prompt tokens per step (always one chunk at least),
+        so a long prompt or a burst of arrivals stalls the running streams for a bounded time:
+        a long prompt goes in over several steps, in chunks, between decode steps."""
         spent = 0
-        while self.waiting and self.free:
-            req = self.waiting[0]
-            if stalled_any and spent and spent + len(req.prompt_ids) > self.prefill_budget:
-                break
-            self.waiting.popleft()
-            with self._lock:
-                self._pending -= 1
-                if not req.cancelled:
-                    self._running += 1
-            if req.cancelled:  # gave up while waiting for a slot
-                if self.metrics is not None:
-                    self.metrics.finished(req)
+        while spent == 0 or spent < self.prefill_budget:
+            if self.prefilling:
+                req = self.prefilling[0]
+            elif self.waiting and self.free:
+                req = self.waiting.popleft()
+                if not self._assign(req):
+                    continue
+            else:
+                return
+            if req.cancelled:
+                self._finish(req)
                 continue
-            spent += len(req.prompt_ids)
-            slot = self.free.pop()
-            req.slot = slot
-            self.cache.reset(slot)
+            n = min(len(req.prompt_ids) - req.prefilled, max(self.prefill_budget - spent, 1))
+            spent += n
             try:
-                req.seq = Sequence(req.prompt_ids, req.params, decoder=req.decoder)
                 t0 = time.perf_counter()
-                ids = torch.tensor([req.prompt_ids], dtype=torch.long)  # [1, T]
-                logits = self.net(ids, self.cache, torch.tensor([slot]), last_only=True)[0, -1]  # [V]
+                ids = torch.tensor([req.prompt_ids[req.prefilled : req.prefilled + n]], dtype=torch.long)  # [1, n]
+                logits = self.net(ids, self.cache, torch.tensor([req.slot]), last_only=True)[0, -1]  # [V]
                 if self.metrics is not None:
-                    self.metrics.prefill(len(req.prompt_ids), time.perf_counter() - t0)
+                    self.metrics.prefill(n, time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
                 self._finish(req, error=f"prefill failed: {e}")
                 continue
+            req.prefilled += n
+            if req.prefilled < len(req.prompt_ids):
+                continue  # more chunks to go: it stays first in `prefilling`
+            self.prefilling.remove(req)
             if req.params.max_tokens == 0:
                 req.seq.finish_reason = "length"
                 self._finish(req)
@@ -200,6 +210,22 @@ class Scheduler:
             self.live.append(req)
             if self._take(req, logits) and self.metrics is not None:
                 self.metrics.generated(1)
+
+    def _assign(self, req: Request) -> bool:
+        """Give a waiting request a free slot; False if it was cancelled while waiting."""
+        with self._lock:
+            self._pending -= 1
+            if not req.cancelled:
+                self._running += 1
+        if req.cancelled:
+            if self.metrics is not None:
+                self.metrics.finished(req)
+            return False
+        req.slot = self.free.pop()
+        self.cache.reset(req.slot)
+        req.seq = Sequence(req.prompt_ids, req.params, decoder=req.decoder)
+        self.prefilling.append(req)
+        return True
 
     def _take(self, req: Request, logits: torch.Tensor) -> bool:
         """Sample req's next token from logits [V], stream its text, finish it if it is done.
@@ -253,6 +279,8 @@ class Scheduler:
     def _finish(self, req: Request, error: str | None = None) -> None:
         if req in self.live:
             self.live.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         if req.slot is not None:
             self.cache.reset(req.slot)
             self.free.append(req.slot)
