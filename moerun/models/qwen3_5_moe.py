@@ -12,10 +12,14 @@ picked per frequency by `mrope_section`). For text all three streams equal the t
 position, so every frequency sees the same position and M-RoPE is plain rope over the first
 head_dim * partial_rotary_factor channels; that is what runs here (checked in the tests).
 
+Decode state: KV for full-attention layers; for DeltaNet layers the last K-1 conv inputs
+and the [Hv, Dk, Dv] recurrent state, the latter kept in fp32 whatever the model dtype.
+
 MTP: `mtp_logits(hidden, next_token_ids)` runs the checkpoint's `mtp.*` module on the final
 normed hidden states; its full-attention layer keeps its own KV cache, a separate `Cache`
 built from `mtp_cache_spec()` (not an entry of `cache_spec()`, so the engine's cache and
-the draft head's cache advance independently and can be rolled back separately).
+the draft head's cache advance independently and can be rolled back separately). The head
+exists when the config says `mtp_num_hidden_layers: 1` and the checkpoint has its tensors.
 """
 
 from __future__ import annotations
