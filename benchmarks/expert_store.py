@@ -177,7 +177,7 @@ def main() -> int:
         for r in results:
             pf = f"{r['prefetch_precision']:.2f} / {r['prefetch_recall']:.2f}" if r["prefetch_issued"] else "-"
             print(f"| {r['row']} | {r['decode_tok_s']:.2f} | {100 * r['stall_share']:.0f}% | {r['stall_s_per_token']:.3f} | "
-                  f"{r['expert_hit_rate']:.2f} | {pf} | {r['bytes_moved_per_token'] / 1e6:.0f} | {r['rss_gib']:.1f} |")
+                  f"{r['expert_hit_rate']:.2f} | {pf} | {r['bytes_moved_per_token'] / 1e6:.2f} | {r['rss_gib']:.1f} |")
         if any(r["emulated"] for r in results):
             link = next(r["link"] for r in results if r["emulated"])
             print(f"\nEMULATED rows: {link}; link time only, experts still computed on the CPU.")
