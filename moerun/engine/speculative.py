@@ -38,16 +38,23 @@ Expert traffic: a forward pre-hook on every `moerun.layers.moe.Experts` module s
 routed ids of each pass; a verification pass reads the union of its tokens' experts.
 `SpeculativeStats` reports bytes read per emitted token against one token's experts.
 
-`draft_tokens="auto"` (`DraftLength`) chooses N each step to maximise
-    E[tokens per step](N) / cost(N),
-    E(N)    = 1 + sum_{j=1..N} prod_{i<=j} a_i       (a_i: measured acceptance of draft i
-                                                      given drafts < i were accepted, EMA)
-    cost(N) = 1 + expert_cost * (U(N)/U(0) - 1) + N * draft_cost
-U(N) is the measured expert bytes of a verification pass of N+1 tokens (EMA per N; before a
-measurement: the expected union of N+1 tokens routed uniformly, E(1-(1-K/E)^(N+1))), U(0)
-one token's bytes; expert_cost is the share of a plain decode step spent reading experts
-(1.0: memory-bound on experts; raise it when experts live far away, lower it when compute
-dominates), draft_cost one MTP call relative to a trunk step (~1 / (layers + 1)).
+`draft_tokens="auto"` (`DraftLength`) chooses N in 0..4 each step to maximise expected
+tokens per second,
+    E(N) / t(N),   E(N) = 1 + sum_{j=1..N} prod_{i<=j} a_i
+a_i being the measured acceptance of draft i given drafts < i were accepted (EMA, prior
+0.6), and t(N) the measured seconds of a step with N drafts (EMA over draft + verification
++ rollback). An N not measured yet is estimated from the nearest measured N' through the
+expert-byte cost model
+    t(N) ~ t(N') * cost(N) / cost(N'),
+    cost(N) = 1 + expert_cost * (U(N)/U(0) - 1) + N * draft_cost,  cost(0) = 1
+U(N) being the expert bytes of a verification pass of N+1 tokens (measured per N; before a
+measurement the expected union of N+1 tokens routed uniformly, E(1-(1-K/E)^(N+1))), U(0) one
+token's bytes, expert_cost the share of a plain step spent reading experts (1.0:
+memory-bound on experts), draft_cost one MTP call against a trunk step (1 / (layers + 1)).
+Because t is measured, far-away experts (store misses) show up as slower steps and N drops;
+N = 0 is a plain step (the head catches up later), so "auto" falls back to plain decoding
+when drafts are rarely accepted; every 8th step tries a neighbour of the best N so that its
+figures stay current.
 """
 
 from __future__ import annotations
@@ -186,15 +193,19 @@ class ExpertTracker:
 
 
 class DraftLength:
-    """`draft_tokens="auto"`: the N that maximises expected tokens per unit of cost (module doc)."""
+    """`draft_tokens="auto"`: the N in 0..4 with the most expected tokens per second (module doc)."""
 
     def __init__(self, max_n: int = MAX_DRAFT_TOKENS, prior: float = 0.6, expert_cost: float = 1.0,
-                 draft_cost: float = 0.1, decay: float = 0.9):
+                 draft_cost: float = 0.1, decay: float = 0.9, explore_every: int = 8):
         self.max_n = max_n
         self.accept = [prior] * max_n  # a_i: P(draft i accepted | drafts < i accepted)
         self.expert_cost, self.draft_cost, self.decay = expert_cost, draft_cost, decay
         self.union: dict[int, float] = {}  # N -> EMA of verify-pass bytes / one token's bytes
+        self.step_s: dict[int, float] = {}  # N -> EMA of a step's seconds (draft + verify + rollback)
         self.k_over_e = 0.0
+        self.explore_every = explore_every
+        self.steps = 0
+        self._flip = False
 
     def expected_tokens(self, n: int) -> float:
         total, run = 1.0, 1.0
@@ -210,10 +221,32 @@ class DraftLength:
         return (1 - (1 - f) ** (n + 1)) / f if f > 0 else float(n + 1)
 
     def cost(self, n: int) -> float:
+        """A step with n drafts relative to a plain decode step, from expert bytes alone."""
+        if n == 0:
+            return 1.0
         return 1.0 + self.expert_cost * (self.union_ratio(n) - 1.0) + n * self.draft_cost
 
+    def step_time(self, n: int) -> float:
+        """Measured seconds of a step with n drafts; unmeasured ones scaled by `cost` from the
+        nearest measured one (or `cost` alone before any measurement)."""
+        if n in self.step_s:
+            return self.step_s[n]
+        if not self.step_s:
+            return self.cost(n)
+        m = min(self.step_s, key=lambda m: (abs(m - n), m))
+        return self.step_s[m] * self.cost(n) / self.cost(m)
+
+    def best(self) -> int:
+        return max(range(self.max_n + 1), key=lambda n: self.expected_tokens(n) / self.step_time(n))
+
     def choose(self) -> int:
-        return max(range(1, self.max_n + 1), key=lambda n: self.expected_tokens(n) / self.cost(n))
+        self.steps += 1
+        n = self.best()
+        if self.steps % self.explore_every == 0:  # keep the neighbours' figures fresh
+            self._flip = not self._flip
+            step = 1 if self._flip or n == 0 else -1
+            n = min(max(n + step, 0), self.max_n)
+        return n
 
     def update(self, checked: int, accepted: int) -> None:
         for i in range(min(accepted + 1, checked)):  # drafts 1..accepted+1 were looked at
@@ -223,6 +256,10 @@ class DraftLength:
         self.k_over_e = k_over_e
         old = self.union.get(n)
         self.union[n] = ratio if old is None else self.decay * old + (1 - self.decay) * ratio
+
+    def observe_time(self, n: int, seconds: float) -> None:
+        old = self.step_s.get(n)
+        self.step_s[n] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
 
 def _probs(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> torch.Tensor:
@@ -385,12 +422,17 @@ class SpeculativeDecoder:
 
     def _step(self, seqs, active, pend_h, pend_t, eos_ids, stats, tracker, mixers, captured, capture):
         net, cache = self.net, self.cache
+        t0 = time.perf_counter()
         n = self.chooser.choose() if self.chooser is not None else self.draft_tokens
         stats.draft_hist[n] = stats.draft_hist.get(n, 0) + 1
-        drafts, qs = self._draft(seqs, active, n, pend_h, pend_t, tracker)
+        if n > 0:
+            drafts, qs = self._draft(seqs, active, n, pend_h, pend_t, tracker)
+        else:  # a plain step ("auto" only): the head catches up on the next drafting step
+            drafts, qs = [[] for _ in active], [[] for _ in active]
         slots = torch.tensor(active)
         L = cache.lengths[slots].clone()
-        snapshot = {i: {name: cache.layers[i].get(name, slots).clone() for name in cache.layers[i].tensors} for i in mixers}
+        snapshot = {i: {name: cache.layers[i].get(name, slots).clone() for name in cache.layers[i].tensors}
+                    for i in mixers} if n > 0 else {}
         ids = torch.tensor([[pend_t[b][-1]] + drafts[i] for i, b in enumerate(active)], dtype=torch.long)
         tracker.start_pass("verify")
         capture[0] = True
@@ -407,6 +449,7 @@ class SpeculativeDecoder:
         if self.chooser is not None and tracker.token_bytes:
             k_over_e = tracker.top_k / tracker.num_experts if tracker.num_experts else 0.0
             self.chooser.observe_union(n, tracker.pass_bytes / (tracker.token_bytes * len(active)), k_over_e)
+        busy = time.perf_counter() - t0  # the step's own time, not the consumer's between yields
         rollback: dict[int, list[int]] = {}  # accepted positions -> rows of the batch
         for i, b in enumerate(active):
             s = seqs[b]
@@ -432,10 +475,15 @@ class SpeculativeDecoder:
             # rows are rolled back too, so the cache always ends at a token boundary.
             keep = 1 + min(emitted, k)
             cache.lengths[b] = int(L[i]) + keep
-            pend_h[b] = hidden[i, :keep]
-            pend_t[b] = (drafts[i][:k] + [tokens[-1]])[:keep]
+            if n > 0:
+                pend_h[b] = hidden[i, :keep]
+                pend_t[b] = (drafts[i][:k] + [tokens[-1]])[:keep]
+            else:  # the head was not called: these pairs join the ones still pending
+                pend_h[b] = torch.cat([pend_h[b], hidden[i, :1]])
+                pend_t[b] = pend_t[b] + [tokens[-1]]
             if keep < n + 1:
                 rollback.setdefault(keep, []).append(i)
+        t1 = time.perf_counter()
         for keep, rows in rollback.items():
             idx = torch.tensor(rows)
             row_slots = slots[idx]
@@ -444,6 +492,8 @@ class SpeculativeDecoder:
                 for name in state.tensors:
                     state.set(name, row_slots, snapshot[li][name][idx])
                 mixer(captured[li][idx, :keep], state, row_slots)
+        if self.chooser is not None:
+            self.chooser.observe_time(n, busy + time.perf_counter() - t1)
 
     @staticmethod
     def _accept(s: Sequence, drafts: list[int], qs: list, logits: torch.Tensor) -> tuple[list[int], int]:
