@@ -91,6 +91,22 @@ def test_mtp_and_learned_probes():
     assert W.shape == (L, 5, E)
 
 
+def test_token_predictors():
+    """`token` reads the current token's routing signal, known at the start of its pass."""
+    rng = np.random.default_rng(3)
+    ids = random_ids(rng, 40)
+    truth = one_hot_scores(ids)
+    ahead = np.zeros((1, 40, L, E), dtype=np.float16)
+    ahead[0, :, :-1] = truth[:, 1:]
+    tr = Trace.from_ids(ids, E, seq=np.repeat([0, 1], 20), token_route=truth, ahead=ahead)
+    res = evaluate(tr, ("token", "token_ahead", "mtp_oracle"))
+    for name in ("token", "token_ahead", "mtp_oracle"):
+        assert res[name]["1.0"]["recall"] == 1.0
+    assert res["token"]["1.0"]["lead_layers"] == pytest.approx((1 + 2 + 3) / L)
+    assert res["token_ahead"]["1.0"]["lead_layers"] == pytest.approx((1 + 1 + 1) / L)
+    assert res["mtp_oracle"]["1.0"]["lead_layers"] == pytest.approx(L + (1 + 2 + 3) / L)
+
+
 def test_predictions_are_prefixes_and_scores_agree():
     rng = np.random.default_rng(2)
     tr = Trace.from_ids(random_ids(rng, 30), E)
@@ -163,7 +179,7 @@ def test_driver_with_the_expert_store(tmp_path):
                layer_types=["linear_attention", "full_attention"] * 2, torch_dtype="float32")
     write_random_model(tmp_path, cfg, dtype=torch.float32)
     outs, stats = [], []
-    for name in (None, "layer_ahead1"):
+    for name in (None, "layer_ahead1", "token_ahead"):
         llm = store_load(tmp_path, threads=1, options=StoreOptions(vram_budget="50%", emulate_link="pcie4"))
         drv = attach_predictor(llm.net, llm.store, name) if name else None
         try:
@@ -173,6 +189,7 @@ def test_driver_with_the_expert_store(tmp_path):
             if drv:
                 drv.close()
             llm.store.close()
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
     assert stats[0]["prefetch_issued"] == 0
-    assert stats[1]["prefetch_issued"] > 0 and stats[1]["prefetch_used"] > 0
+    for st in stats[1:]:
+        assert st["prefetch_issued"] > 0 and st["prefetch_used"] > 0

@@ -31,8 +31,12 @@ Predictors (names as `predict-eval` prints them):
     combined        mtp_learned for layer 0 (lead: one token), then layer_ahead1's router
                     probabilities plus `mix` x the probe's normalised scores (lead: one layer);
                     `mix` in {0, 0.1, 0.3} is chosen on the fit part of the trace
-    mtp_oracle      diagnostic, not a prefetcher: `mtp`'s routing approximation applied to the
-                    true next token (what `mtp` would reach with a perfect candidate list)
+    token           the token being decoded is known when its forward pass starts: its input
+                    embedding through every layer's router (the same approximation as `mtp`,
+                    with the right token but only a token-start lead)
+    token_ahead     `token` for layer 0, then layer_ahead1 (lead: one layer)
+    mtp_oracle      diagnostic, not a prefetcher: `mtp` with a perfect candidate list (the
+                    `token` scores, credited with mtp's one-token lead)
 Where a predictor has no signal (first tokens, first layers) it falls back to `temporal`,
 then to the frequency prior.
 """
@@ -47,8 +51,9 @@ from ..errors import MoerunError
 
 # N tokens, L MoE layers, K experts per token, E experts, H hidden
 
-NAMES = ("frequency", "temporal", "layer_ahead1", "layer_ahead2", "mtp", "mtp_learned", "combined", "mtp_oracle")
-PREFETCHERS = NAMES[:-1]  # mtp_oracle reads the true next token: a diagnostic, not a prefetcher
+NAMES = ("frequency", "temporal", "layer_ahead1", "layer_ahead2", "token", "mtp", "mtp_learned", "combined",
+         "token_ahead", "mtp_oracle")
+PREFETCHERS = NAMES[:-1]  # mtp_oracle reads the true next token a token early: a diagnostic, not a prefetcher
 FACTORS = (1.0, 1.5, 2.0)
 
 
@@ -161,6 +166,36 @@ class MTP(Predictor):
 class MTPOracle(MTP):
     name = "mtp_oracle"
     key = "token_route"
+
+
+class Token(MTP):
+    """Reads `info["token_route"]`: the current token's embedding through the routers."""
+
+    name = "token"
+    key = "token_route"
+
+    def lead(self, layer):
+        return (0, layer + 1)  # at the start of this token's own forward pass
+
+
+class TokenAhead(LayerAhead):
+    """`token` for the first d layers, layer_ahead(d) after."""
+
+    def __init__(self, num_layers, num_experts, prior=None, d: int = 1):
+        self.tok = Token(num_layers, num_experts, prior)
+        super().__init__(num_layers, num_experts, prior, d)
+        self.name = "token_ahead"
+
+    def begin_token(self, info=None):
+        super().begin_token(info)
+        self.tok.begin_token(info)
+
+    def scores(self, layer):
+        a = self.cur.get(layer)
+        return self.tok.scores(layer) if a is None else a
+
+    def lead(self, layer):
+        return (0, self.d) if layer >= self.d else (0, layer + 1)
 
 
 class MTPLearned(Predictor):
@@ -280,10 +315,14 @@ def make_predictors(fit, names=NAMES) -> dict[str, Predictor]:
                 if best is None or r > best[0]:
                     best = (r, c)
             out[n] = best[1]
-        elif n == "mtp_oracle":
+        elif n in ("mtp_oracle", "token"):
             if fit.token_route is None:
                 continue
-            out[n] = MTPOracle(L, E, prior)
+            out[n] = (MTPOracle if n == "mtp_oracle" else Token)(L, E, prior)
+        elif n == "token_ahead":
+            if fit.token_route is None or fit.ahead is None:
+                continue
+            out[n] = TokenAhead(L, E, prior)
         else:
             raise MoerunError(f"unknown predictor {n!r}; choose one of {', '.join(NAMES)}")
     return out
@@ -342,6 +381,10 @@ def model_cost_us(trace, name: str) -> float:
         return t.get("ahead_us", 0.0) / D
     if name in ("mtp", "mtp_oracle"):
         return t.get("mtp_head_us", 0.0) + t.get("mtp_route_us", 0.0)
+    if name == "token":
+        return t.get("mtp_route_us", 0.0) / max(int(trace.meta.get("mtp_candidates", 1)), 1)
+    if name == "token_ahead":
+        return t.get("mtp_route_us", 0.0) / max(int(trace.meta.get("mtp_candidates", 1)), 1) + t.get("ahead_us", 0.0) / D
     if name == "mtp_learned":
         return t.get("mtp_head_us", 0.0)
     if name == "combined":
@@ -420,12 +463,16 @@ def format_table(res: dict, trace=None) -> str:
 
 class PrefetchDriver:
     """Feeds a predictor from a live model and turns its predictions into
-    `ExpertStore.prefetch` hints. Hooks: the router's input (for `layer_ahead`) and the
-    experts call (the routing) of every trunk MoE block. After the routing of layer l it
-    hints, for every layer whose prediction becomes available at that moment (per
-    `lead`), the predicted experts; at the first layer of a pass it also hints those
-    available at token start. MTP-based predictors need `on_mtp(info)` from the engine
-    (the MTP head's route/hidden for the next token) and hint the next token's layers.
+    `ExpertStore.prefetch` hints.
+
+    Hooks: the token embedding (the `token` signal: the input token's embedding through
+    every router), each trunk MoE block's router input (the `layer_ahead` signal) and its
+    experts call (the routing). At a pass's start it hints the layers whose prediction
+    exists at token start; after the routing of layer l, those whose prediction exists at
+    that moment (per `lead`); after the last layer, `temporal`'s hints for the next token.
+    MTP-based predictors need the engine to call `on_mtp(info)` once the next token is
+    sampled (the MTP head's `mtp_route` / `mtp_hidden` for the token after it); they then
+    hint that token's layers. Batched decode: the last row's routing is what is observed.
     """
 
     def __init__(self, net, store, predictor: Predictor, factor: float = 1.5):
@@ -439,25 +486,46 @@ class PrefetchDriver:
         top_k = getattr(getattr(net, "args", None), "num_experts_per_tok", 1)
         self.budget = max(1, int(round(factor * top_k)))
         self.D = getattr(predictor, "d", 0)
+        self.wants_token = isinstance(predictor, (Token, TokenAhead))
         self._router_in: dict[int, object] = {}
         self._handles = []
         self._torch = torch
+        self._begun = False
+        self.pending_info: dict | None = None
         self.layer_ids = [getattr(getattr(b, "experts", None), "layer", i) for i, (_, b) in enumerate(self.blocks)]
+        if self.wants_token:
+            self._handles.append(net.model.embed_tokens.register_forward_hook(self._embed_hook))
         for i, (_, blk) in enumerate(self.blocks):
             if self.D:
                 self._handles.append(blk.gate.register_forward_pre_hook(self._gate_hook(i)))
             self._handles.append(blk.experts.register_forward_pre_hook(self._experts_hook(i)))
-        self.pending_info: dict | None = None
 
     def on_mtp(self, info: dict) -> None:
-        """The MTP head's view of the next token; hints that token's layers at once."""
+        """The MTP head's view of the next token but one; hints that token's layers at once."""
         self.pending_info = info
         tick = self.pred.tick
-        self.pred.begin_token(info)  # mtp predictors read only `info` for the next token
+        self.pred.begin_token(info)  # mtp predictors read only `info` for that token
         for l in range(self.L):
             if self.pred.lead(l)[0] >= 1 and self.pred.scores(l) is not None:
                 self._hint(l, step=self.store.step + 1)
         self.pred.tick = tick
+
+    def _start(self, info):
+        self._begun = True
+        self.pred.begin_token(info)
+        for l in range(self.L):
+            if self.pred.lead(l) == (0, l + 1):
+                self._hint(l, step=self.store.step + 1)
+
+    def _embed_hook(self, mod, args, out):
+        from .profile import mtp_route_scores
+
+        emb = out[-1:, -1:]  # [1, 1, H]: the last row's last token
+        with self._torch.inference_mode():
+            r = mtp_route_scores(self.net, self.blocks, None, self._torch.ones(1, 1), emb=emb)[0].float().numpy()
+        info = dict(self.pending_info or {}, token_route=r)
+        self.pending_info = None
+        self._start(info)
 
     def _gate_hook(self, i):
         def hook(mod, args):
@@ -466,39 +534,33 @@ class PrefetchDriver:
 
     def _experts_hook(self, i):
         def hook(mod, args):
-            ids = args[1]
-            if ids.shape[0] != 1:  # prefill: observe the last token only
-                ids = ids[-1:]
-            if i == 0:
+            ids = args[1][-1:]  # prefill or a batch: observe the last row
+            if i == 0 and not self._begun:
                 info, self.pending_info = self.pending_info, None
-                self.pred.begin_token(info)
-                for l in range(self.L):
-                    if self.pred.lead(l) == (0, l + 1):
-                        self._hint(l, step=self.store.step + 1)
+                self._start(info)
             ahead = None
             if self.D and i in self._router_in:
-                h = self._router_in.pop(i).reshape(-1, self._router_in_dim(i))[-1:]
+                h = self._router_in.pop(i)
+                h = h.reshape(-1, h.shape[-1])[-1:]
                 ahead = {}
-                for d in range(1, self.D + 1):
-                    if i + d < self.L:
-                        g = self.blocks[i + d][1].gate
-                        ahead[d] = g(h.to(g.weight.dtype)).float()[0].numpy()
+                with self._torch.inference_mode():
+                    for d in range(1, self.D + 1):
+                        if i + d < self.L:
+                            g = self.blocks[i + d][1].gate
+                            ahead[d] = g(h.to(g.weight.dtype)).float()[0].numpy()
             self.pred.observe(i, ids[0].tolist(), ahead)
             for l in range(i + 1, self.L):
                 if self.pred.lead(l) == (0, l - i):
                     self._hint(l, step=self.store.step)
-            if i == self.L - 1:  # temporal: the next token's layers
-                for l in range(self.L):
+            if i == self.L - 1:
+                self._begun = False
+                for l in range(self.L):  # temporal: the next token's layers
                     if self.pred.lead(l) == (1, 0):
                         self._hint(l, step=self.store.step + 1)
         return hook
 
-    def _router_in_dim(self, i):
-        return self.blocks[i][1].gate.in_features
-
     def _hint(self, l, step):
-        with self._torch.inference_mode():
-            ids = self.pred.predict(l, self.budget)
+        ids = self.pred.predict(l, self.budget)
         self.store.prefetch(self.layer_ids[l], [int(e) for e in ids], priority=-l, for_step=step)
 
     def close(self) -> None:
@@ -510,8 +572,9 @@ class PrefetchDriver:
 def attach_predictor(net, store, name: str, trace=None, factor: float = 1.5) -> PrefetchDriver:
     """`--predictor NAME`: build the predictor (fitted on `trace`, a Trace or a path, when it
     needs a prior or probes) and drive `store`'s prefetcher from `net`'s routing.
-    frequency, temporal, layer_ahead1/2 run from the hooks alone; mtp, mtp_learned and
-    combined also need the engine to call `driver.on_mtp(info)` after each sampled token."""
+    temporal, layer_ahead1/2, token and token_ahead run from the hooks alone (frequency
+    needs a trace for its prior); mtp, mtp_learned and combined also need the engine to call
+    `driver.on_mtp(info)` after each sampled token."""
     from .profile import Trace, moe_blocks
 
     L = len(moe_blocks(net))
@@ -527,6 +590,10 @@ def attach_predictor(net, store, name: str, trace=None, factor: float = 1.5) -> 
         pred = Temporal(L, E)
     elif name.startswith("layer_ahead"):
         pred = LayerAhead(L, E, d=int(name[len("layer_ahead"):] or 1))
+    elif name == "token":
+        pred = Token(L, E)
+    elif name == "token_ahead":
+        pred = TokenAhead(L, E)
     else:
         raise MoerunError(f"predictor {name!r} needs a routing trace (moerun profile) to fit on")
     return PrefetchDriver(net, store, pred, factor)

@@ -24,9 +24,9 @@ C MTP candidates, H hidden, D layer-ahead distances):
     mtp_hidden float16 [N, H]      the MTP head's final normed state that predicts token n
     mtp_cand   int32   [N, C]      its top-C candidates for token n, mtp_prob float16 [N, C]
     mtp_valid  bool    [N]         False for the first two positions of a sequence
-    token_route float16 [N, L, E]  the same routing approximation applied to the *true* token
-                                   (the `mtp_oracle` diagnostic: the mtp predictor with a
-                                   perfect candidate)
+    token_route float16 [N, L, E]  the same routing approximation applied to the token at
+                                   position n itself (the `token` predictor: known when its
+                                   forward pass starts; and the `mtp_oracle` diagnostic)
 
 Plots (`plot_trace`): expert-use heatmap per layer, rank-frequency per layer (log-log),
 hit rate vs cache size for LRU, LFU, a static hot set and LRU + pinned hot set, replayed
@@ -234,7 +234,7 @@ class RoutingRecorder:
         return ids, w, inputs
 
 
-def mtp_route_scores(net, blocks, cand: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
+def mtp_route_scores(net, blocks, cand: torch.Tensor, prob: torch.Tensor, emb: torch.Tensor | None = None) -> torch.Tensor:
     """The `mtp` predictor's scores: cand, prob [N, C] (the MTP head's top-C candidates for
     the next token and their probabilities) -> [N, L, E].
 
@@ -244,7 +244,7 @@ def mtp_route_scores(net, blocks, cand: torch.Tensor, prob: torch.Tensor) -> tor
     router). Each candidate's routing probabilities are averaged with weights equal to the
     head's probabilities, renormalised over the C candidates.
     """
-    emb = net.model.embed_tokens(cand)  # [N, C, H]
+    emb = net.model.embed_tokens(cand) if emb is None else emb  # [N, C, H]
     p = (prob / prob.sum(-1, keepdim=True).clamp_min(1e-9)).float()
     out = []
     for name, blk in blocks:
@@ -270,7 +270,7 @@ def _ahead_scores(blocks, inputs: list[torch.Tensor], D: int) -> torch.Tensor:
 
 
 def record_sequence(net, recorder: RoutingRecorder, ids: list[int], start: int = 0, *, logits: bool = False,
-                    ahead: int = 0, mtp_candidates: int = 0) -> dict:
+                    ahead: int = 0, mtp_candidates: int = 0, token_route: bool = True) -> dict:
     """One teacher-forced pass over `ids`; returns the arrays for positions >= start, plus the
     time spent on the predictors' model-side work (µs per token)."""
     T = len(ids)
@@ -318,15 +318,17 @@ def record_sequence(net, recorder: RoutingRecorder, ids: list[int], start: int =
                     hk.remove()
                 route[2:], cand[2:], prob[2:], valid[2:] = r, cd, pr, True
                 mh[2:] = captured["h"][0].float()
-            oracle = mtp_route_scores(net, blocks, x[0, :, None], torch.ones(T, 1))  # the true token
             out.update(mtp_route=route[start:], mtp_hidden=mh[start:], mtp_cand=cand[start:],
-                       mtp_prob=prob[start:], mtp_valid=valid[start:], token_route=oracle[start:])
+                       mtp_prob=prob[start:], mtp_valid=valid[start:])
+        if token_route:
+            out["token_route"] = mtp_route_scores(net, blocks, x[0, :, None], torch.ones(T, 1))[start:]
     recorder.enabled = True
     return {"arrays": out, "timing": timing}
 
 
 def record_trace(llm, sequences: list[list[int]], starts: list[int] | None = None, *, logits: bool = False,
-                 ahead: int = 2, mtp_candidates: int = 8, extra_meta: dict | None = None) -> Trace:
+                 ahead: int = 2, mtp_candidates: int = 8, token_route: bool = True,
+                 extra_meta: dict | None = None) -> Trace:
     """Record a trace over token sequences (routing of positions >= starts[i] of each)."""
     net = llm.net
     if mtp_candidates and not getattr(net, "has_mtp", False):
@@ -340,7 +342,8 @@ def record_trace(llm, sequences: list[list[int]], starts: list[int] | None = Non
         for i, (ids, s) in enumerate(zip(sequences, starts)):
             if len(ids) - s <= 0:
                 continue
-            r = record_sequence(net, rec, ids, s, logits=logits, ahead=ahead, mtp_candidates=mtp_candidates)
+            r = record_sequence(net, rec, ids, s, logits=logits, ahead=ahead, mtp_candidates=mtp_candidates,
+                                token_route=token_route)
             n = len(ids) - s
             r["arrays"]["seq"] = torch.full((n,), i, dtype=torch.int32)
             r["arrays"]["pos"] = torch.arange(s, len(ids), dtype=torch.int32)
