@@ -296,6 +296,9 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="int4,int8", help="policies to compare: int4 (vs Q4_0), int8 (vs Q8_0)")
     p.add_argument("--workdir", default="/tmp/moerun-vs-llamacpp")
     p.add_argument("--skip-llamacpp", action="store_true")
+    p.add_argument("--keep-gguf", action="store_true",
+                   help="keep the GGUF files in --workdir and reuse them next time (the model is seeded)")
+    p.add_argument("--gguf-only", action="store_true", help="write the GGUF files and stop")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
 
@@ -319,11 +322,16 @@ def main(argv=None) -> int:
         lc = None
         if not a.skip_llamacpp:
             gguf_path = work / f"random-{a.layers}L-{row}.gguf"
-            t0 = time.perf_counter()
-            write_gguf(net, args, gguf_path)
-            print(f"[{row}] wrote {gguf_path} ({gguf_path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            if not (a.keep_gguf and gguf_path.is_file()):
+                t0 = time.perf_counter()
+                write_gguf(net, args, gguf_path)
+                print(f"[{row}] wrote {gguf_path} ({gguf_path.stat().st_size / 1e9:.2f} GB) in "
+                      f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            if a.gguf_only:
+                continue
             lc = run_llamacpp(gguf_path, prompt, a.gen_tokens, a.threads)
-            gguf_path.unlink()
+            if not a.keep_gguf:
+                gguf_path.unlink()
             res["llamacpp"] = {k: v for k, v in lc.items() if k != "logits"}
             print(f"[{row}] llama.cpp: {res['llamacpp']}", file=sys.stderr)
         ours = run_moerun(net, args, prompt, a.gen_tokens, a.threads)
