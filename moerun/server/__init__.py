@@ -23,7 +23,8 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None
 
     max_concurrency: cache slots, i.e. requests decoded together in one batch;
     max_queue: requests waiting for a slot beyond those, after which the server answers 429;
-    max_len: tokens per slot (prompt + completion), default and cap the model's context;
+    max_len: tokens per slot (prompt + completion), default min(model context, 8192), never more
+    than the model's context; the KV cache for all slots is allocated at start;
     model_name: the id clients must send as `model` (default: the model directory's name);
     prefill_budget: prompt tokens prefilled per scheduler step while others decode (long
     prompts go in as chunks of this size between decode steps).

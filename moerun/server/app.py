@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -243,7 +244,7 @@ def create_app(llm, *, api_key: str | None = None, max_concurrency: int = 4, max
 
     @app.get("/metrics")
     async def metrics():
-        return Response(srv.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(srv.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     @app.get("/")
     async def index():
@@ -295,6 +296,9 @@ def create_app(llm, *, api_key: str | None = None, max_concurrency: int = 4, max
     return app
 
 
+_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+
+
 class _CountRequests:
     """Counts /v1/ requests by path and status. Plain ASGI on purpose: Starlette's
     BaseHTTPMiddleware reports a disconnect to the app once a streamed response starts,
@@ -307,9 +311,15 @@ class _CountRequests:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
 
+        path = scope["path"]
+        if path.startswith("/v1/models/"):
+            path = "/v1/models/{id}"
+        elif path not in _ROUTES:
+            path = "other"  # unknown paths do not each make a new series
+
         async def send_counted(message):
             if message["type"] == "http.response.start":
-                self.metrics.requests.labels(scope["path"], str(message["status"])).inc()
+                self.metrics.requests.labels(path, str(message["status"])).inc()
             await send(message)
 
         await self.app(scope, receive, send_counted)

@@ -28,6 +28,7 @@ from ..errors import MoerunError
 # B live slots in a decode step, V vocabulary
 
 log = logging.getLogger("moerun.server")
+DEFAULT_MAX_LEN = 8192  # tokens per slot unless asked (a 32k-context model x 16 slots is a lot of KV)
 
 
 class Overloaded(Exception):
@@ -83,7 +84,8 @@ class Scheduler:
         self.net = llm.net
         self.max_concurrency = max_concurrency
         self.max_queue = max_queue
-        self.max_len = min(llm.context_length, max_len) if max_len else llm.context_length
+        # every slot holds max_len tokens of KV for every layer, allocated up front
+        self.max_len = min(llm.context_length, max_len or DEFAULT_MAX_LEN)
         self.eos_ids = llm.eos_ids()
         self.metrics = metrics
         self.prefill_budget = prefill_budget
