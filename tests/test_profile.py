@@ -78,6 +78,8 @@ def test_bad_trace_files(tmp_path):
     bad.write_bytes(b"not a zip file")
     with pytest.raises(MoerunError, match="cannot read trace"):
         Trace.load(bad)
+    with pytest.raises(MoerunError, match="does not exist"):
+        Trace.from_ids(np.zeros((2, 1, 1)), 2).save(tmp_path / "no" / "t.npz")
     np.savez(tmp_path / "other.npz", x=np.zeros(3))
     with pytest.raises(MoerunError, match="not a moerun routing trace"):
         Trace.load(tmp_path / "other.npz")

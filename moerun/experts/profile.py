@@ -131,6 +131,8 @@ class Trace:
 
     def save(self, path) -> Path:
         path = Path(path)
+        if not path.parent.is_dir():
+            raise MoerunError(f"cannot write trace {path}: directory {path.parent} does not exist")
         arrays = {k: getattr(self, k) for k in ("ids", "weights", "tokens", "seq", "pos")}
         arrays.update({k: getattr(self, k) for k in self.OPTIONAL if getattr(self, k) is not None})
         meta = {**self.meta, "format": FORMAT}
