@@ -1,6 +1,6 @@
 """MTP self-speculative decoding: decode tok/s without speculation and with N draft tokens.
 
-    python benchmarks/speculative.py [-m PATH] [--threads 2] [--gen-tokens 64] [--drafts 0,1,2,3,auto] [--json]
+    python benchmarks/speculative.py [-m PATH] [--threads 2] [--gen-tokens 64] [--drafts 0,1,2,3,auto] [--rounds R] [--json]
 
 Single stream (one prompt at a time), greedy. For every setting it prints decode tok/s (the
 mean over the prompts, each timed in the same run), the acceptance rate of drafts, tokens
@@ -67,6 +67,7 @@ def main(argv=None):
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--drafts", default="0,1,2,3,auto", help="comma-separated: 0 (no speculation), 1..4, auto")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
+    ap.add_argument("--rounds", type=int, default=1, help="passes over the prompts (settings interleaved)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -86,35 +87,40 @@ def main(argv=None):
     for d in drafts:
         run_one(llm, prompts[0], 8, d)
 
-    plain_out = {}
+    # settings interleaved prompt by prompt and round by round, so that the load of a shared
+    # machine falls on all of them alike
+    plain_out: dict = {}
+    figs: dict = {d: [] for d in drafts}
+    same = {d: True for d in drafts}
+    for _ in range(args.rounds):
+        for p in prompts:
+            for d in drafts:
+                out, fig = run_one(llm, p, args.gen_tokens, d)
+                if d == 0:
+                    plain_out[p] = out
+                elif p in plain_out:
+                    same[d] &= out == plain_out[p]
+                figs[d].append(fig)
     results = {}
     for d in drafts:
-        figs = []
-        same = True
-        for p in prompts:
-            out, fig = run_one(llm, p, args.gen_tokens, d)
-            if d == 0:
-                plain_out[p] = out
-            elif p in plain_out:
-                same &= out == plain_out[p]
-            figs.append(fig)
-        tokens = sum(f["generated_tokens"] - 1 for f in figs)
-        secs = sum(f["decode_s"] for f in figs)
+        fs = figs[d]
+        tokens = sum(f["generated_tokens"] - 1 for f in fs)
+        secs = sum(f["decode_s"] for f in fs)
         r = {"decode_tok_s": tokens / secs if secs else 0.0}
         if d != 0:
-            drafted = sum(f["acceptance_rate"] * 1 for f in figs)  # mean of per-prompt rates
+            mean = lambda key: sum(f[key] for f in fs) / len(fs)  # noqa: E731
             r.update(
-                acceptance_rate=drafted / len(figs),
-                accepted_tokens_per_step=sum(f["accepted_tokens_per_step"] for f in figs) / len(figs),
-                expert_bytes_per_token=sum(f["expert_bytes_per_token"] for f in figs) / len(figs),
-                single_token_expert_bytes=figs[0]["single_token_expert_bytes"],
-                extra_expert_bytes_per_token=sum(f["extra_expert_bytes_per_token"] for f in figs) / len(figs),
-                draft_expert_bytes_per_token=sum(f["draft_expert_bytes_per_token"] for f in figs) / len(figs),
-                identical_to_plain=same if plain_out else None,
+                acceptance_rate=mean("acceptance_rate"),
+                accepted_tokens_per_step=mean("accepted_tokens_per_step"),
+                expert_bytes_per_token=mean("expert_bytes_per_token"),
+                single_token_expert_bytes=fs[0]["single_token_expert_bytes"],
+                extra_expert_bytes_per_token=mean("extra_expert_bytes_per_token"),
+                draft_expert_bytes_per_token=mean("draft_expert_bytes_per_token"),
+                identical_to_plain=same[d] if plain_out else None,
             )
             if d == "auto":
                 hist: dict = {}
-                for f in figs:
+                for f in fs:
                     for n, c in f["draft_tokens_used"].items():
                         hist[n] = hist.get(n, 0) + c
                 r["draft_tokens_used"] = hist
@@ -124,7 +130,7 @@ def main(argv=None):
         if base:
             r["speedup"] = r["decode_tok_s"] / base
     report = {"model": str(args.model), "note": note, "threads": args.threads, "gen_tokens": args.gen_tokens,
-              "prompts": len(prompts), "results": results}
+              "prompts": len(prompts), "rounds": args.rounds, "results": results}
     if args.json:
         print(json.dumps(report, indent=1))
         return

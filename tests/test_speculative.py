@@ -268,8 +268,11 @@ def test_auto_draft_length_follows_acceptance_and_cost():
     from moerun.engine.speculative import DraftLength
 
     d = DraftLength(explore_every=10**9)
-    for n in range(5):  # each draft adds a tenth of a plain step
-        d.observe_time(n, 1.0 + 0.1 * n)
+    chosen = []
+    for _ in range(5):  # every N is measured once first; each draft adds a tenth of a plain step
+        chosen.append(d.choose())
+        d.observe_time(chosen[-1], 1.0 + 0.1 * chosen[-1])
+    assert chosen == [0, 1, 2, 3, 4]
     for _ in range(60):
         d.update(4, 4)
     assert d.choose() == 4
@@ -277,12 +280,35 @@ def test_auto_draft_length_follows_acceptance_and_cost():
         d.update(4, 0)
     assert d.choose() == 0  # drafts never accepted: plain steps
     d = DraftLength(explore_every=10**9)
+    for n in range(5):
+        d.observe_time(n, 1.0 + 0.1 * n)
     for _ in range(60):
         d.update(4, 2)  # drafts 1 and 2 accepted, 3 rejected
-    d.observe_time(0, 1.0)
-    d.observe_time(2, 1.2)
     assert d.choose() == 2
     for _ in range(20):  # experts far away: a long pass now costs more than it returns
-        d.observe_time(2, 4.0)
-    d.observe_time(1, 1.5)
+        for n in (2, 3, 4):
+            d.observe_time(n, 4.0)
+        d.observe_time(1, 1.5)
     assert d.choose() == 1
+
+
+def test_short_conv_and_delta_rule_passes_match_long_ones():
+    """Verification runs DeltaNet on 2..5 tokens at a time (unpadded chunk, conv by taps)."""
+    from moerun.layers import deltanet
+
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 23, 10), torch.randn(10, 1, 4)
+    want, _ = deltanet.causal_conv1d(x, w)
+    ys, state = [], None
+    for a, b in [(0, 3), (3, 8), (8, 9), (9, 13), (13, 23)]:
+        y, state = deltanet.causal_conv1d(x[:, a:b], w, state)
+        ys.append(y)
+    assert rel_err(torch.cat(ys, 1), want) < 1e-6
+    q, k = torch.randn(2, 23, 2, 8), torch.randn(2, 23, 2, 8)
+    v, g, beta = torch.randn(2, 23, 4, 6), -torch.rand(2, 23, 4), torch.rand(2, 23, 4)
+    o_want, s_want = deltanet.chunk_gated_delta_rule(q, k, v, g, beta)
+    outs, s = [], None
+    for a, b in [(0, 3), (3, 8), (8, 9), (9, 13), (13, 23)]:
+        o, s = deltanet.chunk_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], s)
+        outs.append(o)
+    assert rel_err(torch.cat(outs, 1), o_want) < 1e-5 and rel_err(s, s_want) < 1e-5

@@ -131,11 +131,14 @@ class LLM:
         if speculative is None:
             self.last_stats = GenerationStats()
             return run(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats)
-        from .speculative import SpeculativeStats, check_speculative, run_speculative
+        from .speculative import SpeculativeStats, check_speculative, new_draft_length, run_speculative
 
         check_speculative(self.net, speculative)
         self.last_stats = SpeculativeStats()
-        return run_speculative(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats, draft_tokens)
+        if draft_tokens == "auto" and getattr(self, "_draft_length", None) is None:
+            self._draft_length = new_draft_length(self.net)  # learns acceptance and step costs across calls
+        chooser = self._draft_length if draft_tokens == "auto" else None
+        return run_speculative(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats, draft_tokens, chooser=chooser)
 
     def generate_ids(self, prompts: list[list[int]], speculative: str | None = None, draft_tokens: int | str = 1,
                      **sampling) -> list[list[int]]:

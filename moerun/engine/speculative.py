@@ -53,8 +53,9 @@ token's bytes, expert_cost the share of a plain step spent reading experts (1.0:
 memory-bound on experts), draft_cost one MTP call against a trunk step (1 / (layers + 1)).
 Because t is measured, far-away experts (store misses) show up as slower steps and N drops;
 N = 0 is a plain step (the head catches up later), so "auto" falls back to plain decoding
-when drafts are rarely accepted; every 8th step tries a neighbour of the best N so that its
-figures stay current.
+when drafts are rarely accepted. Every N is measured once first, then every 8th step tries
+a neighbour of the best N so that its figures stay current. `LLM` keeps one chooser per
+loaded model, so what one request measured serves the next.
 """
 
 from __future__ import annotations
@@ -241,6 +242,9 @@ class DraftLength:
 
     def choose(self) -> int:
         self.steps += 1
+        unmeasured = [n for n in range(self.max_n + 1) if n not in self.step_s]
+        if unmeasured:  # measure every N once first: cheaper than trusting the model for long
+            return unmeasured[0]
         n = self.best()
         if self.steps % self.explore_every == 0:  # keep the neighbours' figures fresh
             self._flip = not self._flip
@@ -259,7 +263,7 @@ class DraftLength:
 
     def observe_time(self, n: int, seconds: float) -> None:
         old = self.step_s.get(n)
-        self.step_s[n] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self.step_s[n] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
 
 def _probs(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> torch.Tensor:
@@ -280,13 +284,15 @@ class SpeculativeDecoder:
     inspection.
     """
 
-    def __init__(self, net, dtype: torch.dtype, draft_tokens: int | str = 1, expert_cost: float = 1.0):
+    def __init__(self, net, dtype: torch.dtype, draft_tokens: int | str = 1, expert_cost: float = 1.0,
+                 chooser: DraftLength | None = None):
         check_speculative(net, "mtp")
         self.net = net
         self.dtype = dtype
         self.draft_tokens = check_draft_tokens(draft_tokens)
-        n_layers = len(getattr(getattr(net, "model", None), "layers", [])) or 1
-        self.chooser = DraftLength(expert_cost=expert_cost, draft_cost=1.0 / (n_layers + 1)) if self.draft_tokens == "auto" else None
+        self.chooser = None
+        if self.draft_tokens == "auto":  # a chooser passed in keeps what earlier runs measured
+            self.chooser = chooser if chooser is not None else new_draft_length(net, expert_cost)
         self._mtp_returns_hidden = "return_hidden" in inspect.signature(net.mtp_logits).parameters
         self.cache: Cache | None = None
         self.mtp_cache: Cache | None = None
@@ -526,7 +532,13 @@ class SpeculativeDecoder:
         return out + [int(torch.multinomial(_probs(logits[j], p_, h), 1, generator=s.generator)[0])], j
 
 
+def new_draft_length(net, expert_cost: float = 1.0) -> DraftLength:
+    n_layers = len(getattr(getattr(net, "model", None), "layers", [])) or 1
+    return DraftLength(expert_cost=expert_cost, draft_cost=1.0 / (n_layers + 1))
+
+
 def run_speculative(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats: SpeculativeStats | None = None,
-                    draft_tokens: int | str = 1, expert_cost: float = 1.0) -> Iterator[tuple[int, str]]:
+                    draft_tokens: int | str = 1, expert_cost: float = 1.0, chooser: DraftLength | None = None
+                    ) -> Iterator[tuple[int, str]]:
     """`generate.run` with MTP drafting: yields (row, text piece) as tokens are accepted."""
-    return SpeculativeDecoder(net, dtype, draft_tokens, expert_cost).run(seqs, eos_ids, stats)
+    return SpeculativeDecoder(net, dtype, draft_tokens, expert_cost, chooser).run(seqs, eos_ids, stats)
