@@ -22,6 +22,15 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weight and activation dtype")
         p.add_argument("--quant", default="none", choices=["none", "int4", "int8", "int4-all"],
                        help="quantize at load: int4 = routed experts int4, attention/shared/head int8")
+        s = p.add_argument_group("expert store (routed experts in tiers: device / RAM / disk)")
+        s.add_argument("--ram-budget", default=None, help="bytes of routed experts kept in RAM, e.g. 4GiB or 30%%; the rest stream from disk")
+        s.add_argument("--vram-budget", default=None, help="bytes of routed experts on the device tier (CUDA, or emulated with --emulate-link)")
+        s.add_argument("--cache-policy", default=None, choices=["lru", "lfu", "prediction", "prediction-lfu"])
+        s.add_argument("--pin-hot", type=int, default=None, help="never evict the N most used experts per layer")
+        s.add_argument("--pin-hot-fraction", type=float, default=None, help="the same, as a share of each layer's experts")
+        s.add_argument("--emulate-link", default=None, help="emulated device link: pcie4, pcie5 or 'GB/s,us' (figures are EMULATED)")
+        s.add_argument("--predictor", default=None, help="drive the prefetcher with a predictor (temporal, layer_ahead1, ...)")
+        s.add_argument("--predictor-trace", default=None, help="routing trace that fits the predictor (frequency, mtp_learned, ...)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available cores)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -44,16 +53,60 @@ def _sampling_kwargs(a) -> dict:
     )
 
 
+STORE_FLAGS = ("ram_budget", "vram_budget", "cache_policy", "pin_hot", "pin_hot_fraction", "emulate_link")
+
+
 def _load(a):
     import moerun
 
-    return moerun.load(a.model, dtype=a.dtype, threads=a.threads, quant=a.quant)
+    from .errors import MoerunError
+
+    store_opts = {k: getattr(a, k) for k in STORE_FLAGS if getattr(a, k, None) is not None}
+    if not store_opts and not getattr(a, "predictor", None):
+        return moerun.load(a.model, dtype=a.dtype, threads=a.threads, quant=a.quant)
+    if a.quant != "none":
+        raise MoerunError("--quant together with the expert store is not supported yet")
+    from .experts.attach import load as load_with_store
+    from .experts.store import StoreOptions
+
+    llm = load_with_store(a.model, dtype=a.dtype, threads=a.threads, options=StoreOptions(**store_opts))
+    if a.predictor:
+        from .experts.predict import attach_predictor
+
+        llm.predictor = attach_predictor(llm.net, llm.store, a.predictor, trace=a.predictor_trace)
+    return llm
+
+
+def _speculative(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", default=None, choices=["mtp"], help="self-speculative decoding with the model's MTP head")
+    p.add_argument("--draft-tokens", default="1", help="drafts per step: 1..4 or auto")
+
+
+def _spec_kwargs(a) -> dict:
+    if not a.speculative:
+        return {}
+    n = a.draft_tokens if a.draft_tokens == "auto" else _int_flag("--draft-tokens", a.draft_tokens)
+    return {"speculative": a.speculative, "draft_tokens": n}
+
+
+def _int_flag(flag: str, value: str) -> int:
+    from .errors import MoerunError
+
+    try:
+        return int(value)
+    except ValueError:
+        raise MoerunError(f"{flag} must be an integer or auto, not {value!r}") from None
+
+
+def _store_stats(llm) -> dict:
+    store = getattr(llm, "store", None)
+    return store.stats() if store is not None else {}
 
 
 def cmd_generate(a) -> int:
     llm = _load(a)
     out = sys.stdout
-    for piece in llm.generate(a.prompt, **_sampling_kwargs(a)):
+    for piece in llm.generate(a.prompt, **_sampling_kwargs(a), **_spec_kwargs(a)):
         out.write(piece)
         out.flush()
     s = llm.last_stats
@@ -64,6 +117,17 @@ def cmd_generate(a) -> int:
         f"generated {s.generated_tokens} tok, {s.decode_tok_s:.1f} tok/s | {a.threads or 'all'} threads]",
         file=sys.stderr,
     )
+    if a.speculative:
+        d = s.as_dict()
+        print(f"[speculative: acceptance {d['acceptance_rate']:.2f}, {d['accepted_tokens_per_step']:.2f} tokens/step]", file=sys.stderr)
+    if a.stats:
+        stats = _store_stats(llm)
+        if stats:
+            from .experts.store import format_stats
+
+            print(format_stats(stats), file=sys.stderr)
+        else:
+            print("[stats: no expert store in use (all experts resident); pass --ram-budget or --vram-budget]", file=sys.stderr)
     return 0
 
 
@@ -92,7 +156,7 @@ def cmd_chat(a) -> int:
             continue
         messages.append({"role": "user", "content": line})
         reply = []
-        for piece in llm.generate(messages, **_sampling_kwargs(a)):
+        for piece in llm.generate(messages, **_sampling_kwargs(a), **_spec_kwargs(a)):
             reply.append(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -155,8 +219,12 @@ def cmd_bench(a) -> int:
     from .bench.run import bench
 
     llm = _load(a)
-    result = bench(llm, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, seed=0)
+    result = bench(llm, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, seed=0, **_spec_kwargs(a))
     result["threads"] = a.threads or _threads()
+    result["quant"] = a.quant
+    stats = _store_stats(llm)
+    result.update({k: stats[k] for k in ("expert_hit_rate", "prefetch_precision", "prefetch_recall",
+                                          "bytes_moved_per_token", "stall_s_per_token") if k in stats})
     if a.json:
         print(json.dumps(result))
     else:
@@ -183,6 +251,38 @@ def cmd_random_model(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from .server import serve
+
+    llm = _load(a)
+    serve(llm, a.host, a.port, api_key=a.api_key, max_concurrency=a.max_concurrency, max_queue=a.max_queue,
+          max_len=a.max_len)
+    return 0
+
+
+def cmd_profile(a) -> int:
+    from .experts.profile import profile
+
+    summary = profile(a.model, a.prompts, a.output, mode=a.mode, max_tokens=a.max_tokens,
+                      max_sequences=a.max_sequences, logits=a.logits, threads=a.threads, plots=a.plots)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def cmd_predict_eval(a) -> int:
+    from .experts.predict import predict_eval
+
+    predict_eval(a.trace, as_json=a.json, predictors=a.predictors)
+    return 0
+
+
+def cmd_simulate(a) -> int:
+    from .bench.simulate import simulate
+
+    simulate(a.trace, a.hardware, a.model_geometry, vram_gb=a.vram_gb, as_json=a.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -194,12 +294,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     _common(g)
     _sampling(g)
+    _speculative(g)
+    g.add_argument("--stats", action="store_true", help="print the expert store's accounting")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat with the model's chat template")
     c.add_argument("--system", default=None, help="system prompt")
     _common(c)
     _sampling(c)
+    _speculative(c)
     c.set_defaults(func=cmd_chat)
 
     i = sub.add_parser("info", help="architecture, parameters, bytes per decoded token")
@@ -212,7 +315,45 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-tokens", type=int, default=128)
     b.add_argument("--gen-tokens", type=int, default=32)
     b.add_argument("--json", action="store_true", help="print one JSON object")
+    _speculative(b)
     b.set_defaults(func=cmd_bench)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _common(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require this bearer key")
+    sv.add_argument("--max-concurrency", type=int, default=4, help="requests decoded together (cache slots)")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; then 429")
+    sv.add_argument("--max-len", type=int, default=None, help="tokens per request (prompt + completion)")
+    sv.set_defaults(func=cmd_serve)
+
+    pr = sub.add_parser("profile", help="record a routing trace (and plots)")
+    _common(pr)
+    pr.add_argument("--prompts", required=True, help="text file: one prompt per line, or documents separated by blank lines")
+    pr.add_argument("-o", "--output", required=True, help="trace file (.npz)")
+    pr.add_argument("--mode", default="generate", choices=["generate", "text"])
+    pr.add_argument("--max-tokens", type=int, default=64)
+    pr.add_argument("--max-sequences", type=int, default=None)
+    pr.add_argument("--logits", action="store_true", help="also record router logits")
+    pr.add_argument("--plots", default=None, help="directory for PNG plots")
+    pr.set_defaults(func=cmd_profile)
+
+    pe = sub.add_parser("predict-eval", help="score expert predictors on a trace")
+    pe.add_argument("trace")
+    pe.add_argument("--json", action="store_true")
+    pe.add_argument("--predictors", default=None, help="comma-separated subset")
+    _common(pe, model=False)
+    pe.set_defaults(func=cmd_predict_eval)
+
+    si = sub.add_parser("simulate", help="replay a trace through a CPU+GPU+link model")
+    si.add_argument("--trace", required=True)
+    si.add_argument("--hardware", default="pcie4+rtx4090")
+    si.add_argument("--model-geometry", default="qwen3.6-35b-a3b")
+    si.add_argument("--vram-gb", type=float, default=None)
+    si.add_argument("--json", action="store_true")
+    _common(si, model=False)
+    si.set_defaults(func=cmd_simulate)
 
     r = sub.add_parser("random-model", help="write a random-weight checkpoint with a real model's shapes")
     r.add_argument("preset", help="qwen3-30b-a3b or qwen3.6-35b-a3b")

@@ -134,3 +134,21 @@ def test_chat_without_template_is_refused(tiny, tmp_path):
     r = subprocess.run([sys.executable, "-m", "moerun.cli", "chat", "-m", str(broken_copy(tiny, tmp_path, untemplate))],
                        input="", capture_output=True, text=True, timeout=120)
     assert_one_line_error(r, "chat template")
+
+
+def test_bench_json_reports_the_expert_store(tiny):
+    r = moerun("bench", "-m", tiny, "--json", "--threads", "1", "--prompt-tokens", "8", "--gen-tokens", "4",
+               "--ram-budget", "50%")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("prefill_tok_s", "decode_tok_s", "threads", "model", "expert_hit_rate", "stall_s_per_token"):
+        assert key in out
+    assert 0.0 <= out["expert_hit_rate"] <= 1.0
+
+
+def test_speculative_without_mtp_head_is_refused(tiny):
+    assert_one_line_error(moerun("generate", "-m", tiny, "x", "--speculative", "mtp", "--threads", "1"), "multi-token-prediction")
+
+
+def test_quant_and_store_together_are_refused(tiny):
+    assert_one_line_error(moerun("generate", "-m", tiny, "x", "--quant", "int4", "--ram-budget", "50%"), "not supported")

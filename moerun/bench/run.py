@@ -10,7 +10,10 @@ from ..engine.cache import Cache
 from ..errors import MoerunError
 
 
-def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0) -> dict:
+def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, speculative: str | None = None,
+          draft_tokens: int | str = 1) -> dict:
+    if speculative:
+        return bench_speculative(llm, prompt_tokens, gen_tokens, seed, speculative, draft_tokens)
     if prompt_tokens < 1 or gen_tokens < 1:
         raise MoerunError("--prompt-tokens and --gen-tokens must be at least 1")
     if prompt_tokens + gen_tokens > llm.context_length:
@@ -44,4 +47,21 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0) ->
         "decode_tok_s": gen_tokens / decode_s,
         "prefill_s": prefill_s,
         "decode_s": decode_s,
+    }
+
+
+def bench_speculative(llm, prompt_tokens: int, gen_tokens: int, seed: int, speculative: str, draft_tokens) -> dict:
+    """Greedy generation through the speculative loop; stops early at EOS like a user would."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, llm.net.args.vocab_size, (prompt_tokens,), generator=g).tolist()
+    llm.generate_ids([prompt], max_tokens=gen_tokens, temperature=0.0, speculative=speculative, draft_tokens=draft_tokens)
+    d = llm.last_stats.as_dict()
+    return {
+        "model": str(llm.path),
+        "architecture": llm.model_type,
+        "dtype": str(llm.dtype).removeprefix("torch."),
+        "prompt_tokens": prompt_tokens,
+        "gen_tokens": d["generated_tokens"],
+        "speculative": speculative,
+        **d,
     }
