@@ -388,6 +388,8 @@ def simulate(trace, hardware_name: str = "pcie4+rtx4090", geometry_name: str = "
                   vram_gbps=vram_gbps)
     geo = geometry(geometry_name, bits)
     share = cache_share(hw, geo)
+    if isinstance(predictors, str):  # the CLI's comma list
+        predictors = [n.strip() for n in predictors.split(",") if n.strip()]
     names = tuple(predictors) if predictors else PREFETCHERS
     _, preds, ev, objs = evaluate(tr, names, factors=(factor,), return_predictions=True)
     if max_tokens and ev.num_tokens > max_tokens:  # the replay is pure Python: cap its length
