@@ -158,7 +158,7 @@ def test_chat_completion(server):
 def test_stream_reassembles_to_the_same_text(server):
     base, model = server
     c = client(base)
-    kw = dict(temperature=0.9, top_p=0.95, seed=1234, max_completion_tokens=16)
+    kw = dict(temperature=0.9, top_p=0.95, seed=1234, max_completion_tokens=16, extra_body={"ignore_eos": True})
     plain = chat(c, model, "Tell me a story.", **kw)
     chunks = list(chat(c, model, "Tell me a story.", stream=True, stream_options={"include_usage": True}, **kw))
     assert all(ch.object == "chat.completion.chunk" for ch in chunks)
@@ -309,6 +309,11 @@ def test_client_disconnect_cancels_and_frees_the_slot(server):
             assert any(line.startswith("data: ") for line in got)
     wait_idle(base, timeout=20)
     assert metric(base, "moerun_cancelled_requests_total") == cancelled0 + 1
+    # a non-streaming client that gives up (read timeout) is noticed too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/chat/completions", json={**body, "stream": False}, timeout=httpx.Timeout(60, read=1.0))
+    wait_idle(base, timeout=20)
+    assert metric(base, "moerun_cancelled_requests_total") == cancelled0 + 2
     r = chat(client(base), model, "and now?", max_tokens=4)
     assert r.usage.completion_tokens >= 1
 

@@ -331,14 +331,26 @@ def _model_card(srv: Server) -> dict:
 
 
 async def _next_event(srv: Server, request: Request, req) -> Event | None:
-    """The request's next event, or None once the client has gone away (generation cancelled)."""
+    """The request's next event, or None once the client has gone away (generation cancelled).
+
+    The connection is looked at every half second even while events keep coming: for a
+    non-streamed answer nothing else would notice that the client has left."""
     while True:
+        now = time.monotonic()
+        if now - req.checked_at >= 0.5:
+            req.checked_at = now
+            if await request.is_disconnected():
+                _cancel(srv, req)
+                return None
         try:
             return await asyncio.wait_for(req.events.get(), timeout=0.5)
         except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                srv.scheduler.cancel(req)
-                return None
+            pass
+
+
+def _cancel(srv: Server, req) -> None:
+    if srv.scheduler is not None:  # None once the server has stopped
+        srv.scheduler.cancel(req)
 
 
 async def _respond(srv: Server, request: Request, body, req, chat: bool):
@@ -359,7 +371,7 @@ async def _respond(srv: Server, request: Request, body, req, chat: bool):
                 else:
                     break
         except asyncio.CancelledError:
-            srv.scheduler.cancel(req)
+            _cancel(srv, req)
             raise
         usage = _usage(ev)
         content = "".join(text)
@@ -411,8 +423,8 @@ async def _respond(srv: Server, request: Request, body, req, chat: bool):
                     break
             yield "data: [DONE]\n\n"
         finally:
-            if not done and srv.scheduler is not None:  # the client went away: free the slot
-                srv.scheduler.cancel(req)
+            if not done:  # the client went away: free the slot
+                _cancel(srv, req)
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

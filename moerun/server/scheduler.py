@@ -63,6 +63,7 @@ class Request:
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    checked_at: float = field(default_factory=time.monotonic)  # last look at the client's connection
 
     def emit(self, ev: Event) -> None:
         try:
