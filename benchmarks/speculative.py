@@ -64,6 +64,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--drafts", default="0,1,2,3,auto", help="comma-separated: 0 (no speculation), 1..4, auto")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
@@ -78,7 +79,7 @@ def main(argv=None):
         else:
             args.model = random_model(Path(tempfile.mkdtemp(prefix="moerun_spec_")))
             note = "demo model missing: a tiny RANDOM qwen3_5_moe with a random MTP head"
-    llm = moerun.load(args.model, dtype="float32", threads=args.threads)
+    llm = moerun.load(args.model, dtype=args.dtype, threads=args.threads)
     if not llm.net.has_mtp:
         raise SystemExit(f"{args.model} has no MTP head")
     drafts = [d if d == "auto" else int(d) for d in args.drafts.split(",")]
@@ -129,7 +130,7 @@ def main(argv=None):
     for r in results.values():
         if base:
             r["speedup"] = r["decode_tok_s"] / base
-    report = {"model": str(args.model), "note": note, "threads": args.threads, "gen_tokens": args.gen_tokens,
+    report = {"model": str(args.model), "note": note, "threads": args.threads, "dtype": args.dtype, "gen_tokens": args.gen_tokens,
               "prompts": len(prompts), "rounds": args.rounds, "results": results}
     if args.json:
         print(json.dumps(report, indent=1))

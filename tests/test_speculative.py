@@ -312,3 +312,21 @@ def test_short_conv_and_delta_rule_passes_match_long_ones():
         o, s = deltanet.chunk_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], s)
         outs.append(o)
     assert rel_err(torch.cat(outs, 1), o_want) < 1e-5 and rel_err(s, s_want) < 1e-5
+
+
+def test_with_expert_store_at_half_the_experts(qwen, monkeypatch):
+    """Experts behind the store (half of them in RAM): same greedy text, expert bytes still counted."""
+    from moerun.experts import StoreOptions
+    from moerun.experts import load as load_with_store
+
+    llm = load_with_store(qwen.path, dtype="float32", threads=1, options=StoreOptions(ram_budget="50%"))
+    torch.set_num_threads(1)
+    try:
+        prompts = random_prompts(3, 300, seed=4)
+        plain = qwen.generate_ids(prompts, max_tokens=12, temperature=0.0)
+        Oracle(monkeypatch, {b: p + o for b, (p, o) in enumerate(zip(prompts, plain))}, 300)
+        assert llm.generate_ids(prompts, max_tokens=12, temperature=0.0, speculative="mtp", draft_tokens=3) == plain
+        stats = llm.last_stats
+        assert stats.single_token_expert_bytes > 0 and stats.verify_expert_bytes > 0
+    finally:
+        llm.store.close()

@@ -162,19 +162,23 @@ class ExpertTracker:
         self.num_experts = 0
         self._handles = []
         for m in net.modules():
-            if isinstance(m, Experts):
+            # Experts, or the expert store's drop-in StoreExperts (same call, weights elsewhere)
+            if isinstance(m, Experts) or type(m).__name__ == "StoreExperts":
                 self._handles.append(m.register_forward_pre_hook(self._hook, with_kwargs=True))
 
     @staticmethod
-    def _expert_bytes(m) -> int:
+    def _expert_bytes(m, x: torch.Tensor) -> int:
         params = [getattr(m, n) for n in ("gate_proj", "up_proj", "down_proj") if isinstance(getattr(m, n, None), torch.Tensor)]
-        return sum(p.numel() * p.element_size() for p in params) // max(m.num_experts, 1)
+        if params:
+            return sum(p.numel() * p.element_size() for p in params) // max(m.num_experts, 1)
+        return 3 * getattr(m, "hidden", 0) * getattr(m, "inter", 0) * x.element_size()
 
     def _hook(self, m, args, kwargs):
         if self.phase is None:
             return
+        x = args[0] if args else kwargs["x"]
         ids = args[1] if len(args) > 1 else kwargs["ids"]
-        per = self._expert_bytes(m)
+        per = self._expert_bytes(m, x)
         b = int(torch.unique(ids).numel()) * per
         self.bytes[self.phase] += b
         if self.phase == "verify":
