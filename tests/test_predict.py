@@ -193,3 +193,33 @@ def test_driver_with_the_expert_store(tmp_path):
     assert stats[0]["prefetch_issued"] == 0
     for st in stats[1:]:
         assert st["prefetch_issued"] > 0 and st["prefetch_used"] > 0
+
+
+def test_driver_mtp_step_hints_the_token_after_next():
+    """mtp_step runs the MTP head and hints every layer of the token after next (two steps on)."""
+    import torch
+
+    from test_profile import tiny_qwen3_5
+
+    class FakeStore:
+        step = 5
+
+        def __init__(self):
+            self.hints = []
+
+        def prefetch(self, layer, ids, priority=0.0, for_step=None):
+            self.hints.append((layer, for_step, tuple(ids)))
+
+    torch.set_num_threads(1)
+    llm = tiny_qwen3_5(mtp=True)
+    from moerun.experts.predict import MTP, PrefetchDriver
+
+    store = FakeStore()
+    drv = PrefetchDriver(llm.net, store, MTP(4, 8), factor=1.0)
+    with torch.inference_mode():
+        _, hidden = llm.net(torch.tensor([[3, 4]]), return_hidden=True)
+    drv.mtp_step(hidden, torch.tensor([[7]]), candidates=4)
+    assert [(l, s) for l, s, _ in store.hints] == [(l, 7) for l in range(4)]
+    assert all(len(ids) == 2 for _, _, ids in store.hints)
+    assert drv.mtp_info and list(drv.mtp_info) == [drv.passes + 2]
+    drv.close()

@@ -470,9 +470,9 @@ class PrefetchDriver:
     experts call (the routing). At a pass's start it hints the layers whose prediction
     exists at token start; after the routing of layer l, those whose prediction exists at
     that moment (per `lead`); after the last layer, `temporal`'s hints for the next token.
-    MTP-based predictors need the engine to call `on_mtp(info)` once the next token is
-    sampled (the MTP head's `mtp_route` / `mtp_hidden` for the token after it); they then
-    hint that token's layers. Batched decode: the last row's routing is what is observed.
+    MTP-based predictors need the engine to call `mtp_step(hidden, next_ids)` (or
+    `on_mtp(info)`) once the next token is sampled; they then hint the layers of the token
+    after it. Batched decode: the last row's routing is what is observed.
     """
 
     def __init__(self, net, store, predictor: Predictor, factor: float = 1.5):
@@ -491,7 +491,9 @@ class PrefetchDriver:
         self._handles = []
         self._torch = torch
         self._begun = False
-        self.pending_info: dict | None = None
+        self._in_mtp = False
+        self.passes = 0  # forward passes started (decode steps)
+        self.mtp_info: dict[int, dict] = {}  # pass number -> what the MTP head said about its token
         self.layer_ids = [getattr(getattr(b, "experts", None), "layer", i) for i, (_, b) in enumerate(self.blocks)]
         if self.wants_token:
             self._handles.append(net.model.embed_tokens.register_forward_hook(self._embed_hook))
@@ -501,17 +503,43 @@ class PrefetchDriver:
             self._handles.append(blk.experts.register_forward_pre_hook(self._experts_hook(i)))
 
     def on_mtp(self, info: dict) -> None:
-        """The MTP head's view of the next token but one; hints that token's layers at once."""
-        self.pending_info = info
+        """The MTP head's view of the token after the one just sampled (`mtp_route` [L, E],
+        `mtp_hidden` [H]); called between passes. Hints that token's layers at once; the
+        predictor reads `info` again when that token's pass starts (two passes on)."""
+        target = self.passes + 2
+        self.mtp_info = {target: info}
         tick = self.pred.tick
         self.pred.begin_token(info)  # mtp predictors read only `info` for that token
         for l in range(self.L):
             if self.pred.lead(l)[0] >= 1 and self.pred.scores(l) is not None:
-                self._hint(l, step=self.store.step + 1)
+                self._hint(l, step=self.store.step + 2)
         self.pred.tick = tick
+
+    def mtp_step(self, hidden, next_ids, cache=None, slots=None, candidates: int = 8) -> None:
+        """For the engine, after sampling: run the MTP head on the last position's final normed
+        hidden state (hidden [B, T, H]) and the token just sampled (next_ids [B, T]), turn its
+        top-`candidates` into `mtp_route` (profile.mtp_route_scores) and call `on_mtp`. Without
+        the head's own `cache` its attention sees only this position (an approximation)."""
+        from .profile import mtp_route_scores
+
+        torch = self._torch
+        captured = {}
+        hk = self.net.mtp.norm.register_forward_hook(lambda m, a, o: captured.__setitem__("h", o))
+        self._in_mtp = True
+        try:
+            with torch.inference_mode():
+                lg = self.net.mtp_logits(hidden[-1:, -1:], next_ids[-1:, -1:], cache, slots)[0, -1].float()
+                pr, cd = lg.softmax(-1).topk(candidates)
+                route = mtp_route_scores(self.net, self.blocks, cd[None], pr[None])[0].numpy()
+        finally:
+            hk.remove()
+            self._in_mtp = False
+        self.on_mtp({"mtp_route": route, "mtp_hidden": captured["h"][0, -1].float().numpy()})
 
     def _start(self, info):
         self._begun = True
+        self.passes += 1
+        info = dict(self.mtp_info.pop(self.passes, None) or {}, **(info or {}))
         self.pred.begin_token(info)
         for l in range(self.L):
             if self.pred.lead(l) == (0, l + 1):
@@ -520,12 +548,12 @@ class PrefetchDriver:
     def _embed_hook(self, mod, args, out):
         from .profile import mtp_route_scores
 
+        if self._in_mtp:
+            return
         emb = out[-1:, -1:]  # [1, 1, H]: the last row's last token
         with self._torch.inference_mode():
             r = mtp_route_scores(self.net, self.blocks, None, self._torch.ones(1, 1), emb=emb)[0].float().numpy()
-        info = dict(self.pending_info or {}, token_route=r)
-        self.pending_info = None
-        self._start(info)
+        self._start({"token_route": r})
 
     def _gate_hook(self, i):
         def hook(mod, args):
@@ -536,8 +564,7 @@ class PrefetchDriver:
         def hook(mod, args):
             ids = args[1][-1:]  # prefill or a batch: observe the last row
             if i == 0 and not self._begun:
-                info, self.pending_info = self.pending_info, None
-                self._start(info)
+                self._start(None)
             ahead = None
             if self.D and i in self._router_in:
                 h = self._router_in.pop(i)
@@ -549,9 +576,11 @@ class PrefetchDriver:
                             g = self.blocks[i + d][1].gate
                             ahead[d] = g(h.to(g.weight.dtype)).float()[0].numpy()
             self.pred.observe(i, ids[0].tolist(), ahead)
+            # the store starts a step inside layer 0's call, after this hook
+            step = self.store.step + (1 if i == 0 else 0)
             for l in range(i + 1, self.L):
                 if self.pred.lead(l) == (0, l - i):
-                    self._hint(l, step=self.store.step)
+                    self._hint(l, step=step)
             if i == self.L - 1:
                 self._begun = False
                 for l in range(self.L):  # temporal: the next token's layers
@@ -574,7 +603,7 @@ def attach_predictor(net, store, name: str, trace=None, factor: float = 1.5) -> 
     needs a prior or probes) and drive `store`'s prefetcher from `net`'s routing.
     temporal, layer_ahead1/2, token and token_ahead run from the hooks alone (frequency
     needs a trace for its prior); mtp, mtp_learned and combined also need the engine to call
-    `driver.on_mtp(info)` after each sampled token."""
+    `driver.mtp_step(hidden, next_ids)` after each sampled token (or `on_mtp(info)`)."""
     from .profile import Trace, moe_blocks
 
     L = len(moe_blocks(net))
