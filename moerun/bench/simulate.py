@@ -144,8 +144,8 @@ class Job:
 
 
 class Sim:
-    """One policy's replay. `plan` maps (token, target layer) -> list of (issue point, keys)
-    for prefetches; keys are (target layer, trace expert)."""
+    """One policy's state: the device's expert cache (keys are (target layer, trace expert)),
+    the link's prefetch queues and the time counters; `run_policy` drives it."""
 
     def __init__(self, hw: Hardware, geo: Geometry, trace_layers: int, trace_experts: int, trace_k: int,
                  capacity: int, policy, pinned=(), cpu_miss: bool = False):
