@@ -276,7 +276,8 @@ def run_llamacpp(path: Path, prompt: list[int], gen: int, threads: int) -> dict:
     llm.reset()
     with CpuClock() as pre:
         llm.eval(prompt)
-    logits = torch.tensor(np.array(llm.scores[llm.n_tokens - 1]))
+    # only the last token of a batch has logits (Llama.scores is left empty without logits_all)
+    logits = torch.tensor(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy())
     with CpuClock() as dec:
         for i in range(gen):
             llm.eval([prompt[i % len(prompt)]])
