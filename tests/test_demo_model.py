@@ -1,0 +1,76 @@
+"""The bundled demo model (moerun/demo_model): shape of the checkpoint, and moerun runs it."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import moerun
+
+DEMO = Path(moerun.__file__).resolve().parent / "demo_model"
+HAS_QWEN3_5_LOADER = (Path(moerun.__file__).resolve().parent / "models" / "qwen3_5_moe.py").is_file()
+
+pytestmark = pytest.mark.skipif(not (DEMO / "model.safetensors").is_file(), reason="demo model not shipped")
+
+
+def _config():
+    return json.loads((DEMO / "config.json").read_text())
+
+
+def test_config_is_qwen3_5_moe_hybrid():
+    cfg = _config()
+    assert cfg["model_type"] in ("qwen3_5_moe", "qwen3_5_moe_text")
+    cfg = cfg.get("text_config", cfg)
+    types = cfg["layer_types"]
+    # the 3:1 pattern of Qwen3.5/3.6-MoE: three Gated DeltaNet layers, then one gated full-attention layer
+    assert types == (["linear_attention"] * 3 + ["full_attention"]) * (len(types) // 4)
+    assert cfg["num_experts"] >= 32 and 4 <= cfg["num_experts_per_tok"] <= 8
+    assert cfg["shared_expert_intermediate_size"] > 0
+    assert cfg["mtp_num_hidden_layers"] == 1
+
+
+def test_checkpoint_has_mtp_head_and_fits_budget():
+    from safetensors import safe_open
+
+    path = DEMO / "model.safetensors"
+    assert path.stat().st_size <= 40 * 2**20
+    with safe_open(str(path), "pt") as f:
+        keys = set(f.keys())
+    for name in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.fc.weight",
+                 "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.gate.weight",
+                 "mtp.layers.0.mlp.experts.0.gate_proj.weight", "mtp.layers.0.mlp.shared_expert.up_proj.weight",
+                 "mtp.layers.0.input_layernorm.weight"):
+        assert name in keys, name
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "MODEL_CARD.md"):
+        assert (DEMO / name).is_file(), name
+    assert "chat_template" in json.loads((DEMO / "tokenizer_config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def llm():
+    if not HAS_QWEN3_5_LOADER:
+        pytest.skip("moerun/models/qwen3_5_moe.py does not exist yet, so moerun cannot load the demo model")
+    return moerun.load(threads=1)  # no path: the bundled demo model
+
+
+def test_moerun_loads_demo_by_default(llm):
+    assert llm.path.resolve() == DEMO.resolve()
+    assert llm.model_type in ("qwen3_5_moe", "qwen3_5_moe_text")
+    assert llm.net.has_mtp
+
+
+def test_greedy_generation_is_deterministic(llm):
+    prompt = "def read_file(path):\n"
+    a = "".join(llm.generate(prompt, max_tokens=12, temperature=0.0))
+    b = "".join(llm.generate(prompt, max_tokens=12, temperature=0.0))
+    assert a == b and a.strip()
+
+
+def test_mtp_head_predicts_token_after_next(llm):
+    ids = torch.tensor([llm.tokenizer.encode("import os\nimport sys\n\n\ndef main():\n    ")])
+    with torch.inference_mode():
+        logits, hidden = llm.net(ids, return_hidden=True)
+        mtp = llm.net.mtp_logits(hidden[:, :-1], ids[:, 1:])
+    assert mtp.shape == (1, ids.shape[1] - 1, logits.shape[-1])
+    assert torch.isfinite(mtp).all()
