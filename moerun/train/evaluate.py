@@ -51,7 +51,7 @@ def load_demo_model(model_dir: Path):
         sd[p + "gate_up_proj"] = torch.cat([gate, up], dim=1)
         sd[p + "down_proj"] = down
     sd.update(raw)
-    missing, unexpected = model.mtp.load_state_dict(sd, strict=True), None
+    model.mtp.load_state_dict(sd, strict=True)
     model.routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
     model.recorder = RouterRecorder(model.routers)
     model.eval()
