@@ -74,6 +74,7 @@ def _load(a):
         from .experts.predict import attach_predictor
 
         llm.predictor = attach_predictor(llm.net, llm.store, a.predictor, trace=a.predictor_trace)
+        llm.predictor.name = a.predictor
     return llm
 
 

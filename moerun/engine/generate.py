@@ -101,18 +101,31 @@ class Sequence:
         return piece
 
 
-def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats: GenerationStats | None = None) -> Iterator[tuple[int, str]]:
-    """Generate for every sequence; yields (row, text piece) as tokens are accepted."""
+def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats: GenerationStats | None = None,
+        after_sample=None) -> Iterator[tuple[int, str]]:
+    """Generate for every sequence; yields (row, text piece) as tokens are accepted.
+
+    after_sample(hidden [B, 1, H], tokens [B, 1]), when given, is called after each step's
+    sampling with the final normed hidden state that produced the tokens (an MTP-driven
+    expert prefetcher uses it to predict the experts of the token after next)."""
     stats = stats if stats is not None else GenerationStats()
     B = len(seqs)
     max_len = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs)
     cache = Cache(net.cache_spec(), B, max_len, dtype)
     last = [None] * B
+    hid = [None] * B
+
+    def forward(ids, slots):
+        if after_sample is None:
+            return net(ids, cache, slots, last_only=True)[:, -1], None
+        logits, hidden = net(ids, cache, slots, last_only=True, return_hidden=True)
+        return logits[:, -1], hidden[:, -1:]
     with torch.inference_mode():
         t0 = time.perf_counter()
         for b, s in enumerate(seqs):
             ids = torch.tensor([s.prompt_ids], dtype=torch.long)
-            last[b] = net(ids, cache, torch.tensor([b]), last_only=True)[0, -1]
+            logits, hidden = forward(ids, torch.tensor([b]))
+            last[b], hid[b] = logits[0], hidden
             stats.prompt_tokens += len(s.prompt_ids)
         stats.prefill_s += time.perf_counter() - t0
         active = [b for b, s in enumerate(seqs) if s.params.max_tokens > 0]
@@ -131,13 +144,16 @@ def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats:
                 piece = s.accept(tok, eos_ids)
                 if piece:
                     yield b, piece
+            if after_sample is not None:
+                after_sample(torch.cat([hid[b] for b in active]), torch.tensor(tokens)[:, None])
             still = [(b, t) for b, t in zip(active, tokens) if not seqs[b].finished]
             if not still:
                 break
             active = [b for b, _ in still]
             ids = torch.tensor([[t] for _, t in still], dtype=torch.long)
-            logits = net(ids, cache, torch.tensor(active), last_only=True)[:, -1]
+            logits, hidden = forward(ids, torch.tensor(active))
             stats.decode_steps += 1
             for i, b in enumerate(active):
                 last[b] = logits[i]
+                hid[b] = hidden[i : i + 1] if hidden is not None else None
         stats.decode_s += time.perf_counter() - t0

@@ -13,6 +13,7 @@ from ..errors import MoerunError
 from .generate import GenerationStats, Sequence, run
 from .sampling import SamplingParams
 
+MTP_PREDICTORS = ("mtp", "mtp_learned", "combined")  # predictors that read the MTP head each token
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 
 
@@ -126,11 +127,18 @@ class LLM:
             params = SamplingParams(**{**params.__dict__, "max_tokens": ctx - len(ids)})
         return params
 
+    def _mtp_prefetch(self):
+        """The MTP-driven prefetcher's per-token call, when one drives the expert store."""
+        driver = getattr(self, "predictor", None)
+        if driver is None or getattr(driver, "name", None) not in MTP_PREDICTORS or not getattr(self.net, "has_mtp", False):
+            return None
+        return driver.mtp_step
+
     def _run(self, seqs: list[Sequence], speculative: str | None, draft_tokens: int | str) -> Iterator[tuple[int, str]]:
         """The plain loop, or MTP speculative decoding (engine/speculative.py) when asked."""
         if speculative is None:
             self.last_stats = GenerationStats()
-            return run(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats)
+            return run(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats, after_sample=self._mtp_prefetch())
         from .speculative import SpeculativeStats, check_speculative, new_draft_length, run_speculative
 
         check_speculative(self.net, speculative)
