@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import moerun
 
 
-# Tiny models: one thread. Two OpenMP threads on a busy 2-core machine stall for
-# milliseconds per op, which turns seconds of tests into minutes.
-torch.set_num_threads(1)
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one thread. A second OpenMP thread on a busy 2-core machine stalls for
+    milliseconds per op, which turns seconds of tests into minutes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def save_and_load(hf_model, path, dtype="float32"):

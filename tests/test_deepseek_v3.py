@@ -24,14 +24,6 @@ YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, m
             beta_fast=32, beta_slow=1, rope_theta=10000.0)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny matrices: a second OpenMP thread only waits on a busy core (50x slower on a loaded box)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def save_and_load(hf_model, path):
     hf_model.save_pretrained(path)

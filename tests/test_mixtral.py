@@ -6,15 +6,6 @@ import moerun
 from conftest import check_against_reference
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny models gain nothing from a second thread, and on a shared machine every OpenMP
-    # region (index_add_ in the expert dispatch most of all) waits for a busy core
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.mark.parametrize(
     "overrides",

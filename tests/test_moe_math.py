@@ -17,15 +17,6 @@ from moerun.layers.moe import Experts, expert_mlp, group_by_expert
 E, H = 4, 4  # experts; hidden = expert width, so identity matrices fit
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny tensors gain nothing from a second thread, and on a shared machine every OpenMP
-    # region (index_add_ in the expert dispatch most of all) waits for a busy core
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def v_silu_v(v: float) -> float:
     return v * v / (1.0 + math.exp(-v))

@@ -12,13 +12,6 @@ from moerun.errors import MoerunError
 from moerun.experts.profile import Trace, moe_blocks, plot_trace, record_trace, replay_cache, summarize
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def tiny_qwen3_5(mtp: bool = True):
     """A tiny random qwen3_5_moe (4 layers, 8 experts, top-2, MTP head), built in memory."""

@@ -23,12 +23,6 @@ TINY = dict(
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # the test machines are shared and oversubscribed; OpenMP spinning makes 2 threads ~30x slower here
-    torch.set_num_threads(1)
-
-
 def make_reference(**overrides) -> Qwen3_5MoeForCausalLM:
     torch.manual_seed(0)
     cfg = Qwen3_5MoeTextConfig(**{**TINY, **overrides}, experts_implementation="eager")

@@ -17,14 +17,6 @@ from moerun.engine.speculative import SpeculativeDecoder, SpeculativeStats, _pro
 from moerun.errors import MoerunError
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny tensors on a shared machine: a second OpenMP thread only waits
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def build_qwen(path, mtp=True, **overrides):
     """A tiny random qwen3_5_moe checkpoint (DeltaNet + attention) with a random MTP head."""
