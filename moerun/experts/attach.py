@@ -128,31 +128,13 @@ def attach_store(net: nn.Module, model_dir, options: StoreOptions | None = None)
 def build(model_dir, dtype="auto", options: StoreOptions | None = None):
     """Like `moerun.loaders.hf.build`, with routed experts in a store and never materialised.
     Returns (architecture module, args, net, dtype, store)."""
-    from ..config import read_config
-    from ..loaders.hf import load_state, resolve_dtype
-    from ..loaders.safetensors import Checkpoint
-    from ..models import module_for
+    from ..loaders.hf import build as build_net
 
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise MoerunError(f"model path {model_dir} does not exist or is not a directory")
-    cfg = read_config(model_dir)
-    module = module_for(cfg["model_type"])
-    args = module.ModelArgs.from_dict(module.text_config(cfg) if hasattr(module, "text_config") else cfg)
-    ckpt = Checkpoint(model_dir)
-    dtype = resolve_dtype(dtype, cfg, ckpt)
-    with torch.device("meta"):
-        net = module.Model(args)
-    swapped = _swap_experts(net)  # before loading: the expert parameters are gone from the state
-    state = load_state(net, ckpt, dtype, getattr(net, "checkpoint_renames", ()))
-    net.load_state_dict(state, strict=True, assign=True)
-    left = [n for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta]
-    if left:
-        raise RuntimeError(f"tensors left unmaterialized after loading: {left[:5]}")
-    net.requires_grad_(False).eval()
-    ckpt.close()
-    store = _make_store(net, swapped, model_dir, dtype, options)
-    return module, args, net, dtype, store
+    swapped = []
+    # swap before loading: the expert parameters are then gone from what the loader reads
+    arch, args, net, dtype = build_net(model_dir, dtype, prepare=lambda n: swapped.extend(_swap_experts(n)))
+    store = _make_store(net, swapped, Path(model_dir), dtype, options)
+    return arch, args, net, dtype, store
 
 
 def load(path=None, dtype="auto", threads: int | None = None, options: StoreOptions | None = None):

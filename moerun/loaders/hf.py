@@ -39,8 +39,11 @@ def resolve_dtype(dtype, cfg: dict, ckpt: Checkpoint) -> torch.dtype:
     return torch.float32 if declared in ("float32", "float64") else torch.bfloat16
 
 
-def build(model_dir, dtype="auto"):
-    """Returns (architecture module, args, net with weights loaded, dtype)."""
+def build(model_dir, dtype="auto", prepare=None):
+    """Returns (architecture module, args, net with weights loaded, dtype).
+
+    prepare(net), when given, runs on the meta-device net before any weight is read (the
+    expert store uses it to take the routed experts out of what gets loaded)."""
     model_dir = Path(model_dir)
     if not model_dir.exists():
         raise MoerunError(f"model path {model_dir} does not exist")
@@ -53,6 +56,8 @@ def build(model_dir, dtype="auto"):
     dtype = resolve_dtype(dtype, cfg, ckpt)
     with torch.device("meta"):
         net = module.Model(args)
+    if prepare is not None:
+        prepare(net)
     state = load_state(net, ckpt, dtype, getattr(net, "checkpoint_renames", ()))
     net.load_state_dict(state, strict=True, assign=True)
     left = [n for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta]
