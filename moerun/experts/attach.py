@@ -16,11 +16,10 @@ import re
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import MoerunError
-from ..layers.moe import Experts, group_by_expert
+from ..layers.moe import Experts, dispatch, group_by_expert, swiglu
 from .store import ExpertStore, LayerExperts, StoreOptions, expert_pieces
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
@@ -44,27 +43,15 @@ class StoreExperts(nn.Module):
         order, counts = group_by_expert(ids, self.num_experts)
         needed = [e for e, c in enumerate(counts) if c]
         got = self.store.get(self.layer, needed, n_tokens=N)
+
+        def run_expert(e, xs):
+            gate, up, down = got[e]
+            if gate.device != xs.device:  # experts on a real GPU (UNTESTED path)
+                return swiglu(xs.to(gate.device, non_blocking=True), gate, up, down).to(xs.device)
+            return swiglu(xs, gate, up, down)
+
         try:
-            token_of = order // K
-            w_sorted = weights.reshape(-1)[order].to(x.dtype)
-            out = torch.zeros_like(x)
-            start = 0
-            for e, c in enumerate(counts):
-                if c == 0:
-                    continue
-                gate, up, down = got[e]
-                rows = token_of[start : start + c]
-                xs = x[rows]  # [c, H]
-                if gate.device != xs.device:  # experts on a real GPU (UNTESTED path)
-                    xs = xs.to(gate.device, non_blocking=True)
-                    y = (F.silu(xs @ gate.T) * (xs @ up.T)) @ down.T
-                    y = y.to(x.device)
-                else:
-                    h = F.silu(xs @ gate.T) * (xs @ up.T)  # [c, I]
-                    y = h @ down.T
-                out.index_add_(0, rows, y * w_sorted[start : start + c, None])
-                start += c
-            return out
+            return dispatch(x, ids, weights, order, counts, run_expert)
         finally:
             self.store.release(self.layer, needed)
 

@@ -39,6 +39,34 @@ def group_by_expert(ids: torch.Tensor, num_experts: int):
     return order, counts
 
 
+def dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, counts: list[int],
+             run_expert) -> torch.Tensor:
+    """sum_k w[n,k] * run_expert(e, x[rows of e]) with e = ids[n,k], tokens grouped per expert.
+
+    `order, counts` come from `group_by_expert`; `run_expert(e, xs [c, H]) -> [c, H]`. Every
+    kind of Experts module (plain, store-backed) goes through here, so they agree bit for bit.
+    """
+    K = ids.shape[1]
+    token_of = order // K
+    w_sorted = weights.reshape(-1)[order].to(x.dtype)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        rows = token_of[start : start + c]
+        # rows are distinct within one expert's group; index_put_ avoids index_add_'s
+        # OpenMP region, which stalls for milliseconds on a busy machine
+        out.index_put_((rows,), run_expert(e, x[rows]) * w_sorted[start : start + c, None], accumulate=True)
+        start += c
+    return out
+
+
+def swiglu(xs: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One expert: down(silu(gate xs) * up xs), xs [c, H]."""
+    return (F.silu(xs @ gate.T) * (xs @ up.T)) @ down.T
+
+
 def expert_mlp(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -48,23 +76,8 @@ def expert_mlp(
     down: torch.Tensor,
 ) -> torch.Tensor:
     """Reference SwiGLU experts: sum_k w[n,k] * down_e(silu(gate_e x) * up_e x), e = ids[n,k]."""
-    N, K = ids.shape
     order, counts = group_by_expert(ids, gate.shape[0])
-    token_of = order // K
-    w_sorted = weights.reshape(-1)[order].to(x.dtype)
-    out = torch.zeros_like(x)
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        rows = token_of[start : start + c]
-        xs = x[rows]  # [c, H]
-        h = F.silu(xs @ gate[e].T) * (xs @ up[e].T)  # [c, I]
-        # rows are distinct within one expert's group; index_put_ avoids index_add_'s
-        # OpenMP region, which stalls for milliseconds on a busy machine
-        out.index_put_((rows,), (h @ down[e].T) * w_sorted[start : start + c, None], accumulate=True)
-        start += c
-    return out
+    return dispatch(x, ids, weights, order, counts, lambda e, xs: swiglu(xs, gate[e], up[e], down[e]))
 
 
 class GatedMLP(nn.Module):
