@@ -113,13 +113,15 @@ class LFU(Policy):
         return out
 
 
-class PinnedHotSet(Policy):
-    """A base policy that never gives up the pinned keys (the hot set of a routing profile)."""
+class Guarded(Policy):
+    """A base policy that never gives up the keys in `protected` (a set it may share)."""
 
-    def __init__(self, base: Policy, pinned: Iterable[Key] = ()):
+    suffix = "guarded"
+
+    def __init__(self, base: Policy, protected):
         self.base = base
-        self.pinned: set[Key] = set(pinned)
-        self.name = f"{base.name}+pinned"
+        self.protected = protected
+        self.name = f"{base.name}+{self.suffix}"
 
     def inserted(self, key):
         self.base.inserted(key)
@@ -131,38 +133,47 @@ class PinnedHotSet(Policy):
         self.base.removed(key)
 
     def victims(self, count, evictable):
-        return self.base.victims(count, lambda k: k not in self.pinned and evictable(k))
+        return self.base.victims(count, lambda k: k not in self.protected and evictable(k))
+
+    def describe(self):
+        return self.base.describe().replace(self.base.name, self.name, 1)
+
+
+class PinnedHotSet(Guarded):
+    """Never gives up the pinned keys (the hot set of a routing profile)."""
+
+    suffix = "pinned"
+
+    def __init__(self, base: Policy, pinned: Iterable[Key] = ()):
+        super().__init__(base, set(pinned))
+
+    @property
+    def pinned(self) -> set[Key]:
+        return self.protected
+
+    @pinned.setter
+    def pinned(self, keys) -> None:
+        self.protected = set(keys)
 
     def describe(self):
         return f"{self.name} ({len(self.pinned)} pinned)"
 
 
-class PredictionAware(Policy):
-    """A base policy that never evicts an expert a pending prefetch wants.
+class PredictionAware(Guarded):
+    """Never evicts an expert a pending prefetch wants.
 
     `wanted` is the store's live set of keys hinted for the current or a later step and
     not yet used; it is shared, not copied.
     """
 
+    suffix = "prediction"
+
     def __init__(self, base: Policy, wanted):
-        self.base = base
-        self.wanted = wanted
-        self.name = f"{base.name}+prediction"
+        super().__init__(base, wanted)
 
-    def inserted(self, key):
-        self.base.inserted(key)
-
-    def accessed(self, key):
-        self.base.accessed(key)
-
-    def removed(self, key):
-        self.base.removed(key)
-
-    def victims(self, count, evictable):
-        return self.base.victims(count, lambda k: k not in self.wanted and evictable(k))
-
-    def describe(self):
-        return self.base.describe().replace(self.base.name, self.name, 1)
+    @property
+    def wanted(self):
+        return self.protected
 
 
 BASES = {"lru": LRU, "lfu": LFU}
