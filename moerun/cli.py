@@ -29,6 +29,8 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
         s.add_argument("--pin-hot", type=int, default=None, help="never evict the N most used experts per layer")
         s.add_argument("--pin-hot-fraction", type=float, default=None, help="the same, as a share of each layer's experts")
         s.add_argument("--emulate-link", default=None, help="emulated device link: pcie4, pcie5 or 'GB/s,us' (figures are EMULATED)")
+        s.add_argument("--execute", default=None, choices=["auto", "device", "cpu"],
+                       help="a device miss waits for the link (device, default), runs on the CPU (cpu), or a cost model picks (auto)")
         s.add_argument("--predictor", default=None, help="drive the prefetcher with a predictor (temporal, layer_ahead1, ...)")
         s.add_argument("--predictor-trace", default=None, help="routing trace that fits the predictor (frequency, mtp_learned, ...)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available cores)")
@@ -53,7 +55,7 @@ def _sampling_kwargs(a) -> dict:
     )
 
 
-STORE_FLAGS = ("ram_budget", "vram_budget", "cache_policy", "pin_hot", "pin_hot_fraction", "emulate_link")
+STORE_FLAGS = ("ram_budget", "vram_budget", "cache_policy", "pin_hot", "pin_hot_fraction", "emulate_link", "execute")
 
 
 def _load(a):
@@ -225,7 +227,8 @@ def cmd_bench(a) -> int:
     result["quant"] = a.quant
     stats = _store_stats(llm)
     result.update({k: stats[k] for k in ("expert_hit_rate", "prefetch_precision", "prefetch_recall",
-                                          "bytes_moved_per_token", "stall_s_per_token") if k in stats})
+                                          "bytes_moved_per_token", "stall_s_per_token", "stall_s", "execute",
+                                          "link_waits", "cpu_executed", "cpu_exec_s") if k in stats})
     if a.json:
         print(json.dumps(result))
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -42,18 +43,24 @@ class StoreExperts(nn.Module):
         N, K = ids.shape
         order, counts = group_by_expert(ids, self.num_experts)
         needed = [e for e, c in enumerate(counts) if c]
-        got = self.store.get(self.layer, needed, n_tokens=N)
+        where: dict[int, str] = {}
+        got = self.store.get(self.layer, needed, n_tokens=N, counts=counts, where=where)
+        ran = []
 
         def run_expert(e, xs):
             gate, up, down = got[e]
+            t0 = time.perf_counter()
             if gate.device != xs.device:  # experts on a real GPU (UNTESTED path)
-                return swiglu(xs.to(gate.device, non_blocking=True), gate, up, down).to(xs.device)
-            return swiglu(xs, gate, up, down)
+                y = swiglu(xs.to(gate.device, non_blocking=True), gate, up, down).to(xs.device)
+            else:
+                y = swiglu(xs, gate, up, down)
+            ran.append((e, where[e], xs.shape[0], time.perf_counter() - t0))
+            return y
 
         try:
             return dispatch(x, ids, weights, order, counts, run_expert)
         finally:
-            self.store.release(self.layer, needed)
+            self.store.release(self.layer, needed, ran)
 
 
 def _layer_index(name: str, fallback: int) -> int:

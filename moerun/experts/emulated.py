@@ -77,11 +77,14 @@ class EmulatedLink:
         self.modeled_s = 0.0  # the time the link model charged
         self.busy_s = 0.0  # the time the link was actually held (sleep overshoots a little)
         self.transfers = 0
+        # the transfer in flight, for the placement cost model: its tag and when it ends
+        self.current = None
+        self.busy_until = 0.0
 
     def describe(self) -> str:
         return self.spec.describe()
 
-    def fetch(self, weights: tuple, nbytes: int, demand: bool) -> tuple:
+    def fetch(self, weights: tuple, nbytes: int, demand: bool, tag=None) -> tuple:
         with self._cv:
             if demand:
                 self._demand_waiting += 1
@@ -94,6 +97,7 @@ class EmulatedLink:
                     self._demand_waiting -= 1
         t0 = time.perf_counter()
         dt = self.spec.seconds(nbytes)
+        self.current, self.busy_until = tag, t0 + dt
         try:
             # a demand caller is blocked anyway: spin, since a sleeping thread on a busy machine
             # wakes milliseconds late and would charge the link for the scheduler's delay
@@ -101,6 +105,7 @@ class EmulatedLink:
         finally:
             with self._cv:
                 self._busy = False
+                self.current = None
                 self.modeled_s += dt
                 self.busy_s += time.perf_counter() - t0
                 self.transfers += 1
@@ -113,6 +118,8 @@ class CudaLink:
 
     emulated = False
     inclusive = False
+    spec = LinkSpec(*PRESETS["pcie4"], "pcie4, assumed")  # what the placement cost model assumes
+    current, busy_until = None, 0.0  # not tracked: the cost model sees an idle link
 
     def __init__(self, device: str = "cuda"):
         import torch
@@ -128,7 +135,7 @@ class CudaLink:
     def describe(self) -> str:
         return f"CUDA {self.torch.cuda.get_device_name(self.device)}"
 
-    def fetch(self, weights: tuple, nbytes: int, demand: bool) -> tuple:
+    def fetch(self, weights: tuple, nbytes: int, demand: bool, tag=None) -> tuple:
         torch = self.torch
         t0 = time.perf_counter()
         with self._lock, torch.cuda.stream(self.stream):

@@ -16,6 +16,14 @@ tier has no evictable room even for the experts of one layer (everything in use 
 pinned), a demand miss is served from a transient buffer freed after use: budgets hold for
 the cache, and the transient bytes are counted (`transient_loads`).
 
+Execution where it lives (`--execute`, placement.py). With a device tier, a device miss
+either waits for the link and runs on the device (`device`, the default), runs on the CPU
+from RAM without waiting (`cpu`), or goes where a cost model says it finishes first
+(`auto`). A miss run on the CPU is also moved to the device in the background at the
+lowest priority (dropped if not done by the next step), so the device's cache keeps
+following use without anyone waiting for it. `get` says where each expert runs;
+`release` takes the measured expert times back for the accounting and the cost model.
+
 Threads. One condition variable guards all state; IO and link transfers run outside it.
 Entry states per tier: NONE -> LOADING -> READY. A prefetch is a `Job` on a mover's queue;
 a demand miss that finds its expert's job still queued cancels it and does the work
@@ -36,12 +44,13 @@ import torch
 
 from ..errors import MoerunError
 from .emulated import CudaLink, EmulatedLink, parse_link
+from .placement import CPU, DEVICE, MODES, CostModel, CpuSpeed, Miss
 from .policy import make_policy
 from .prefetch import Job, Mover
 
 NONE, LOADING, READY = 0, 1, 2
 PAGE = os.sysconf("SC_PAGE_SIZE")
-HOST, DEVICE = "host", "device"
+HOST = "host"
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -247,6 +256,7 @@ class StoreOptions:
     profile: object = None  # routing profile (path to JSON or dict) for the pinned set; None = the prompt's routing
     pin_after_tokens: int = 1  # without a profile: pin after this many tokens have been routed
     emulate_link: str | None = None  # --emulate-link pcie4 | 'GB/s,µs': the device tier is emulated
+    execute: str = "device"  # --execute: a device miss waits for the link (device), runs on the CPU (cpu), or the cost model picks (auto)
     disk_workers: int = 2
     drop_page_cache: bool = True
 
@@ -255,6 +265,8 @@ class StoreOptions:
             raise MoerunError("--pin-hot must be >= 0 and --pin-hot-fraction in [0, 1]")
         if self.disk_workers < 1:
             raise MoerunError("disk_workers must be at least 1")
+        if self.execute not in MODES:
+            raise MoerunError(f"--execute must be one of {', '.join(MODES)}, not {self.execute!r}")
 
 
 # -- the store --------------------------------------------------------------------------------
@@ -288,7 +300,14 @@ class Tier:
 
 COUNTERS = ("requests", "hits_device", "hits_host", "demand_misses", "prefetch_issued", "prefetch_used",
             "prefetch_late", "prefetch_wasted", "prefetch_dropped", "prefetch_errors", "bytes_disk", "bytes_link",
-            "reads_disk", "transfers_link", "stall_s", "tokens", "steps", "transient_loads")
+            "reads_disk", "transfers_link", "stall_s", "tokens", "steps", "transient_loads",
+            # device misses by where they ran; measured expert compute; the device's is modelled
+            "link_waits", "cpu_executed", "link_bytes_avoided", "background_moves", "cpu_exec_s", "device_exec_s",
+            "device_exec_modelled_s")
+
+
+def _zeros() -> dict:
+    return {k: 0.0 if k.endswith("_s") else 0 for k in COUNTERS}
 
 
 class ExpertStore:
@@ -316,8 +335,7 @@ class ExpertStore:
         self.pinned: set[tuple] = set()
         self.routing = {l: [0] * n for l, n in self.num_experts.items()}
         self.step = 0
-        self.c = dict.fromkeys(COUNTERS, 0)
-        self.c["stall_s"] = 0.0
+        self.c = _zeros()
         self.last_error: str | None = None
         self._closed = False
 
@@ -336,6 +354,14 @@ class ExpertStore:
         ram = parse_budget(o.ram_budget, self.total_bytes, "--ram-budget")
         ram = self.total_bytes if ram is None else ram
         self.compute = DEVICE if self.link is not None else HOST
+        self.cost = None  # the wait-or-run-on-CPU cost model, when there is a device to wait for
+        if self.link is not None:
+            shape = next(((L.hidden, L.inter) for L in layers), (1, 1))
+            cpu = CpuSpeed.calibrate(*shape, dtype) if o.execute == "auto" else CpuSpeed(0.0, 0.0)
+            self.cost = CostModel(self.link.spec, cpu, isz)
+        elif o.execute != "device":
+            raise MoerunError(f"--execute {o.execute} chooses between the device and the CPU: it needs a device tier "
+                              "(--vram-budget, with --emulate-link pcie4 without a GPU)")
         if self.link is not None and self.link.inclusive and ram < vram:
             raise MoerunError(
                 "the emulated device lives in RAM: --ram-budget must be at least --vram-budget "
@@ -377,9 +403,11 @@ class ExpertStore:
                 self._pin_locked(load_profile(self.options.profile), quiet=True)
             self._reset_locked()
 
-    def get(self, layer: int, ids, n_tokens: int = 1) -> dict[int, tuple]:
-        """Weights (gate [I,H], up [I,H], down [H,I]) of each expert in `ids`, resident in the
-        compute tier (or transient), held until `release(layer, ids)`."""
+    def get(self, layer: int, ids, n_tokens: int = 1, counts=None, where: dict | None = None) -> dict[int, tuple]:
+        """Weights (gate [I,H], up [I,H], down [H,I]) of each expert in `ids`, held until
+        `release(layer, ids)`: resident in the compute tier (or transient), or, for a device
+        miss that `--execute` sends to the CPU, in RAM. `counts[e]`: expert e's tokens
+        (default `n_tokens`), for the cost model; `where`, if given, gets `e -> "device" | "cpu"`."""
         t0 = time.perf_counter()
         out, misses = {}, []
         with self._cv:
@@ -412,6 +440,8 @@ class ExpertStore:
                     out[e] = w
                 else:
                     misses.append(ent)
+            if where is not None:
+                where.update(dict.fromkeys(out, DEVICE if self.compute == DEVICE else CPU))
             if not misses:
                 return out
             try:
@@ -420,14 +450,22 @@ class ExpertStore:
                     if ent.host_state == NONE and ent.job is None:
                         ent.job = Job(ent, math.inf, self.step, HOST, demand=True)
                         self.disk_mover.submit(ent.job)
-                for ent in misses:
+                places = self._place(misses, n_tokens, counts)
+                for ent, place in zip(misses, places):
                     if self.compute == DEVICE:
                         if ent.host_state == READY:
                             c["hits_host"] += 1
-                        w, _ = self._ensure_device(ent, True, True)
+                        if place == CPU:
+                            w, _ = self._ensure_host(ent, True, True)
+                            self._ran_on_cpu(ent)
+                        else:
+                            w, _ = self._ensure_device(ent, True, True)
+                            c["link_waits"] += 1
                     else:
                         w, _ = self._ensure_host(ent, True, True)
                     out[ent.key[1]] = w
+                    if where is not None:
+                        where[ent.key[1]] = place
             except BaseException:
                 for e in ids:
                     self.entries[(layer, int(e))].in_use -= 1
@@ -436,10 +474,22 @@ class ExpertStore:
                 c["stall_s"] += time.perf_counter() - t0
         return out
 
-    def release(self, layer: int, ids) -> None:
+    def release(self, layer: int, ids, ran=()) -> None:
+        """Let go of `get`'s experts; `ran`: (expert, where, tokens, seconds measured) per
+        expert run, for the accounting and the cost model's CPU speed."""
         with self._cv:
             for e in ids:
                 self.entries[(layer, int(e))].in_use -= 1
+            c = self.c
+            for e, place, n, sec in ran:
+                nbytes = self.entries[(layer, int(e))].nbytes
+                if place == CPU:
+                    c["cpu_exec_s"] += sec
+                else:
+                    c["device_exec_s"] += sec
+                    c["device_exec_modelled_s"] += self.cost.device_s(n, nbytes)
+                if self.cost is not None and (place == CPU or self.emulated):  # emulated: the CPU ran it
+                    self.cost.cpu.observe(n, nbytes, sec)
 
     def prefetch(self, layer: int, ids, priority: float = 0.0, for_step: int | None = None) -> None:
         """Ask for experts to be moved to the compute tier ahead of use; returns at once.
@@ -512,6 +562,16 @@ class ExpertStore:
             "prefetch_errors": c["prefetch_errors"],
             "transient_loads": c["transient_loads"],
             "experts_bytes": self.total_bytes,
+            # where device misses ran (--execute); expert compute measured per side; under the
+            # emulated device the "device" experts ran on the CPU: their device time is MODELLED
+            "execute": self.options.execute,
+            "link_waits": c["link_waits"],
+            "cpu_executed": c["cpu_executed"],
+            "link_bytes_avoided": c["link_bytes_avoided"],
+            "background_moves": c["background_moves"],
+            "cpu_exec_s": c["cpu_exec_s"],
+            "device_exec_s": c["device_exec_s"],
+            "device_exec_modelled_s": c["device_exec_modelled_s"],
             "tiers": {},
         }
         for name, (budget, used, peak, resident, ev, _) in tiers.items():
@@ -555,8 +615,7 @@ class ExpertStore:
     # -- internals (the lock is held unless said otherwise) -------------------------------------
 
     def _reset_locked(self):
-        self.c = dict.fromkeys(COUNTERS, 0)
-        self.c["stall_s"] = 0.0
+        self.c = _zeros()
         for t in self.tiers.values():
             t.peak = t.used
             t.evictions = 0
@@ -750,7 +809,7 @@ class ExpertStore:
             ent.dev_state = LOADING
         self._cv.release()
         try:
-            w = self.link.fetch(hw, ent.nbytes, take_over)
+            w = self.link.fetch(hw, ent.nbytes, take_over, ent.key)
         except BaseException:
             self._cv.acquire()
             if ok:
@@ -768,6 +827,27 @@ class ExpertStore:
         self.tiers[DEVICE].policy.inserted(ent.key)
         self._cv.notify_all()
         return w, True
+
+    def _place(self, misses: list, n_tokens: int, counts) -> list[str]:
+        """Where each miss runs: the compute tier, or (`--execute cpu|auto`) the CPU."""
+        if self.compute == HOST:
+            return [CPU] * len(misses)
+        if self.options.execute != "auto":
+            return [self.options.execute] * len(misses)
+        link = self.link
+        items = [Miss(ent.nbytes, counts[ent.key[1]] if counts is not None else n_tokens,
+                      ent.dev_state == LOADING and link.current == ent.key) for ent in misses]
+        return self.cost.plan(items, max(link.busy_until - time.perf_counter(), 0.0))
+
+    def _ran_on_cpu(self, ent: Entry):
+        """Count a device miss run on the CPU, and move it to the device in the background
+        (lowest priority, for the next token), so the device's cache still follows use."""
+        self.c["cpu_executed"] += 1
+        self.c["link_bytes_avoided"] += ent.nbytes
+        if ent.host_state == READY and ent.dev_state == NONE and ent.job is None:
+            ent.job = Job(ent, -math.inf, self.step + 1, DEVICE)
+            self.link_mover.submit(ent.job)
+            self.c["background_moves"] += 1
 
     def _drop(self, ent: Entry):
         if ent.pf:
@@ -823,6 +903,13 @@ def format_stats(st: dict) -> str:
         f"wasted {st['prefetch_wasted']}, dropped {st['prefetch_dropped']}; precision {st['prefetch_precision']:.1%}, "
         f"recall {st['prefetch_recall']:.1%}",
     ]
+    if st["compute_tier"] == DEVICE:
+        modelled = "MODELLED" if st["emulated"] else "modelled"
+        lines.append(
+            f"  execute {st['execute']}: {st['link_waits']} misses waited for the link, {st['cpu_executed']} ran on the CPU "
+            f"({st['cpu_exec_s']:.2f} s, {st['link_bytes_avoided'] / 1e6:.1f} MB of demand transfers avoided, "
+            f"{st['background_moves']} moved in the background); experts on the device: {st['device_exec_s']:.2f} s measured"
+            f"{' on the CPU' if st['emulated'] else ''}, {st['device_exec_modelled_s']:.3f} s {modelled} device compute")
     for name, t in st["tiers"].items():
         if "budget_bytes" in t:
             tag = " EMULATED, " + st["link"] if name == DEVICE and st["emulated"] else ""
