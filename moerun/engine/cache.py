@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import MoerunError
+
 
 @dataclass(frozen=True)
 class KVSpec:
@@ -34,12 +36,20 @@ class StateSpec:
 
 
 class KVCache:
-    """Keys [slots, kv_heads, max_len, k_dim] and values [slots, kv_heads, max_len, v_dim]."""
+    """Keys [slots, kv_heads, max_len, k_dim] and values [slots, kv_heads, max_len, v_dim].
+
+    Stored in `dtype`; read back in the dtype of the keys and values written (they differ
+    when the engine keeps the cache in another float format than the model computes in).
+    """
 
     def __init__(self, spec: KVSpec, batch: int, max_len: int, dtype: torch.dtype):
         self.k = torch.zeros(batch, spec.kv_heads, max_len, spec.k_dim, dtype=dtype)
         self.v = torch.zeros(batch, spec.kv_heads, max_len, spec.v_dim, dtype=dtype)
         self.max_len = max_len
+
+    @staticmethod
+    def bytes_per_token(spec: KVSpec, dtype: torch.dtype) -> int:
+        return spec.kv_heads * (spec.k_dim + spec.v_dim) * dtype.itemsize
 
     def update(self, slots: torch.Tensor, pos0: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write k, v [B, kv_heads, T, dim] at positions pos0[b].., return all keys/values so far.
@@ -47,25 +57,90 @@ class KVCache:
         Returns k_all, v_all [B, kv_heads, S, dim] with S = max(pos0) + T; positions past a
         row's own length hold stale data that the caller masks.
         """
-        B, _, T, _ = k.shape
-        end = int(pos0.max()) + T
-        if end > self.max_len:
-            raise ValueError(f"sequence of {end} tokens exceeds the cache's {self.max_len}")
-        if B == 1:
-            s, p = int(slots[0]), int(pos0[0])
-            self.k[s, :, p : p + T] = k[0]
-            self.v[s, :, p : p + T] = v[0]
-            return self.k[s : s + 1, :, :end], self.v[s : s + 1, :, :end]
-        idx = pos0[:, None] + torch.arange(T)  # [B, T]
-        rows = slots[:, None]
-        self.k[rows, :, idx] = k.transpose(1, 2)
-        self.v[rows, :, idx] = v.transpose(1, 2)
-        if _is_range(slots, self.k.shape[0]):
-            return self.k[:B, :, :end], self.v[:B, :, :end]
-        return self.k[slots, :, :end], self.v[slots, :, :end]
+        end = _end(pos0, k.shape[2], self.max_len)
+        _write((self.k, self.v), slots, pos0, (k, v))
+        return _read(self.k, slots, end).to(k.dtype), _read(self.v, slots, end).to(v.dtype)
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+
+class Int8KVCache:
+    """Keys and values as int8 with one fp32 scale per (slot, kv_head, position): symmetric
+    absmax per head per token, x ~ q * scale with scale = max|x| / 127, so |error| <= scale / 2.
+
+    A static per-head scale would have to be known before the data is seen; one per head and
+    token costs 4 bytes per head_dim int8 values (3% at head_dim 128) and follows outlier
+    tokens. Only positions 0..end are dequantized on read, in the dtype of the keys and
+    values written. Speculative rollback needs nothing more: a position's scale is written
+    with it, so shortening `Cache.lengths` is enough.
+    """
+
+    def __init__(self, spec: KVSpec, batch: int, max_len: int, dtype: torch.dtype | None = None):
+        self.k = torch.zeros(batch, spec.kv_heads, max_len, spec.k_dim, dtype=torch.int8)
+        self.v = torch.zeros(batch, spec.kv_heads, max_len, spec.v_dim, dtype=torch.int8)
+        self.k_scale = torch.zeros(batch, spec.kv_heads, max_len, 1)
+        self.v_scale = torch.zeros(batch, spec.kv_heads, max_len, 1)
+        self.max_len = max_len
+
+    @staticmethod
+    def bytes_per_token(spec: KVSpec, dtype: torch.dtype = torch.int8) -> int:
+        return spec.kv_heads * (spec.k_dim + spec.v_dim + 2 * torch.float32.itemsize)
+
+    def update(self, slots: torch.Tensor, pos0: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """`KVCache.update` through int8: returns the dequantized keys/values, new ones included."""
+        end = _end(pos0, k.shape[2], self.max_len)
+        _write((self.k, self.k_scale, self.v, self.v_scale), slots, pos0, (*quantize_int8(k), *quantize_int8(v)))
+        k_all = dequantize_int8(_read(self.k, slots, end), _read(self.k_scale, slots, end), k.dtype)
+        v_all = dequantize_int8(_read(self.v, slots, end), _read(self.v_scale, slots, end), v.dtype)
+        return k_all, v_all
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + self.k_scale.nbytes + self.v_scale.nbytes
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8 [..., D], fp32 scale [..., 1]), symmetric absmax over the last dim."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    q = (x / scale.clamp_min(torch.finfo(torch.float32).tiny)).round_().clamp_(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)
+
+
+def _end(pos0: torch.Tensor, T: int, max_len: int) -> int:
+    end = int(pos0.max()) + T
+    if end > max_len:
+        raise ValueError(f"sequence of {end} tokens exceeds the cache's {max_len}")
+    return end
+
+
+def _write(buffers: tuple, slots: torch.Tensor, pos0: torch.Tensor, values: tuple) -> None:
+    """buffers[i][slots[b], :, pos0[b] + t] = values[i][b, :, t] for values [B, heads, T, *]."""
+    B, _, T = values[0].shape[:3]
+    if B == 1:
+        s, p = int(slots[0]), int(pos0[0])
+        for buf, x in zip(buffers, values):
+            buf[s, :, p : p + T] = x[0]
+        return
+    idx = pos0[:, None] + torch.arange(T)  # [B, T]
+    rows = slots[:, None]
+    for buf, x in zip(buffers, values):
+        buf[rows, :, idx] = x.transpose(1, 2).to(buf.dtype)
+
+
+def _read(buf: torch.Tensor, slots: torch.Tensor, end: int) -> torch.Tensor:
+    """buf's rows `slots`, positions 0..end-1 (a view when the slots are contiguous)."""
+    B = slots.numel()
+    if B == 1:
+        s = int(slots[0])
+        return buf[s : s + 1, :, :end]
+    if _is_range(slots, buf.shape[0]):
+        return buf[:B, :, :end]
+    return buf[slots, :, :end]
 
 
 class RecurrentState:
@@ -100,20 +175,25 @@ def _is_range(slots: torch.Tensor, capacity: int) -> bool:
 
 
 class Cache:
-    """All layers' decode state plus the number of tokens each slot holds."""
+    """All layers' decode state plus the number of tokens each slot holds.
 
-    def __init__(self, specs: list, batch: int, max_len: int, dtype: torch.dtype):
+    Keys and values are stored in `kv_dtype` (None: the model's `dtype`; torch.int8:
+    `Int8KVCache`); recurrent states always in `dtype` or their own fixed dtype.
+    """
+
+    def __init__(self, specs: list, batch: int, max_len: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
         self.batch = batch
         self.max_len = max_len
-        self.layers = [self._make(s, batch, max_len, dtype) for s in specs]
+        kv_dtype = kv_dtype or dtype
+        self.layers = [self._make(s, batch, max_len, dtype, kv_dtype) for s in specs]
         self.lengths = torch.zeros(batch, dtype=torch.long)
 
     @staticmethod
-    def _make(spec, batch, max_len, dtype):
+    def _make(spec, batch, max_len, dtype, kv_dtype):
         if spec is None:
             return None
         if isinstance(spec, KVSpec):
-            return KVCache(spec, batch, max_len, dtype)
+            return _kv_class(kv_dtype)(spec, batch, max_len, kv_dtype)
         if isinstance(spec, StateSpec):
             return RecurrentState(spec, batch, dtype)
         raise TypeError(f"unknown cache spec {spec!r}")
@@ -133,3 +213,29 @@ class Cache:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers if layer is not None)
+
+
+KV_CACHE_TYPES = {"auto": None, "int8": torch.int8, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                  "float16": torch.float16}
+
+
+def kv_cache_dtype(name: str) -> torch.dtype | None:
+    """`--kv-cache` value -> `Cache`'s kv_dtype (None: the model's dtype)."""
+    if name not in KV_CACHE_TYPES:
+        raise MoerunError(f"unknown KV cache type {name!r}; choose one of {', '.join(KV_CACHE_TYPES)}")
+    return KV_CACHE_TYPES[name]
+
+
+def kv_bytes_per_token(specs: list, kv_dtype: torch.dtype) -> int:
+    """Bytes of keys and values (scales included) one token adds to a sequence's cache."""
+    return sum(_kv_class(kv_dtype).bytes_per_token(s, kv_dtype) for s in specs if isinstance(s, KVSpec))
+
+
+def _kv_class(kv_dtype: torch.dtype):
+    return Int8KVCache if kv_dtype == torch.int8 else KVCache
+
+
+def kv_cache_summary(specs: list, dtype: torch.dtype, kv_dtype: torch.dtype | None) -> dict:
+    """What `info` and `bench --json` report: the KV cache's storage and its bytes per token."""
+    kv_dtype = kv_dtype or dtype
+    return {"kv_cache": str(kv_dtype).removeprefix("torch."), "kv_bytes_per_token": kv_bytes_per_token(specs, kv_dtype)}
