@@ -44,6 +44,24 @@ def build(model_dir, dtype="auto", prepare=None):
 
     prepare(net), when given, runs on the meta-device net before any weight is read (the
     expert store uses it to take the routed experts out of what gets loaded)."""
+    module, args, net, ckpt, dtype, renames = open_model(model_dir, dtype)
+    if prepare is not None:
+        prepare(net)
+    state = load_state(net, ckpt, dtype, renames)
+    net.load_state_dict(state, strict=True, assign=True)
+    left = [n for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta]
+    if left:  # a module made a buffer without an explicit device: a bug of ours, not the user's
+        raise RuntimeError(f"tensors left unmaterialized after loading: {left[:5]}")
+    net.requires_grad_(False).eval()
+    ckpt.close()
+    return module, args, net, dtype
+
+
+def open_model(model_dir, dtype="auto"):
+    """Everything before reading weights: (architecture module, args, meta-device net,
+    checkpoint, dtype, name renames). A checkpoint written by `moerun quantize` (a
+    `quantization` entry in config.json) gets its quantized modules here, and its tensors
+    already carry our names."""
     model_dir = Path(model_dir)
     if not model_dir.exists():
         raise MoerunError(f"model path {model_dir} does not exist")
@@ -56,19 +74,36 @@ def build(model_dir, dtype="auto", prepare=None):
     dtype = resolve_dtype(dtype, cfg, ckpt)
     with torch.device("meta"):
         net = module.Model(args)
-    if prepare is not None:
-        prepare(net)
-    state = load_state(net, ckpt, dtype, getattr(net, "checkpoint_renames", ()))
-    net.load_state_dict(state, strict=True, assign=True)
-    left = [n for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta]
-    if left:  # a module made a buffer without an explicit device: a bug of ours, not the user's
-        raise RuntimeError(f"tensors left unmaterialized after loading: {left[:5]}")
-    net.requires_grad_(False).eval()
-    ckpt.close()
-    return module, args, net, dtype
+    renames = getattr(net, "checkpoint_renames", ())
+    if "quantization" in cfg:
+        from ..quant.checkpoint import make_quantized_modules
+
+        make_quantized_modules(net, cfg["quantization"])
+        renames = ()
+    return module, args, net, ckpt, dtype, renames
 
 
 def load_state(net: torch.nn.Module, ckpt: Checkpoint, dtype: torch.dtype, renames) -> dict[str, torch.Tensor]:
+    plan = plan_state(net, ckpt, renames)
+    total = sum(r.nbytes for _, _, srcs in plan for r in srcs if isinstance(r, TensorRef))
+    state: dict[str, torch.Tensor] = {}
+    tied = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr,
+              disable=total < PROGRESS_BYTES, leave=False) as bar:
+        for name, p, srcs in plan:
+            if isinstance(srcs, str):  # tied to another parameter
+                tied[name] = srcs
+                continue
+            state[name] = materialize(ckpt, srcs, tuple(p.shape), target_dtype(net, name, p, dtype), name)
+            bar.update(sum(r.nbytes for r in srcs))
+    for name, other in tied.items():
+        state[name] = state[other]
+    return state
+
+
+def plan_state(net: torch.nn.Module, ckpt: Checkpoint, renames) -> list[tuple[str, torch.Tensor, list[TensorRef] | str]]:
+    """(name, meta tensor, checkpoint sources or the name it is tied to) for every tensor of
+    `net`'s state dict, in order; drops optional submodules the checkpoint does not have."""
     names = _renamed(ckpt, renames)
     expected = net.state_dict(keep_vars=True)
     for opt in getattr(net, "optional_submodules", ()):
@@ -79,24 +114,19 @@ def load_state(net: torch.nn.Module, ckpt: Checkpoint, dtype: torch.dtype, renam
         if wanted and not any(_resolvable(n, expected[n], names, net) for n in wanted):
             setattr(net, opt, None)
             expected = {n: p for n, p in expected.items() if not n.startswith(prefix)}
-    plan = [(name, p, _sources(name, p, names, net)) for name, p in expected.items()]
-    total = sum(r.nbytes for _, _, srcs in plan for r in srcs if isinstance(r, TensorRef))
-    state: dict[str, torch.Tensor] = {}
-    tied = {}
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr,
-              disable=total < PROGRESS_BYTES, leave=False) as bar:
-        for name, p, srcs in plan:
-            if isinstance(srcs, str):  # tied to another parameter
-                tied[name] = srcs
-                continue
-            target = dtype if p.dtype.is_floating_point else p.dtype
-            if p.dtype.is_floating_point and any(re.search(pat, name) for pat in getattr(net, "fp32_parameters", ())):
-                target = torch.float32  # e.g. routers, as the reference keeps them
-            state[name] = _materialize(ckpt, srcs, tuple(p.shape), target, name)
-            bar.update(sum(r.nbytes for r in srcs))
-    for name, other in tied.items():
-        state[name] = state[other]
-    return state
+    return [(name, p, _sources(name, p, names, net)) for name, p in expected.items()]
+
+
+def target_dtype(net: torch.nn.Module, name: str, p: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype tensor `name` (meta tensor `p`) is loaded in."""
+    if not p.dtype.is_floating_point:
+        return p.dtype
+    owner = net.get_submodule(name.rpartition(".")[0])
+    if getattr(owner, "keeps_dtype", False):  # quantized modules: fp16 scales, fp32 bias
+        return p.dtype
+    if any(re.search(pat, name) for pat in getattr(net, "fp32_parameters", ())):
+        return torch.float32  # e.g. routers, as the reference keeps them
+    return dtype
 
 
 def _renamed(ckpt: Checkpoint, renames) -> dict[str, TensorRef]:
@@ -139,7 +169,7 @@ def _sources(name: str, p: torch.Tensor, names: dict[str, TensorRef], net) -> li
     raise MoerunError(f"checkpoint is missing tensor {name!r}")
 
 
-def _materialize(ckpt: Checkpoint, srcs: list[TensorRef], shape, dtype, name) -> torch.Tensor:
+def materialize(ckpt: Checkpoint, srcs: list[TensorRef], shape, dtype, name) -> torch.Tensor:
     if len(srcs) == 1 and not (srcs[0].name.endswith("gate_up_proj") and not name.endswith("gate_up_proj")):
         ref = srcs[0]
         if ref.shape != shape:

@@ -35,6 +35,7 @@ DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 PAGE = mmap.PAGESIZE
 
 
@@ -149,6 +150,32 @@ class Checkpoint:
     def close(self) -> None:
         # mappings still referenced by zero-copy tensors stay valid until those are freed
         self._maps.clear()
+
+
+def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+    """Write `tensors` as one safetensors file; returns its size in bytes.
+
+    Each tensor's bytes go straight from its memory to the file (the `safetensors` package
+    first copies every tensor into a Python bytes object, doubling the memory of a shard).
+    Tensors are laid out widest element first, so every offset stays aligned.
+    """
+    order = sorted(tensors, key=lambda n: -tensors[n].element_size())
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name in order:
+            t = tensors[name]
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return 8 + len(raw) + offset
 
 
 def file_bytes(model_dir: Path) -> int:

@@ -13,6 +13,8 @@ from . import formats
 
 
 class QuantizedLinear(nn.Module):
+    keeps_dtype = True  # the loader keeps the buffers' dtypes (fp16 scales, fp32 bias)
+
     def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False):
         super().__init__()
         if fmt not in formats.FORMATS:
@@ -50,6 +52,7 @@ class QuantizedExperts(nn.Module):
     """Routed experts with gate/up [E, I, H] and down [E, H, I] packed in `fmt`."""
 
     routed_experts = True  # tells `moerun info` and the expert machinery what this module is
+    keeps_dtype = True
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str):
         super().__init__()
