@@ -68,6 +68,11 @@ def _load(a):
         return moerun.load(a.model, dtype=a.dtype, threads=a.threads, quant=a.quant)
     if a.quant != "none":
         raise MoerunError("--quant together with the expert store is not supported yet")
+    from .quant.checkpoint import stored_policy
+
+    if a.model is not None and stored_policy(a.model) is not None:
+        raise MoerunError(f"{a.model} is a quantized checkpoint; the expert store (--ram-budget, --vram-budget, "
+                          "--predictor, ...) holds float experts only so far")
     from .experts.attach import load as load_with_store
     from .experts.store import StoreOptions
 
@@ -169,6 +174,8 @@ def cmd_chat(a) -> int:
 
 def cmd_info(a) -> int:
     from .engine.info import describe, human_bytes, human_count, layer_pattern
+    from .quant import formats_in_use
+    from .quant.checkpoint import stored_policy
 
     llm = _load(a)
     args, d = llm.args, describe(llm.net, llm.args)
@@ -184,6 +191,8 @@ def cmd_info(a) -> int:
         "dtype": str(llm.dtype).removeprefix("torch."),
         "context_length": llm.context_length,
         "kernel_isa": _kernel_isa(),
+        "quantization": formats_in_use(llm.net) or None,
+        "quantized_checkpoint": stored_policy(llm.path) is not None,
         **d,
     }
     if a.json:
@@ -199,6 +208,7 @@ def cmd_info(a) -> int:
         ("dtype", info["dtype"]),
         ("context", info["context_length"]),
         ("kernels", info["kernel_isa"]),
+        ("quantization", _quant_row(info)),
         ("bytes/token", human_bytes(d["bytes_per_token"]) + " read per decoded token"),
     ]
     for comp, b in sorted(d["bytes_per_token_by_component"].items(), key=lambda kv: -kv[1]):
@@ -207,6 +217,35 @@ def cmd_info(a) -> int:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+def _quant_row(info: dict) -> str:
+    q = info["quantization"]
+    if not q:
+        return "none (float weights)"
+    where = "stored in the checkpoint" if info["quantized_checkpoint"] else "at load"
+    return ", ".join(f"{c} {f}" for c, f in q.items()) + f" ({where})"
+
+
+def cmd_quantize(a) -> int:
+    from dataclasses import replace
+
+    from .engine.info import human_bytes
+    from .engine.llm import set_threads
+    from .quant import POLICIES
+    from .quant.checkpoint import quantize_checkpoint
+
+    set_threads(a.threads)
+    overrides = {c: getattr(a, c) for c in QUANT_COMPONENTS if getattr(a, c) is not None}
+    policy = replace(POLICIES[a.policy], **{c: None if f == "none" else f for c, f in overrides.items()})
+    s = quantize_checkpoint(a.model, a.output, policy, dtype=a.dtype, force=a.force)
+    modules = ", ".join(f"{n} {c}" for c, n in s["modules"].items())
+    print(f"wrote {s['output']}: {human_bytes(s['bytes'])} of weights (from {human_bytes(s['source_bytes'])}); "
+          f"policy {s['policy']}; quantized {modules}; other tensors {s['dtype']}", file=sys.stderr)
+    return 0
+
+
+QUANT_COMPONENTS = ("experts", "shared_experts", "attention", "lm_head")
 
 
 def _kernel_isa() -> str:
@@ -358,6 +397,19 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--json", action="store_true")
     _common(si, model=False)
     si.set_defaults(func=cmd_simulate)
+
+    q = sub.add_parser("quantize", help="write a quantized checkpoint that loads without re-quantizing")
+    q.add_argument("-m", "--model", required=True, help="float Hugging Face model directory")
+    q.add_argument("-o", "--output", required=True, help="directory to write (refused if not empty, unless --force)")
+    q.add_argument("--policy", default="int4", choices=["int4", "int8", "int4-all"],
+                   help="int4 = routed experts int4, attention/shared/head int8 (default); int8; int4-all")
+    for comp in QUANT_COMPONENTS:
+        q.add_argument("--" + comp.replace("_", "-"), default=None, choices=["int4", "int8", "none"],
+                       help=f"format of the {comp.replace('_', ' ')} (overrides --policy; none keeps them float)")
+    q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="dtype of the tensors kept in float")
+    q.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    _common(q, model=False)
+    q.set_defaults(func=cmd_quantize)
 
     r = sub.add_parser("random-model", help="write a random-weight checkpoint with a real model's shapes")
     r.add_argument("preset", help="qwen3-30b-a3b or qwen3.6-35b-a3b")

@@ -54,13 +54,9 @@ class LLM:
         set_threads(threads)
         arch, args, net, dtype = build(path, dtype)
         if quant not in (None, "none"):
-            from ..quant import quantize_model, resolve_policy
+            from ..quant.checkpoint import quantize_at_load
 
-            try:
-                policy = resolve_policy(quant)
-            except ValueError as e:
-                raise MoerunError(str(e)) from None
-            quantize_model(net, policy)
+            quantize_at_load(net, path, quant)
         tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}

@@ -53,12 +53,13 @@ def resolve_policy(policy) -> QuantPolicy | None:
 
 
 def component_of(name: str, module: nn.Module) -> str | None:
-    """Which policy component a module belongs to (None: leave it alone)."""
+    """Which policy component a module (float or already quantized) belongs to (None: leave it alone)."""
     from ..layers.moe import Experts
+    from .modules import QuantizedExperts, QuantizedLinear
 
-    if isinstance(module, Experts):
+    if isinstance(module, (Experts, QuantizedExperts)):
         return "experts"
-    if not isinstance(module, nn.Linear):
+    if not isinstance(module, (nn.Linear, QuantizedLinear)):
         return None
     leaf = name.rpartition(".")[2]
     if leaf in KEEP_FLOAT:
@@ -94,10 +95,35 @@ def quantize_model(net: nn.Module, policy: str | QuantPolicy | None = "int4") ->
         fmt = getattr(policy, comp)
         new = (QuantizedExperts.from_experts(mod, fmt) if comp == "experts"
                else QuantizedLinear.from_linear(mod, fmt))
-        parent_name, _, child = name.rpartition(".")
-        setattr(net.get_submodule(parent_name) if parent_name else net, child, new)
+        replace_module(net, name, new)
         counts[comp] = counts.get(comp, 0) + 1
     return counts
 
 
-__all__ = ["QuantPolicy", "POLICIES", "quantize_model", "resolve_policy", "component_of"]
+def replace_module(net: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(net.get_submodule(parent_name) if parent_name else net, child, new)
+
+
+def formats_in_use(net: nn.Module) -> dict[str, str]:
+    """{component: format} of `net`'s quantized modules ("int4+int8" if a component mixes
+    them); empty when nothing is quantized."""
+    from .modules import QuantizedExperts, QuantizedLinear
+
+    found: dict[str, set[str]] = {}
+    for name, mod in net.named_modules():
+        if isinstance(mod, (QuantizedExperts, QuantizedLinear)):
+            found.setdefault(component_of(name, mod) or "other", set()).add(mod.fmt)
+    return {comp: "+".join(sorted(f)) for comp, f in found.items()}
+
+
+def policy_name(policy: QuantPolicy | None) -> str:
+    """A policy as its POLICIES name, or as its components (`experts=int4 attention=none ...`)."""
+    named = next((k for k, v in POLICIES.items() if v == policy), None)
+    if named is not None:
+        return named
+    return " ".join(f"{f.name}={getattr(policy, f.name) or 'none'}" for f in fields(policy))
+
+
+__all__ = ["QuantPolicy", "POLICIES", "quantize_model", "resolve_policy", "component_of", "formats_in_use",
+           "policy_name", "replace_module"]
