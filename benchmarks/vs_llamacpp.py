@@ -250,8 +250,11 @@ def pool_interplay(threads: int, steps: int = 300) -> dict:
     return out
 
 
-def run_moerun(net, args, prompt: list[int], gen: int, threads: int) -> dict:
+def run_moerun(net, args, prompt: list[int], gen: int, threads: int, split: bool = True) -> dict:
     torch.set_num_threads(threads)
+    kernels.set_threads(None)
+    if split:  # what moerun.load does: torch's small decode ops on one thread (kernels.split_threads)
+        kernels.split_threads(net, threads)
     cache = Cache(net.cache_spec(), 1, len(prompt) + gen + 1, torch.float32)
     ids = torch.tensor([prompt])
     with torch.inference_mode():
@@ -301,6 +304,8 @@ def main(argv=None) -> int:
                    help="keep the GGUF files in --workdir and reuse them next time (the model is seeded)")
     p.add_argument("--gguf-only", action="store_true", help="write the GGUF files and stop")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-split-threads", action="store_true",
+                   help="let torch use --threads in decode too (moerun's behaviour before split_threads)")
     a = p.parse_args(argv)
 
     work = Path(a.workdir)
@@ -335,7 +340,7 @@ def main(argv=None) -> int:
                 gguf_path.unlink()
             res["llamacpp"] = {k: v for k, v in lc.items() if k != "logits"}
             print(f"[{row}] llama.cpp: {res['llamacpp']}", file=sys.stderr)
-        ours = run_moerun(net, args, prompt, a.gen_tokens, a.threads)
+        ours = run_moerun(net, args, prompt, a.gen_tokens, a.threads, split=not a.no_split_threads)
         res["moerun"] = {k: v for k, v in ours.items() if k != "logits"}
         print(f"[{row}] moerun: {res['moerun']}", file=sys.stderr)
         if lc is not None:

@@ -194,3 +194,45 @@ def test_pool_survives_fork():
         assert torch.equal(kernels.qlinear(x, q, s, "int8", 64), y)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+def test_split_threads_decode_on_one_torch_thread():
+    """Quantized net: decode-sized passes run torch on one thread, native ops on N; larger
+    passes give torch its N threads back; outputs do not depend on it."""
+    from moerun.engine.cache import Cache
+    from moerun.quant import quantize_model
+    from test_quant import tiny_model
+
+    net = tiny_model()
+    quantize_model(net, "int4")
+    ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(0))
+    before = torch.get_num_threads()
+    with torch.inference_mode():
+        want = net(ids)
+        plain_cache = Cache(net.cache_spec(), 1, 64, torch.float32)
+        net(ids[:, :39], plain_cache)
+        plain_step = net(ids[:, 39:], plain_cache)
+        try:
+            assert kernels.split_threads(net, threads=2)
+            assert kernels._state["pinned"] == 2
+            got = net(ids)  # 40 tokens > 32: torch keeps 2 threads
+            assert torch.get_num_threads() == 2
+            cache = Cache(net.cache_spec(), 1, 64, torch.float32)
+            net(ids[:, :39], cache)
+            step = net(ids[:, 39:], cache)  # one token: torch on one thread
+            assert torch.get_num_threads() == 1
+        finally:
+            net._split_threads.remove()
+            kernels.set_threads(None)
+            torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step, plain_step, rtol=1e-5, atol=1e-5)
+
+
+def test_split_threads_leaves_float_nets_alone():
+    from test_quant import tiny_model
+
+    net = tiny_model()
+    assert not kernels.split_threads(net, threads=2)
+    assert getattr(net, "_split_threads", None) is None

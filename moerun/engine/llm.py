@@ -41,6 +41,9 @@ class LLM:
         self.dtype = dtype
         self.generation_config = generation_config
         self.last_stats = GenerationStats()
+        from .. import kernels
+
+        kernels.split_threads(net)  # quantized nets: torch's small decode ops on one thread
 
     @classmethod
     def load(cls, path=None, dtype="auto", threads: int | None = None, quant: str | None = None) -> "LLM":
