@@ -22,6 +22,8 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weight and activation dtype")
         p.add_argument("--quant", default="none", choices=["none", "int4", "int8", "int4-all"],
                        help="quantize at load: int4 = routed experts int4, attention/shared/head int8")
+        p.add_argument("--kv-cache", default="auto", help="KV cache storage: auto (the model's dtype), int8 (per-token, "
+                       "per-head scales), float32, bfloat16 or float16")
         s = p.add_argument_group("expert store (routed experts in tiers: device / RAM / disk)")
         s.add_argument("--ram-budget", default=None, help="bytes of routed experts kept in RAM, e.g. 4GiB or 30%%; the rest stream from disk")
         s.add_argument("--vram-budget", default=None, help="bytes of routed experts on the device tier (CUDA, or emulated with --emulate-link)")
@@ -61,11 +63,13 @@ STORE_FLAGS = ("ram_budget", "vram_budget", "cache_policy", "pin_hot", "pin_hot_
 def _load(a):
     import moerun
 
+    from .engine.cache import kv_cache_dtype
     from .errors import MoerunError
 
+    kv_dtype = kv_cache_dtype(a.kv_cache)  # a bad value fails before the weights load
     store_opts = {k: getattr(a, k) for k in STORE_FLAGS if getattr(a, k, None) is not None}
     if not store_opts and not getattr(a, "predictor", None):
-        return moerun.load(a.model, dtype=a.dtype, threads=a.threads, quant=a.quant)
+        return moerun.load(a.model, dtype=a.dtype, threads=a.threads, quant=a.quant, kv_cache=a.kv_cache)
     if a.quant != "none":
         raise MoerunError("--quant together with the expert store is not supported yet")
     from .quant.checkpoint import stored_policy
@@ -77,6 +81,7 @@ def _load(a):
     from .experts.store import StoreOptions
 
     llm = load_with_store(a.model, dtype=a.dtype, threads=a.threads, options=StoreOptions(**store_opts))
+    llm.kv_dtype = kv_dtype
     if a.predictor:
         from .experts.predict import attach_predictor
 
@@ -173,6 +178,7 @@ def cmd_chat(a) -> int:
 
 
 def cmd_info(a) -> int:
+    from .engine.cache import kv_cache_summary
     from .engine.info import describe, human_bytes, human_count, layer_pattern
     from .quant import formats_in_use
     from .quant.checkpoint import stored_policy
@@ -193,6 +199,7 @@ def cmd_info(a) -> int:
         "kernel_isa": _kernel_isa(),
         "quantization": formats_in_use(llm.net) or None,
         "quantized_checkpoint": stored_policy(llm.path) is not None,
+        **kv_cache_summary(llm.net.cache_spec(), llm.dtype, llm.kv_dtype),
         **d,
     }
     if a.json:
@@ -209,6 +216,7 @@ def cmd_info(a) -> int:
         ("context", info["context_length"]),
         ("kernels", info["kernel_isa"]),
         ("quantization", _quant_row(info)),
+        ("KV cache", f"{info['kv_cache']}, {human_bytes(info['kv_bytes_per_token'])} per token of context"),
         ("bytes/token", human_bytes(d["bytes_per_token"]) + " read per decoded token"),
     ]
     for comp, b in sorted(d["bytes_per_token_by_component"].items(), key=lambda kv: -kv[1]):

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ..engine.cache import Cache
+from ..engine.cache import Cache, kv_cache_summary
 from ..errors import MoerunError
 
 
@@ -24,11 +24,11 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, sp
     prompt = torch.randint(0, vocab, (1, prompt_tokens), generator=g)
     with torch.inference_mode():
         # warm-up: first calls allocate and pick kernels
-        warm = Cache(net.cache_spec(), 1, 8, llm.dtype)
+        warm = Cache(net.cache_spec(), 1, 8, llm.dtype, llm.kv_dtype)
         net(prompt[:, :4], warm, last_only=True)
         net(prompt[:, 4:5], warm, last_only=True)
 
-        cache = Cache(net.cache_spec(), 1, prompt_tokens + gen_tokens, llm.dtype)
+        cache = Cache(net.cache_spec(), 1, prompt_tokens + gen_tokens, llm.dtype, llm.kv_dtype)
         t0 = time.perf_counter()
         logits = net(prompt, cache, last_only=True)
         prefill_s = time.perf_counter() - t0
@@ -41,6 +41,7 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, sp
         "model": str(llm.path),
         "architecture": llm.model_type,
         "dtype": str(llm.dtype).removeprefix("torch."),
+        **kv_cache_summary(net.cache_spec(), llm.dtype, llm.kv_dtype),
         "prompt_tokens": prompt_tokens,
         "gen_tokens": gen_tokens,
         "prefill_tok_s": prompt_tokens / prefill_s,
@@ -60,6 +61,7 @@ def bench_speculative(llm, prompt_tokens: int, gen_tokens: int, seed: int, specu
         "model": str(llm.path),
         "architecture": llm.model_type,
         "dtype": str(llm.dtype).removeprefix("torch."),
+        **kv_cache_summary(llm.net.cache_spec(), llm.dtype, llm.kv_dtype),
         "prompt_tokens": prompt_tokens,
         "gen_tokens": d["generated_tokens"],
         "speculative": speculative,

@@ -102,16 +102,17 @@ class Sequence:
 
 
 def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats: GenerationStats | None = None,
-        after_sample=None) -> Iterator[tuple[int, str]]:
+        after_sample=None, kv_dtype: torch.dtype | None = None) -> Iterator[tuple[int, str]]:
     """Generate for every sequence; yields (row, text piece) as tokens are accepted.
 
     after_sample(hidden [B, 1, H], tokens [B, 1]), when given, is called after each step's
     sampling with the final normed hidden state that produced the tokens (an MTP-driven
-    expert prefetcher uses it to predict the experts of the token after next)."""
+    expert prefetcher uses it to predict the experts of the token after next). kv_dtype is
+    the KV cache's storage (`Cache`; None: the model's dtype)."""
     stats = stats if stats is not None else GenerationStats()
     B = len(seqs)
     max_len = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs)
-    cache = Cache(net.cache_spec(), B, max_len, dtype)
+    cache = Cache(net.cache_spec(), B, max_len, dtype, kv_dtype)
     last = [None] * B
     hid = [None] * B
 

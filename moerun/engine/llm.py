@@ -32,6 +32,8 @@ def set_threads(threads: int | None) -> int:
 
 
 class LLM:
+    kv_dtype: torch.dtype | None = None  # KV cache storage (`Cache`): None = the model's dtype, torch.int8, ...
+
     def __init__(self, net, args, arch, tokenizer, path: Path, dtype: torch.dtype, generation_config: dict):
         self.net = net
         self.args = args
@@ -46,12 +48,17 @@ class LLM:
         kernels.split_threads(net)  # quantized nets: torch's small decode ops on one thread
 
     @classmethod
-    def load(cls, path=None, dtype="auto", threads: int | None = None, quant: str | None = None) -> "LLM":
+    def load(cls, path=None, dtype="auto", threads: int | None = None, quant: str | None = None,
+             kv_cache: str = "auto") -> "LLM":
         """quant: None/"none" keeps the checkpoint's weights; "int4" (routed experts int4,
         attention/shared experts/head int8), "int8", "int4-all" quantize at load, unless the
-        checkpoint was already written quantized by `moerun quantize`."""
+        checkpoint was already written quantized by `moerun quantize`. kv_cache: "auto" (the
+        model's dtype), "int8" (per-token, per-head scales) or a float dtype name."""
         from ..loaders.hf import build
         from ..tokenizer import Tokenizer
+        from .cache import kv_cache_dtype
+
+        kv_dtype = kv_cache_dtype(kv_cache)
 
         path = default_model_path() if path is None else Path(path)
         set_threads(threads)
@@ -63,7 +70,9 @@ class LLM:
         tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        return cls(net, args, arch, tokenizer, path, dtype, gen)
+        llm = cls(net, args, arch, tokenizer, path, dtype, gen)
+        llm.kv_dtype = kv_dtype
+        return llm
 
     @property
     def model_type(self) -> str:
@@ -137,7 +146,8 @@ class LLM:
         """The plain loop, or MTP speculative decoding (engine/speculative.py) when asked."""
         if speculative is None:
             self.last_stats = GenerationStats()
-            return run(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats, after_sample=self._mtp_prefetch())
+            return run(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats, after_sample=self._mtp_prefetch(),
+                       kv_dtype=self.kv_dtype)
         from .speculative import SpeculativeStats, check_speculative, new_draft_length, run_speculative
 
         check_speculative(self.net, speculative)
@@ -145,7 +155,8 @@ class LLM:
         if draft_tokens == "auto" and getattr(self, "_draft_length", None) is None:
             self._draft_length = new_draft_length(self.net)  # learns acceptance and step costs across calls
         chooser = self._draft_length if draft_tokens == "auto" else None
-        return run_speculative(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats, draft_tokens, chooser=chooser)
+        return run_speculative(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats, draft_tokens, chooser=chooser,
+                               kv_dtype=self.kv_dtype)
 
     def generate_ids(self, prompts: list[list[int]], speculative: str | None = None, draft_tokens: int | str = 1,
                      **sampling) -> list[list[int]]:

@@ -289,10 +289,11 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, net, dtype: torch.dtype, draft_tokens: int | str = 1, expert_cost: float = 1.0,
-                 chooser: DraftLength | None = None):
+                 chooser: DraftLength | None = None, kv_dtype: torch.dtype | None = None):
         check_speculative(net, "mtp")
         self.net = net
         self.dtype = dtype
+        self.kv_dtype = kv_dtype  # the KV caches' storage (`Cache`)
         self.draft_tokens = check_draft_tokens(draft_tokens)
         self.chooser = None
         if self.draft_tokens == "auto":  # a chooser passed in keeps what earlier runs measured
@@ -333,8 +334,8 @@ class SpeculativeDecoder:
         n_max = MAX_DRAFT_TOKENS if self.draft_tokens == "auto" else self.draft_tokens
         # slack: a verification pass may write up to n_max positions past the last useful one
         max_len = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs) + n_max + 2
-        self.cache = cache = Cache(net.cache_spec(), B, max_len, self.dtype)
-        self.mtp_cache = Cache(net.mtp_cache_spec(), B, max_len, self.dtype)
+        self.cache = cache = Cache(net.cache_spec(), B, max_len, self.dtype, self.kv_dtype)
+        self.mtp_cache = Cache(net.mtp_cache_spec(), B, max_len, self.dtype, self.kv_dtype)
         mixers = self._recurrent_mixers()
         captured: dict[int, torch.Tensor] = {}
         capture = [False]
@@ -542,7 +543,7 @@ def new_draft_length(net, expert_cost: float = 1.0) -> DraftLength:
 
 
 def run_speculative(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats: SpeculativeStats | None = None,
-                    draft_tokens: int | str = 1, expert_cost: float = 1.0, chooser: DraftLength | None = None
-                    ) -> Iterator[tuple[int, str]]:
+                    draft_tokens: int | str = 1, expert_cost: float = 1.0, chooser: DraftLength | None = None,
+                    kv_dtype: torch.dtype | None = None) -> Iterator[tuple[int, str]]:
     """`generate.run` with MTP drafting: yields (row, text piece) as tokens are accepted."""
-    return SpeculativeDecoder(net, dtype, draft_tokens, expert_cost, chooser).run(seqs, eos_ids, stats)
+    return SpeculativeDecoder(net, dtype, draft_tokens, expert_cost, chooser, kv_dtype).run(seqs, eos_ids, stats)

@@ -90,7 +90,7 @@ class Scheduler:
         self.eos_ids = llm.eos_ids()
         self.metrics = metrics
         self.prefill_budget = prefill_budget
-        self.cache = Cache(self.net.cache_spec(), max_concurrency, self.max_len, llm.dtype)
+        self.cache = Cache(self.net.cache_spec(), max_concurrency, self.max_len, llm.dtype, llm.kv_dtype)
         self.free = list(range(max_concurrency - 1, -1, -1))  # pop() hands out slot 0 first
         self.live: list[Request] = []  # decoding
         self.prefilling: collections.deque[Request] = collections.deque()  # holding a slot, prompt partly in
