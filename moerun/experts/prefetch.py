@@ -48,12 +48,14 @@ class Mover:
             t.start()
         _live.add(self)
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queue jobs; one wake-up for all of them (each wake-up of a worker costs the caller a GIL hand-off)."""
         with self._cv:
             if self._closed:
                 return
-            heapq.heappush(self._heap, (-job.priority, next(self._seq), job))
-            self._cv.notify()
+            for job in jobs:
+                heapq.heappush(self._heap, (-job.priority, next(self._seq), job))
+            self._cv.notify(len(jobs))
 
     def pending(self) -> int:
         with self._cv:

@@ -409,7 +409,7 @@ class ExpertStore:
         miss that `--execute` sends to the CPU, in RAM. `counts[e]`: expert e's tokens
         (default `n_tokens`), for the cost model; `where`, if given, gets `e -> "device" | "cpu"`."""
         t0 = time.perf_counter()
-        out, misses = {}, []
+        out, misses, moves = {}, [], []
         with self._cv:
             if self._closed:
                 raise MoerunError("the expert store is closed")
@@ -457,7 +457,7 @@ class ExpertStore:
                             c["hits_host"] += 1
                         if place == CPU:
                             w, _ = self._ensure_host(ent, True, True)
-                            self._ran_on_cpu(ent)
+                            self._ran_on_cpu(ent, moves)
                         else:
                             w, _ = self._ensure_device(ent, True, True)
                             c["link_waits"] += 1
@@ -469,9 +469,13 @@ class ExpertStore:
             except BaseException:
                 for e in ids:
                     self.entries[(layer, int(e))].in_use -= 1
+                for job in moves:
+                    job.entry.job = None
                 raise
             finally:
                 c["stall_s"] += time.perf_counter() - t0
+        if moves:  # queued once the lock is free, so the link's worker does not wake into it
+            self.link_mover.submit(*moves)
         return out
 
     def release(self, layer: int, ids, ran=()) -> None:
@@ -839,14 +843,14 @@ class ExpertStore:
                       ent.dev_state == LOADING and link.current == ent.key) for ent in misses]
         return self.cost.plan(items, max(link.busy_until - time.perf_counter(), 0.0))
 
-    def _ran_on_cpu(self, ent: Entry):
-        """Count a device miss run on the CPU, and move it to the device in the background
-        (lowest priority, for the next token), so the device's cache still follows use."""
+    def _ran_on_cpu(self, ent: Entry, moves: list):
+        """Count a device miss run on the CPU, and add its move to the device in the background
+        to `moves` (lowest priority, for the next token), so the device's cache still follows use."""
         self.c["cpu_executed"] += 1
         self.c["link_bytes_avoided"] += ent.nbytes
         if ent.host_state == READY and ent.dev_state == NONE and ent.job is None:
             ent.job = Job(ent, -math.inf, self.step + 1, DEVICE)
-            self.link_mover.submit(ent.job)
+            moves.append(ent.job)
             self.c["background_moves"] += 1
 
     def _drop(self, ent: Entry):
