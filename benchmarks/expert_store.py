@@ -8,10 +8,17 @@ the checkpoint's pages are dropped from the page cache before each measurement a
 every read); the EMULATED PCIe 4.0 link with a device budget of 25% -- each with LRU
 alone and with LRU + a pinned hot set (taken from the routing profile of the first row's
 own run, i.e. the best case for pinning). In those rows no predictor drives prefetching,
-so every miss is a demand miss; the last two rows add the `layer_ahead1` predictor
-(moerun.experts.predict) hinting the async prefetcher. Emulated rows charge link time
-only; the experts still run on the CPU at CPU speed. Use --threads 1 on a shared machine:
-two threads on two busy cores ran 15x slower here.
+so every miss is a demand miss; the next two rows add the `layer_ahead1` predictor
+(moerun.experts.predict) hinting the async prefetcher; the last two run device misses on the
+CPU (`--execute cpu`) or where the cost model says (`--execute auto`), against the row
+"EMULATED pcie4, VRAM 25%, LRU" that always waits (`--execute device`):
+
+    .venv/bin/python benchmarks/expert_store.py --rows 5,9,10
+
+Emulated rows charge link time only; the experts "on the device" still run on the CPU at
+CPU speed, so for them the table also gives decode tok/s with that measured CPU time
+replaced by the MODELLED device compute time (placement.DeviceModel). Use --threads 1 on a
+shared machine: two threads on two busy cores ran 15x slower here.
 """
 
 from __future__ import annotations
@@ -44,6 +51,10 @@ ROWS = [
     ("RAM 25%, LRU, layer_ahead1 prefetch", dict(ram_budget="25%"), 0.0, "layer_ahead1"),
     ("EMULATED pcie4, VRAM 25%, LRU, layer_ahead1 prefetch", dict(vram_budget="25%", emulate_link="pcie4"), 0.0,
      "layer_ahead1"),
+    # device misses run on the CPU, or where the cost model places them (row 5 always waits)
+    ("EMULATED pcie4, VRAM 25%, LRU, execute cpu", dict(vram_budget="25%", emulate_link="pcie4", execute="cpu"), 0.0, None),
+    ("EMULATED pcie4, VRAM 25%, LRU, execute auto", dict(vram_budget="25%", emulate_link="pcie4", execute="auto"), 0.0,
+     None),
 ]
 
 
@@ -95,8 +106,11 @@ def measure(path, dtype, threads, opts, prompt, gen, warm, profile=None, pin=0.0
                 tok = next_input(net(tok, cache, last_only=True))
             decode_s = time.perf_counter() - t0
         st = store.stats()
+        # the experts that "ran on the device" ran on this CPU: swap their time for the modelled one
+        modelled_s = decode_s - st["device_exec_s"] + st["device_exec_modelled_s"]
         return dict(
             load_s=load_s, prefill_s=prefill_s, decode_s=decode_s, decode_tok_s=gen / decode_s,
+            decode_tok_s_device_modelled=gen / modelled_s if st["emulated"] else None,
             stall_share=st["stall_s"] / decode_s, rss_gib=psutil.Process().memory_info().rss / 2**30,
             profile=store.routing_profile(), **{k: v for k, v in st.items() if k != "tiers"}, tiers=st["tiers"],
         )
@@ -172,15 +186,20 @@ def main() -> int:
     if not a.json:
         print()
         print("| placement, policy | decode tok/s | stall share | stall s/token | expert hit rate | "
-              "prefetch precision / recall | MB moved/token | RSS GiB |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+              "prefetch precision / recall | MB moved/token | device misses waited / on CPU | "
+              "tok/s, device compute MODELLED | RSS GiB |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in results:
             pf = f"{r['prefetch_precision']:.2f} / {r['prefetch_recall']:.2f}" if r["prefetch_issued"] else "-"
+            where = f"{r['link_waits']} / {r['cpu_executed']}" if r["emulated"] else "-"
+            modelled = f"{r['decode_tok_s_device_modelled']:.2f}" if r["emulated"] else "-"
             print(f"| {r['row']} | {r['decode_tok_s']:.2f} | {100 * r['stall_share']:.0f}% | {r['stall_s_per_token']:.3f} | "
-                  f"{r['expert_hit_rate']:.2f} | {pf} | {r['bytes_moved_per_token'] / 1e6:.2f} | {r['rss_gib']:.1f} |")
+                  f"{r['expert_hit_rate']:.2f} | {pf} | {r['bytes_moved_per_token'] / 1e6:.2f} | {where} | {modelled} | "
+                  f"{r['rss_gib']:.1f} |")
         if any(r["emulated"] for r in results):
             link = next(r["link"] for r in results if r["emulated"])
-            print(f"\nEMULATED rows: {link}; link time only, experts still computed on the CPU.")
+            print(f"\nEMULATED rows: {link}; link time only, experts still computed on the CPU (the MODELLED "
+                  "column swaps the measured CPU time of the experts on the device for placement.DeviceModel's).")
             for r in results:
                 if r["emulated"]:
                     d = r["tiers"]["device"]
