@@ -130,3 +130,11 @@ def test_quantized_state_dict_round_trip():
     ids = torch.randint(0, 101, (1, 5))
     with torch.inference_mode():
         assert torch.equal(net(ids), other(ids))
+
+
+def test_quantize_model_leaves_quantized_modules_alone():
+    net = tiny_model()
+    quantize_model(net, "int4")
+    experts = net.model.layers[0].mlp.experts
+    assert quantize_model(net, "int8") == {}  # nothing float is left to quantize
+    assert net.model.layers[0].mlp.experts is experts and experts.fmt == "int4"

@@ -89,7 +89,8 @@ def quantize_model(net: nn.Module, policy: str | QuantPolicy | None = "int4") ->
     plan = []
     for name, mod in net.named_modules():
         comp = component_of(name, mod)
-        if comp is not None and getattr(policy, comp) is not None:
+        already = isinstance(mod, (QuantizedExperts, QuantizedLinear))  # left as they are
+        if comp is not None and getattr(policy, comp) is not None and not already:
             plan.append((name, mod, comp))
     for name, mod, comp in plan:
         fmt = getattr(policy, comp)
