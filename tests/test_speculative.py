@@ -285,23 +285,37 @@ def test_auto_draft_length_follows_acceptance_and_cost():
 
 
 def test_short_conv_and_delta_rule_passes_match_long_ones():
-    """Verification runs DeltaNet on 2..5 tokens at a time (unpadded chunk, conv by taps)."""
+    """Verification runs DeltaNet on 2..5 tokens at a time (conv by windows, the delta rule
+    token by token) and keeps the state after every token for rollback."""
     from moerun.layers import deltanet
 
     torch.manual_seed(0)
     x, w = torch.randn(2, 23, 10), torch.randn(10, 1, 4)
     want, _ = deltanet.causal_conv1d(x, w)
+    cuts = [(0, 3), (3, 8), (8, 9), (9, 13), (13, 23)]
     ys, state = [], None
-    for a, b in [(0, 3), (3, 8), (8, 9), (9, 13), (13, 23)]:
-        y, state = deltanet.causal_conv1d(x[:, a:b], w, state)
+    for a, b in cuts:
+        y, every = deltanet.causal_conv1d(x[:, a:b], w, state, every_state=True)
+        for t in range(b - a):  # the state after token t is what a pass ending there leaves
+            assert torch.equal(every[:, t], deltanet.causal_conv1d(x[:, a : a + t + 1], w, state)[1])
         ys.append(y)
+        state = every[:, -1]
     assert rel_err(torch.cat(ys, 1), want) < 1e-6
     q, k = torch.randn(2, 23, 2, 8), torch.randn(2, 23, 2, 8)
     v, g, beta = torch.randn(2, 23, 4, 6), -torch.rand(2, 23, 4), torch.rand(2, 23, 4)
     o_want, s_want = deltanet.chunk_gated_delta_rule(q, k, v, g, beta)
-    outs, s = [], None
-    for a, b in [(0, 3), (3, 8), (8, 9), (9, 13), (13, 23)]:
-        o, s = deltanet.chunk_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], s)
+    outs, s = [], torch.zeros(2, 4, 8, 6)
+    for a, b in cuts:
+        part = [t[:, a:b] for t in (q, k, v, g, beta)]
+        if b - a > deltanet.FEW:
+            o, s = deltanet.chunk_gated_delta_rule(*part, s)
+        else:
+            o, states = deltanet.recurrent_gated_delta_steps(*part, s)
+            one = s.clone()
+            for t in range(b - a):  # bit for bit the one-token decode step, state by state
+                o1, one = deltanet.recurrent_gated_delta_step(*[p[:, t : t + 1] for p in part], one)
+                assert torch.equal(o1[:, 0], o[:, t]) and torch.equal(one, states[:, t])
+            s = states[:, -1]
         outs.append(o)
     assert rel_err(torch.cat(outs, 1), o_want) < 1e-5 and rel_err(s, s_want) < 1e-5
 

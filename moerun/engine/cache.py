@@ -146,6 +146,8 @@ def _read(buf: torch.Tensor, slots: torch.Tensor, end: int) -> torch.Tensor:
 class RecurrentState:
     """Named state tensors [slots, *shape], zero at the start of a sequence."""
 
+    positions: dict | None = None  # see set_every
+
     def __init__(self, spec: StateSpec, batch: int, dtype: torch.dtype):
         fixed = dict(spec.dtypes)
         self.tensors = {name: torch.zeros(batch, *shape, dtype=fixed.get(name, dtype)) for name, shape in spec.shapes}
@@ -160,6 +162,15 @@ class RecurrentState:
             t[: len(slots)] = value
         else:
             t[slots] = value
+
+    def set_every(self, slots: torch.Tensor, **states: torch.Tensor) -> None:
+        """After a pass of a few tokens: name -> [B, T, *shape], the state after each token. The
+        last becomes the state; all are kept in `positions` when it is a dict (speculative
+        decoding rolls a rejected draft back to one of them)."""
+        for name, value in states.items():
+            self.set(name, slots, value[:, -1])
+        if self.positions is not None:
+            self.positions.update(states)
 
     def reset(self, slot: int) -> None:
         for t in self.tensors.values():

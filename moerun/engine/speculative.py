@@ -179,7 +179,7 @@ class ExpertTracker:
         x = args[0] if args else kwargs["x"]
         ids = args[1] if len(args) > 1 else kwargs["ids"]
         per = self._expert_bytes(m, x)
-        b = int(torch.unique(ids).numel()) * per
+        b = len(set(ids.reshape(-1).tolist())) * per
         self.bytes[self.phase] += b
         if self.phase == "verify":
             self.pass_bytes += b
@@ -315,16 +315,6 @@ class SpeculativeDecoder:
             handle.remove()
         return logits, seen["h"]
 
-    def _recurrent_mixers(self) -> dict[int, torch.nn.Module]:
-        mixers = {}
-        for i, layer in enumerate(self.cache.layers):
-            if isinstance(layer, RecurrentState):
-                mixer = getattr(self.net.model.layers[i], "linear_attn", None)
-                if mixer is None:
-                    raise MoerunError(f"speculative decoding cannot roll back the recurrent state of layer {i} of this model")
-                mixers[i] = mixer
-        return mixers
-
     # -- the loop --------------------------------------------------------------
     def run(self, seqs: list[Sequence], eos_ids: set[int], stats: SpeculativeStats | None = None) -> Iterator[tuple[int, str]]:
         stats = stats if stats is not None else SpeculativeStats()
@@ -336,17 +326,9 @@ class SpeculativeDecoder:
         max_len = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs) + n_max + 2
         self.cache = cache = Cache(net.cache_spec(), B, max_len, self.dtype, self.kv_dtype)
         self.mtp_cache = Cache(net.mtp_cache_spec(), B, max_len, self.dtype, self.kv_dtype)
-        mixers = self._recurrent_mixers()
-        captured: dict[int, torch.Tensor] = {}
-        capture = [False]
-
-        def keep_input(i):
-            def hook(m, args):
-                if capture[0]:
-                    captured[i] = args[0]
-            return hook
-
-        handles = [m.register_forward_pre_hook(keep_input(i)) for i, m in mixers.items()]
+        recurrent = [layer for layer in cache.layers if isinstance(layer, RecurrentState)]
+        for layer in recurrent:  # verification passes leave every token's state here (set_every)
+            layer.positions = {}
         tracker = ExpertTracker(net)
         # per row: trunk hidden states not yet given to the MTP head, and the token after each
         # (the last of them: the sampled token the trunk has not run yet)
@@ -382,12 +364,10 @@ class SpeculativeDecoder:
                         pend_t[b].append(tok)
                         active.append(b)
                 while active:
-                    yield from self._step(seqs, active, pend_h, pend_t, eos_ids, stats, tracker, mixers, captured, capture)
+                    yield from self._step(seqs, active, pend_h, pend_t, eos_ids, stats, tracker, recurrent)
                     active = [b for b in active if not seqs[b].finished]
                 stats.decode_s += time.perf_counter() - t0
         finally:
-            for h in handles:
-                h.remove()
             tracker.close()
 
     def _draft(self, seqs, active, n, pend_h, pend_t, tracker):
@@ -431,7 +411,7 @@ class SpeculativeDecoder:
         tracker.phase = None
         return drafts, qs
 
-    def _step(self, seqs, active, pend_h, pend_t, eos_ids, stats, tracker, mixers, captured, capture):
+    def _step(self, seqs, active, pend_h, pend_t, eos_ids, stats, tracker, recurrent):
         net, cache = self.net, self.cache
         t0 = time.perf_counter()
         n = self.chooser.choose() if self.chooser is not None else self.draft_tokens
@@ -441,17 +421,17 @@ class SpeculativeDecoder:
         else:  # a plain step ("auto" only): the head catches up on the next drafting step
             drafts, qs = [[] for _ in active], [[] for _ in active]
         slots = torch.tensor(active)
-        L = cache.lengths[slots].clone()
-        snapshot = {i: {name: cache.layers[i].get(name, slots).clone() for name in cache.layers[i].tensors}
-                    for i in mixers} if n > 0 else {}
+        L = cache.lengths[slots].tolist()
         ids = torch.tensor([[pend_t[b][-1]] + drafts[i] for i, b in enumerate(active)], dtype=torch.long)
+        for layer in recurrent:
+            layer.positions.clear()
         tracker.start_pass("verify")
-        capture[0] = True
         try:
             logits, hidden = net(ids, cache, slots, return_hidden=True)  # [B, n+1, V], [B, n+1, H]
         finally:
-            capture[0] = False
             tracker.phase = None
+        if n > 0 and not all(layer.positions for layer in recurrent):
+            raise MoerunError("speculative decoding cannot roll back this model's recurrent state (no per-token states)")
         stats.verify_steps += 1
         stats.decode_steps += 1
         stats.verify_expert_bytes += tracker.pass_bytes
@@ -485,7 +465,7 @@ class SpeculativeDecoder:
             # finished on one of them); the token after them is the next to run. Finished
             # rows are rolled back too, so the cache always ends at a token boundary.
             keep = 1 + min(emitted, k)
-            cache.lengths[b] = int(L[i]) + keep
+            cache.lengths[b] = L[i] + keep
             if n > 0:
                 pend_h[b] = hidden[i, :keep]
                 pend_t[b] = (drafts[i][:k] + [tokens[-1]])[:keep]
@@ -495,14 +475,12 @@ class SpeculativeDecoder:
             if keep < n + 1:
                 rollback.setdefault(keep, []).append(i)
         t1 = time.perf_counter()
-        for keep, rows in rollback.items():
+        for keep, rows in rollback.items():  # recurrent states: the one after the last kept token
             idx = torch.tensor(rows)
             row_slots = slots[idx]
-            for li, mixer in mixers.items():
-                state = cache.layers[li]
-                for name in state.tensors:
-                    state.set(name, row_slots, snapshot[li][name][idx])
-                mixer(captured[li][idx, :keep], state, row_slots)
+            for state in recurrent:
+                for name, every in state.positions.items():
+                    state.set(name, row_slots, every[idx, keep - 1])
         if self.chooser is not None:
             self.chooser.observe_time(n, busy + time.perf_counter() - t1)
 

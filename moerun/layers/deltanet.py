@@ -6,8 +6,10 @@ The recurrent state of one value head is a [Dk, Dv] matrix S. For each token:
     o  = q S
 with q and k L2-normalised and q scaled by Dk^-0.5. Prefill runs the chunked (WY / UT
 transform) form, one matmul pass per chunk of 64 tokens; decode runs the one-token update
-as batched matmuls over every batch row and head at once. Both compute in fp32 and match
-transformers' `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule`.
+as batched matmuls over every batch row and head at once; a pass of a few tokens (a
+speculative verification) runs that update token by token and keeps every token's state.
+All compute in fp32 and match transformers' `torch_chunk_gated_delta_rule` /
+`torch_recurrent_gated_delta_rule`.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ import torch.nn.functional as F
 
 CHUNK = 64
 SEGMENT = 64 * CHUNK  # tokens per pass of the chunked form (a multiple of CHUNK)
+FEW = 8  # up to this many tokens (a speculative verification pass) run token by token
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None):
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, every_state: bool = False):
     """Depthwise causal conv + SiLU over time.
 
     x [B, T, C], weight [C, 1, K], state [B, C, K-1] (the previous K-1 inputs; zeros or
-    None at the start of a sequence). Returns (y [B, T, C], new state [B, C, K-1]).
+    None at the start of a sequence). Returns (y [B, T, C], new state [B, C, K-1]), or with
+    `every_state` the state after each token, [B, T, C, K-1] (views of one buffer).
     """
     B, T, C = x.shape
     K = weight.shape[-1]
@@ -34,13 +38,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | N
     if state is None:
         state = xt.new_zeros(B, C, K - 1)
     xs = torch.cat([state.to(xt.dtype), xt], dim=-1)  # [B, C, K-1+T]
-    if T == 1:
-        y = (xs * weight[:, 0]).sum(-1, keepdim=True)  # [B, C, 1]
-    elif T <= 8:  # a few tokens (speculative verification): K taps beat conv1d's setup cost
-        y = sum(xs[..., i : i + T] * weight[:, 0, i : i + 1] for i in range(K))  # [B, C, T]
+    if T <= FEW:  # one token, or a few (speculative verification): windows beat conv1d's setup cost
+        y = (xs.unfold(-1, K, 1) * weight[:, None, 0]).sum(-1)  # [B, C, T, K] -> [B, C, T]
     else:
         y = F.conv1d(xs, weight, groups=C)  # [B, C, T]
-    return F.silu(y).transpose(1, 2).to(x.dtype), xs[..., xs.shape[-1] - (K - 1) :]
+    y = F.silu(y).transpose(1, 2).to(x.dtype)
+    if every_state:
+        return y, xs.unfold(-1, K - 1, 1)[:, :, 1:].transpose(1, 2)
+    return y, xs[..., xs.shape[-1] - (K - 1) :]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -106,6 +111,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size: int = CHUNK
     return out.transpose(1, 2).to(dtype), S
 
 
+def _delta_update(S, q2, k2, v2, decay, beta2, out):
+    """One token for every (row, head) at once: S [BH, Dk, Dv] -> out (may be S itself);
+    q2, k2 [BH, 1, Dk], v2 [BH, 1, Dv], decay and beta2 [BH, 1, 1]. Returns q S_new [BH, 1, Dv]."""
+    # k S and q S of the decayed state, read from S in one batched matmul
+    kqS = torch.bmm(torch.cat([k2, q2], dim=1), S) * decay  # [BH, 2, Dv]
+    delta = (v2 - kqS[:, :1]) * beta2  # [BH, 1, Dv]
+    torch.mul(S, decay, out=out).baddbmm_(k2.transpose(1, 2), delta)  # decayed S + k^T delta
+    return kqS[:, 1:] + (q2 * k2).sum(-1, keepdim=True) * delta
+
+
 def recurrent_gated_delta_step(q, k, v, g, beta, state):
     """One token of the gated delta rule for every batch row and head at once.
 
@@ -120,14 +135,33 @@ def recurrent_gated_delta_step(q, k, v, g, beta, state):
     if state.dtype != torch.float32 or not state.is_contiguous():
         state = state.float().contiguous()
     S = state.view(B * Hv, Dk, Dv)
-    k2, q2 = k.reshape(B * Hv, 1, Dk), q.reshape(B * Hv, 1, Dk)
-    decay = g.exp().reshape(B * Hv, 1, 1)
-    # k S and q S of the decayed state, read from S in one batched matmul
-    kqS = torch.bmm(torch.cat([k2, q2], dim=1), S) * decay  # [B*Hv, 2, Dv]
-    delta = (v.reshape(B * Hv, 1, Dv) - kqS[:, :1]) * beta.reshape(B * Hv, 1, 1)  # [B*Hv, 1, Dv]
-    S.mul_(decay).baddbmm_(k2.transpose(1, 2), delta)  # decayed S + k^T delta
-    o = kqS[:, 1:] + (q2 * k2).sum(-1, keepdim=True) * delta  # = q S_new
+    o = _delta_update(S, q.reshape(B * Hv, 1, Dk), k.reshape(B * Hv, 1, Dk), v.reshape(B * Hv, 1, Dv),
+                      g.exp().reshape(B * Hv, 1, 1), beta.reshape(B * Hv, 1, 1), out=S)
     return o.reshape(B, Hv, 1, Dv).transpose(1, 2).to(dtype), state
+
+
+def recurrent_gated_delta_steps(q, k, v, g, beta, state):
+    """A few tokens one after the other (a speculative verification pass), keeping the state
+    after every token so that a rejected draft can be rolled back without recomputing.
+
+    Shapes as `chunk_gated_delta_rule` (state required). Returns (o [B, T, Hv, Dv] in q's
+    dtype, states fp32 [B, T, Hv, Dk, Dv]: states[:, t] is the state after token t).
+    """
+    dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [B, Hv, T, D]
+    B, Hv, T, Dk = k.shape
+    Dv = v.shape[-1]
+    BH = B * Hv
+    q, k, v = (t.reshape(BH, T, 1, -1).unbind(1) for t in (q, k, v))
+    decay, beta = g.exp().reshape(BH, T, 1, 1).unbind(1), beta.reshape(BH, T, 1, 1).unbind(1)
+    states = torch.empty(T, BH, Dk, Dv)
+    S = state.float().reshape(BH, Dk, Dv)
+    o = []
+    for t in range(T):
+        o.append(_delta_update(S, q[t], k[t], v[t], decay[t], beta[t], out=states[t]))
+        S = states[t]
+    o = torch.cat(o, dim=1).view(B, Hv, T, Dv).transpose(1, 2).to(dtype)
+    return o, states.view(T, B, Hv, Dk, Dv).transpose(0, 1)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

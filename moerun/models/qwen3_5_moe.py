@@ -34,7 +34,8 @@ from torch import nn
 from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec, StateSpec
 from ..layers.attention import attend
-from ..layers.deltanet import causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, recurrent_gated_delta_step
+from ..layers.deltanet import (FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, recurrent_gated_delta_step,
+                               recurrent_gated_delta_steps)
 from ..layers.moe import Experts, GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, apply_rope
@@ -178,8 +179,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, state, slots):
         B, T, _ = x.shape
+        few = state is not None and 1 < T <= FEW  # a speculative verification pass: keep every token's state
         conv_state = state.get("conv", slots) if state is not None else None
-        qkv, conv_state = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight, conv_state)  # [B, T, C]
+        qkv, conv_state = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight, conv_state, every_state=few)  # [B, T, C]
         kd = self.n_k * self.dk
         q = qkv[..., :kd].reshape(B, T, self.n_k, self.dk)
         k = qkv[..., kd : 2 * kd].reshape(B, T, self.n_k, self.dk)
@@ -189,9 +191,13 @@ class GatedDeltaNet(nn.Module):
         rec = state.get("recurrent", slots) if state is not None else None
         if rec is not None and T == 1:
             o, rec = recurrent_gated_delta_step(q, k, v, g, beta, rec)
+        elif few:
+            o, rec = recurrent_gated_delta_steps(q, k, v, g, beta, rec)  # rec [B, T, Hv, Dk, Dv]
         else:
             o, rec = chunk_gated_delta_rule(q, k, v, g, beta, rec)  # [B, T, Hv, Dv]
-        if state is not None:
+        if few:
+            state.set_every(slots, conv=conv_state, recurrent=rec)
+        elif state is not None:
             state.set("conv", slots, conv_state)
             state.set("recurrent", slots, rec)
         z = self.in_proj_z(x).view(B, T, self.n_v, self.dv)
