@@ -50,7 +50,8 @@ def test_force_torch_path():
 
 @pytest.mark.parametrize("isa", NATIVE)
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("M,K,N", [(1, 32, 4), (1, 100, 37), (3, 64, 5), (7, 257, 33), (64, 512, 130)])
+@pytest.mark.parametrize("M,K,N", [(1, 32, 4), (1, 100, 37), (1, 300, 37), (1, 512, 9), (3, 64, 5), (7, 257, 33),
+                                   (64, 512, 130)])
 def test_qlinear(isa, fmt, M, K, N):
     g = torch.Generator().manual_seed(M * 1000 + K + N)
     w = torch.randn(N, K, generator=g) * 0.05
