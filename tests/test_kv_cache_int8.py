@@ -257,3 +257,12 @@ def test_info_and_bench_report_kv_bytes_per_token(capsys):
     assert rc == 0, err
     bench = json.loads(out)
     assert bench["kv_cache"] == "int8" and bench["kv_bytes_per_token"] == info["int8"]["kv_bytes_per_token"]
+
+
+def test_cli_passes_the_format_with_the_expert_store(tmp_path):
+    from moerun.cli import _load, build_parser
+
+    make_tiny_model(tmp_path)
+    a = build_parser().parse_args(["generate", "x", "-m", str(tmp_path), "--ram-budget", "50%", "--kv-cache", "int8"])
+    llm = _load(a)
+    assert llm.store is not None and llm.kv_dtype == torch.int8
