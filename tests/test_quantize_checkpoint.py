@@ -18,7 +18,7 @@ from moerun.bench.random_model import write_random_model
 from moerun.cli import main
 from moerun.engine.llm import DEMO_MODEL
 from moerun.loaders.safetensors import Checkpoint
-from moerun.quant import POLICIES, QuantPolicy, checkpoint, formats
+from moerun.quant import POLICIES, QuantPolicy, checkpoint, formats, modules
 from moerun.quant.modules import QuantizedExperts, QuantizedLinear
 
 TINY_QWEN3 = dict(
@@ -270,6 +270,16 @@ def test_info_reports_stored_formats_and_bytes(demo_int4, capsys):
     assert per_token == int(expert_bytes * stored["experts_per_token"] / stored["experts"])
     rc = main(["info", "-m", str(demo_int4), "--threads", "1"])
     assert rc == 0 and "stored in the checkpoint" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_big_linear_quantized_in_row_chunks(monkeypatch, fmt):
+    lin = torch.nn.Linear(70, 11)
+    whole = formats.quantize(lin.weight.detach(), fmt)
+    monkeypatch.setattr(modules, "CHUNK_ROWS", 4)  # 11 rows: chunks of 4, 4, 3
+    q = modules.QuantizedLinear.from_linear(lin, fmt)
+    assert torch.equal(q.qweight, whole[0]) and torch.equal(q.scales, whole[1])
+    assert torch.equal(q.bias, lin.bias.detach())
 
 
 def test_generate_from_the_command_line(demo_int4):

@@ -11,6 +11,8 @@ from . import formats
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
 
+CHUNK_ROWS = 4096  # quantize a big linear (an LM head of 150k rows) this many rows at a time
+
 
 class QuantizedLinear(nn.Module):
     keeps_dtype = True  # the loader keeps the buffers' dtypes (fp16 scales, fp32 bias)
@@ -30,7 +32,9 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_linear(cls, lin: nn.Linear, fmt: str) -> "QuantizedLinear":
         m = cls(lin.in_features, lin.out_features, fmt, bias=lin.bias is not None)
-        m.qweight, m.scales = formats.quantize(lin.weight.detach(), fmt)
+        w = lin.weight.detach()
+        for i in range(0, lin.out_features, CHUNK_ROWS):  # rows are independent: bounded float32 temporaries
+            m.qweight[i : i + CHUNK_ROWS], m.scales[i : i + CHUNK_ROWS] = formats.quantize(w[i : i + CHUNK_ROWS], fmt)
         if lin.bias is not None:
             m.bias = lin.bias.detach().float().clone()
         return m
