@@ -1,12 +1,19 @@
 """MTP self-speculative decoding: decode tok/s without speculation and with N draft tokens.
 
-    python benchmarks/speculative.py [-m PATH] [--threads 2] [--gen-tokens 64] [--drafts 0,1,2,3,auto] [--rounds R] [--json]
+    python benchmarks/speculative.py [-m PATH] [--threads 2] [--gen-tokens 64] [--drafts 0,1,2,3,auto]
+                                     [--rounds R] [--ram-budget 50%] [--prefetch both|on|off] [--json]
 
-Single stream (one prompt at a time), greedy. For every setting it prints decode tok/s (the
-mean over the prompts, each timed in the same run), the acceptance rate of drafts, tokens
-emitted per verification step, and the routed-expert bytes the trunk reads per emitted
-token (the union of the experts of a verification pass) against one plain decode token.
-It checks that every speculative output equals the plain greedy output.
+Single stream (one prompt at a time), greedy. For every setting it prints decode tok/s (over
+all prompts, settings interleaved prompt by prompt so a shared machine's load falls on all
+alike), the acceptance rate of drafts, tokens emitted per verification step, and the
+routed-expert bytes the trunk reads per emitted token (the union of the experts of a
+verification pass) against one plain decode token. It checks that every speculative output
+equals the plain greedy output, and prints the machine's load average before and after.
+
+With --ram-budget the routed experts sit in an expert store holding that share in RAM (the
+rest read from disk on a miss); each speculative setting then runs with and without
+hinting the drafts' experts to the store (`DraftPrefetch`), and the rows add the bytes read
+from disk and the seconds waited for experts, per emitted token.
 
 Without -m it uses the bundled demo model; when that is missing it builds a tiny random
 qwen3_5_moe model with an MTP head (and says so): its random head is a poor drafter, so
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -25,7 +33,9 @@ from pathlib import Path
 import torch
 
 import moerun
+from moerun.engine.generate import Sequence
 from moerun.engine.llm import DEMO_MODEL
+from moerun.engine.speculative import SpeculativeStats, new_draft_length, run_speculative, store_figures
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -47,14 +57,24 @@ def random_model(path: Path) -> Path:
     return path
 
 
-def run_one(llm, prompt: str, gen_tokens: int, draft) -> tuple[list[int], dict]:
+def run_one(llm, prompt: str, gen_tokens: int, draft, prefetch: bool = True, chooser=None) -> tuple[list[int], dict]:
+    """One greedy continuation: plain (draft 0) or speculative; its ids and figures."""
     ids = llm.encode_prompt(prompt)
-    kw = dict(max_tokens=gen_tokens, temperature=0.0)
-    if draft != 0:
-        kw.update(speculative="mtp", draft_tokens=draft)
-    out = llm.generate_ids([ids], **kw)[0]
-    st = llm.last_stats
-    fig = {"decode_tok_s": st.decode_tok_s, "generated_tokens": st.generated_tokens, "decode_s": st.decode_s}
+    store = getattr(llm, "store", None)
+    before = store_figures(store) if store is not None else (0, 0.0)
+    if draft == 0:
+        out = llm.generate_ids([ids], max_tokens=gen_tokens, temperature=0.0)[0]
+        st = llm.last_stats
+    else:
+        seq = Sequence(ids, llm.sampling_params(max_tokens=gen_tokens, temperature=0.0))
+        st = SpeculativeStats()
+        for _ in run_speculative(llm.net, [seq], llm.eos_ids(), llm.dtype, st, draft, chooser=chooser,
+                                 kv_dtype=llm.kv_dtype, prefetch=prefetch):
+            pass
+        out = seq.out_ids
+    after = store_figures(store) if store is not None else (0, 0.0)
+    fig = {"decode_tok_s": st.decode_tok_s, "generated_tokens": st.generated_tokens, "decode_s": st.decode_s,
+           "moved_bytes": after[0] - before[0], "stall_s": after[1] - before[1]}
     if draft != 0:
         fig.update(st.as_dict())
     return out, fig
@@ -69,6 +89,9 @@ def main(argv=None):
     ap.add_argument("--drafts", default="0,1,2,3,auto", help="comma-separated: 0 (no speculation), 1..4, auto")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
     ap.add_argument("--rounds", type=int, default=1, help="passes over the prompts (settings interleaved)")
+    ap.add_argument("--ram-budget", default=None, help="experts in an expert store with this RAM budget (4GiB, 50%%)")
+    ap.add_argument("--prefetch", default="both", choices=["both", "on", "off"],
+                    help="with --ram-budget: speculative rows with the drafts' experts hinted to the store, without, or both")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -79,35 +102,50 @@ def main(argv=None):
         else:
             args.model = random_model(Path(tempfile.mkdtemp(prefix="moerun_spec_")))
             note = "demo model missing: a tiny RANDOM qwen3_5_moe with a random MTP head"
-    llm = moerun.load(args.model, dtype=args.dtype, threads=args.threads)
+    load_before = os.getloadavg()
+    if args.ram_budget:
+        from moerun.experts import StoreOptions
+        from moerun.experts import load as load_with_store
+
+        llm = load_with_store(args.model, dtype=args.dtype, threads=args.threads, options=StoreOptions(ram_budget=args.ram_budget))
+    else:
+        llm = moerun.load(args.model, dtype=args.dtype, threads=args.threads)
     if not llm.net.has_mtp:
         raise SystemExit(f"{args.model} has no MTP head")
     drafts = [d if d == "auto" else int(d) for d in args.drafts.split(",")]
+    prefetch = {"both": (True, False), "on": (True,), "off": (False,)}[args.prefetch] if args.ram_budget else (True,)
+    settings = [(d, pf) for d in drafts for pf in ((True,) if d == 0 else prefetch)]
+    name = {(d, pf): "plain" if d == 0 else f"mtp_{d}" + ("" if not args.ram_budget else "_prefetch" if pf else "_noprefetch")
+            for d, pf in settings}
+    choosers = {st: new_draft_length(llm.net) for st in settings if st[0] == "auto"}  # each learns across prompts
     prompts = PROMPTS[: args.prompts]
     # warm up every path once (allocator, first-call costs)
-    for d in drafts:
-        run_one(llm, prompts[0], 8, d)
+    for d, pf in settings:
+        run_one(llm, prompts[0], 8, d, pf, choosers.get((d, pf)))
 
     # settings interleaved prompt by prompt and round by round, so that the load of a shared
     # machine falls on all of them alike
     plain_out: dict = {}
-    figs: dict = {d: [] for d in drafts}
-    same = {d: True for d in drafts}
+    figs: dict = {st: [] for st in settings}
+    same = {st: True for st in settings}
     for _ in range(args.rounds):
         for p in prompts:
-            for d in drafts:
-                out, fig = run_one(llm, p, args.gen_tokens, d)
+            for d, pf in settings:
+                out, fig = run_one(llm, p, args.gen_tokens, d, pf, choosers.get((d, pf)))
                 if d == 0:
                     plain_out[p] = out
                 elif p in plain_out:
-                    same[d] &= out == plain_out[p]
-                figs[d].append(fig)
+                    same[d, pf] &= out == plain_out[p]
+                figs[d, pf].append(fig)
     results = {}
-    for d in drafts:
-        fs = figs[d]
+    for st in settings:
+        d, fs = st[0], figs[st]
         tokens = sum(f["generated_tokens"] - 1 for f in fs)
         secs = sum(f["decode_s"] for f in fs)
         r = {"decode_tok_s": tokens / secs if secs else 0.0}
+        if args.ram_budget:  # per token out of the decode loop (the first comes from prefill)
+            r["moved_expert_bytes_per_token"] = sum(f["moved_bytes"] for f in fs) / max(tokens, 1)
+            r["expert_stall_s_per_token"] = sum(f["stall_s"] for f in fs) / max(tokens, 1)
         if d != 0:
             mean = lambda key: sum(f[key] for f in fs) / len(fs)  # noqa: E731
             r.update(
@@ -117,7 +155,7 @@ def main(argv=None):
                 single_token_expert_bytes=fs[0]["single_token_expert_bytes"],
                 extra_expert_bytes_per_token=mean("extra_expert_bytes_per_token"),
                 draft_expert_bytes_per_token=mean("draft_expert_bytes_per_token"),
-                identical_to_plain=same[d] if plain_out else None,
+                identical_to_plain=same[st] if plain_out else None,
             )
             if d == "auto":
                 hist: dict = {}
@@ -125,27 +163,34 @@ def main(argv=None):
                     for n, c in f["draft_tokens_used"].items():
                         hist[n] = hist.get(n, 0) + c
                 r["draft_tokens_used"] = hist
-        results["plain" if d == 0 else f"mtp_{d}"] = r
+        results[name[st]] = r
     base = results.get("plain", {}).get("decode_tok_s")
     for r in results.values():
         if base:
             r["speedup"] = r["decode_tok_s"] / base
     report = {"model": str(args.model), "note": note, "threads": args.threads, "dtype": args.dtype, "gen_tokens": args.gen_tokens,
-              "prompts": len(prompts), "rounds": args.rounds, "results": results}
+              "prompts": len(prompts), "rounds": args.rounds, "ram_budget": args.ram_budget,
+              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "results": results}
     if args.json:
         print(json.dumps(report, indent=1))
         return
     if note:
         print(f"NOTE: {note}")
-    print(f"{args.model}  threads={args.threads}  {len(prompts)} prompts x {args.gen_tokens} tokens, greedy, single stream")
-    print(f"{'setting':10} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/step':>9} {'expertB/tok':>12} {'extra':>10} {'same':>5}")
-    for name, r in results.items():
-        print(f"{name:10} {r['decode_tok_s']:8.1f} {r.get('speedup', 1.0):8.2f} "
-              f"{r.get('acceptance_rate', float('nan')):7.2f} {r.get('accepted_tokens_per_step', 1.0):9.2f} "
-              f"{r.get('expert_bytes_per_token', r.get('single_token_expert_bytes', 0)):12.0f} "
-              f"{r.get('extra_expert_bytes_per_token', 0):10.0f} {str(r.get('identical_to_plain', '')):>5}")
+    print(f"{args.model}  threads={args.threads}  {len(prompts)} prompts x {args.gen_tokens} tokens x {args.rounds} rounds, "
+          f"greedy, single stream" + (f", RAM budget {args.ram_budget}" if args.ram_budget else ""))
+    print("load average before/after: " + " / ".join(" ".join(f"{x:.2f}" for x in la) for la in (load_before, os.getloadavg())))
+    store_cols = f" {'diskB/tok':>10} {'wait ms/tok':>11}" if args.ram_budget else ""
+    print(f"{'setting':22} {'tok/s':>7} {'speedup':>7} {'accept':>6} {'tok/step':>8} {'expertB/tok':>11} {'extra':>8}"
+          f"{store_cols} {'same':>5}")
+    for label, r in results.items():
+        cols = (f" {r['moved_expert_bytes_per_token']:10.0f} {1e3 * r['expert_stall_s_per_token']:11.2f}"
+                if args.ram_budget else "")
+        print(f"{label:22} {r['decode_tok_s']:7.1f} {r.get('speedup', 1.0):7.2f} "
+              f"{r.get('acceptance_rate', float('nan')):6.2f} {r.get('accepted_tokens_per_step', 1.0):8.2f} "
+              f"{r.get('expert_bytes_per_token', r.get('single_token_expert_bytes', 0)):11.0f} "
+              f"{r.get('extra_expert_bytes_per_token', 0):8.0f}{cols} {str(r.get('identical_to_plain', '')):>5}")
         if "draft_tokens_used" in r:
-            print(f"{'':10} auto chose N: {r['draft_tokens_used']}")
+            print(f"{'':22} auto chose N: {r['draft_tokens_used']}")
 
 
 if __name__ == "__main__":

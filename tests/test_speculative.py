@@ -13,7 +13,7 @@ from conftest import make_tokenizer, rel_err
 from moerun.engine.cache import Cache, RecurrentState
 from moerun.engine.generate import Sequence, run
 from moerun.engine.sampling import SamplingParams
-from moerun.engine.speculative import SpeculativeDecoder, SpeculativeStats, _probs
+from moerun.engine.speculative import SpeculativeDecoder, SpeculativeStats, _probs, run_speculative
 from moerun.errors import MoerunError
 
 
@@ -282,6 +282,21 @@ def test_auto_draft_length_follows_acceptance_and_cost():
             d.observe_time(n, 4.0)
         d.observe_time(1, 1.5)
     assert d.choose() == 1
+    # the expert store's waits: each byte of a verification union costs a measured wait, so
+    # the farther the experts, the fewer drafts (unions here grow almost a token's bytes per draft)
+    d = DraftLength(explore_every=10**9)
+    d.accept = [0.7, 0.5, 0.3, 0.2]
+    for n in range(5):
+        d.observe_union(n, 1.0 + 0.95 * n, 4 / 32, token_bytes=1000)
+        d.observe_time(n, 1.0 + 0.05 * n)
+    chosen = [d.choose()]
+    for wait in (0.5, 5.0):  # seconds per 1000 union bytes
+        for _ in range(200):
+            d.observe_time(1, 1.05 + wait * 1.95, wait_s=wait * 1.95, union_bytes=1950)
+        assert d.wait_s_per_byte == pytest.approx(wait / 1000, rel=0.01)
+        assert d.step_s[1] == pytest.approx(1.05)  # compute alone: waits are modelled apart
+        chosen.append(d.choose())
+    assert chosen == [3, 1, 0]
 
 
 def test_short_conv_and_delta_rule_passes_match_long_ones():
@@ -331,8 +346,21 @@ def test_with_expert_store_at_half_the_experts(qwen, monkeypatch):
         prompts = random_prompts(3, 300, seed=4)
         plain = qwen.generate_ids(prompts, max_tokens=12, temperature=0.0)
         Oracle(monkeypatch, {b: p + o for b, (p, o) in enumerate(zip(prompts, plain))}, 300)
+        before = llm.store.stats()
         assert llm.generate_ids(prompts, max_tokens=12, temperature=0.0, speculative="mtp", draft_tokens=3) == plain
-        stats = llm.last_stats
+        stats, after = llm.last_stats, llm.store.stats()
         assert stats.single_token_expert_bytes > 0 and stats.verify_expert_bytes > 0
+        # expert-aware drafting: the drafts' layer-0 experts were hinted and some of them used
+        assert stats.prefetch and after["prefetch_issued"] > before["prefetch_issued"]
+        assert after["prefetch_used"] > before["prefetch_used"]
+        moved = after["tiers"]["disk"]["bytes_read"] - before["tiers"]["disk"]["bytes_read"]
+        assert 0 < stats.moved_expert_bytes <= moved and stats.as_dict()["moved_expert_bytes_per_token"] > 0  # decode only
+        # without the hints: same text, nothing hinted
+        before = llm.store.stats()
+        seqs = [Sequence(list(p), llm.sampling_params(max_tokens=12, temperature=0.0)) for p in prompts]
+        stats = SpeculativeStats()
+        list(run_speculative(llm.net, seqs, llm.eos_ids(), llm.dtype, stats, draft_tokens="auto", prefetch=False))
+        assert [s.out_ids for s in seqs] == plain and not stats.prefetch
+        assert llm.store.stats()["prefetch_issued"] == before["prefetch_issued"]
     finally:
         llm.store.close()

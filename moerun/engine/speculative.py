@@ -21,14 +21,14 @@ the trunk):
 3. Roll back to the last accepted position L+k.
    - KV caches (trunk and MTP): set the slot's length back; the stale entries past it are
      masked by attention and overwritten by the next write.
-   - Gated DeltaNet conv and recurrent states cannot be truncated. Before verification we
-     copy every recurrent layer's state for the active slots, and a forward pre-hook keeps
-     each DeltaNet mixer's input ([B, N+1, H], the normed hidden state entering it). On a
-     rejection the state is restored and only the mixers are re-run on their captured
-     inputs for the k+1 accepted positions: no attention, no experts, no second trunk
-     pass. Cost per row: one copy of the recurrent state (for Qwen3.6-35B-A3B: 30 DeltaNet
-     layers x (32 x 128 x 128 fp32 + conv 8192 x 3) ~ 61 MiB) plus (N+1) x H per DeltaNet
-     layer of captured inputs.
+   - Gated DeltaNet conv and recurrent states cannot be truncated. A verification pass (a
+     few tokens) runs the delta rule token by token, the same update as one-token decode,
+     and leaves the state after every token in the layer's `RecurrentState.positions`
+     (`set_every`); a rejection copies back the state after the last kept token: no copy
+     before verification, no re-run. Cost: the pass holds N+1 states per row and DeltaNet
+     layer instead of one until the next pass (for Qwen3.6-35B-A3B, 30 layers x (32 x 128
+     x 128 fp32 + conv 8192 x 3) ~ 61 MiB per token of the pass; ~0.1 MiB on the demo
+     model), and runs the recurrence as N+1 sequential updates instead of one chunk.
    - The MTP cache is set back to the first position whose (trunk hidden, next token)
      pair it has not seen with the trunk's own hidden state; the first MTP call of the
      next step feeds the k+1 accepted hidden states together (T = k+1), rewriting the
@@ -60,7 +60,6 @@ loaded model, so what one request measured serves the next.
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -90,6 +89,11 @@ class SpeculativeStats(GenerationStats):
     verify_expert_bytes: int = 0  # routed-expert bytes read by verification passes (union per layer)
     draft_expert_bytes: int = 0  # routed-expert bytes read by the MTP head
     single_token_expert_bytes: int = 0  # routed-expert bytes one token reads in the trunk
+    # with an expert store: bytes moved into its compute tier (disk reads, link transfers) and
+    # seconds waited for experts, while decoding; `prefetch`: drafts' experts were hinted
+    moved_expert_bytes: int = 0
+    expert_stall_s: float = 0.0
+    prefetch: bool = False
 
     @property
     def acceptance_rate(self) -> float:
@@ -123,6 +127,9 @@ class SpeculativeStats(GenerationStats):
             "extra_expert_bytes_per_token": self.extra_expert_bytes_per_token,
             "single_token_expert_bytes": self.single_token_expert_bytes,
             "draft_expert_bytes_per_token": self.draft_expert_bytes / self.emitted if self.emitted else 0.0,
+            "moved_expert_bytes_per_token": self.moved_expert_bytes / self.emitted if self.emitted else 0.0,
+            "expert_stall_s_per_token": self.expert_stall_s / self.emitted if self.emitted else 0.0,
+            "prefetch": self.prefetch,
         }
 
 
@@ -197,6 +204,47 @@ class ExpertTracker:
         self._handles = []
 
 
+def store_figures(store) -> tuple[int, float]:
+    """(bytes moved into the compute tier, seconds waited for experts) so far, from `stats()`."""
+    st = store.stats()
+    tiers = st.get("tiers", {})
+    moved = tiers.get("disk", {}).get("bytes_read", 0) + tiers.get("device", {}).get("bytes", 0)
+    return moved, st.get("stall_s", 0.0)
+
+
+class DraftPrefetch:
+    """Expert-aware drafting: while the head drafts, hint the expert store with the trunk
+    experts the verification pass will read.
+
+    The pass runs the trunk on [t_L, d1..dN]; each token is known as soon as it is drafted,
+    so its experts are predicted with the `token` predictor (experts/predict.py): the
+    token's embedding through every layer's router (`profile.mtp_route_scores`), top
+    `factor * K` per layer. Hints target the store's next step (the verification pass) and
+    are dropped after it; earlier layers go first.
+    """
+
+    def __init__(self, net, store, deep: int = 0):
+        from ..experts.predict import Token
+        from ..experts.profile import moe_blocks
+
+        self.net, self.store = net, store
+        self.blocks = moe_blocks(net)
+        self.layer_ids = [getattr(blk.experts, "layer", i) for i, (_, blk) in enumerate(self.blocks)]
+        self.pred = Token(len(self.blocks), net.args.num_experts)
+        self.budget = [net.args.num_experts_per_tok] + [deep] * (len(self.blocks) - 1)  # hints per layer and token
+
+    def tokens(self, ids: list[int]) -> None:
+        from ..experts.profile import mtp_route_scores
+
+        routes = mtp_route_scores(self.net, self.blocks, torch.tensor(ids)[:, None], torch.ones(len(ids), 1))  # [n, L, E]
+        step = self.store.step + 1
+        for route in routes.numpy():
+            self.pred.begin_token({"token_route": route})
+            for l, layer in enumerate(self.layer_ids):
+                if self.budget[l]:
+                    self.store.prefetch(layer, self.pred.predict(l, self.budget[l]).tolist(), priority=-l, for_step=step)
+
+
 class DraftLength:
     """`draft_tokens="auto"`: the N in 0..4 with the most expected tokens per second (module doc)."""
 
@@ -206,7 +254,9 @@ class DraftLength:
         self.accept = [prior] * max_n  # a_i: P(draft i accepted | drafts < i accepted)
         self.expert_cost, self.draft_cost, self.decay = expert_cost, draft_cost, decay
         self.union: dict[int, float] = {}  # N -> EMA of verify-pass bytes / one token's bytes
-        self.step_s: dict[int, float] = {}  # N -> EMA of a step's seconds (draft + verify + rollback)
+        self.step_s: dict[int, float] = {}  # N -> EMA of a step's seconds, waits for experts excluded
+        self.token_bytes = 0  # one token's routed-expert bytes
+        self.wait_s_per_byte = 0.0  # EMA: seconds waited for experts per byte of a verification union
         self.k_over_e = 0.0
         self.explore_every = explore_every
         self.steps = 0
@@ -232,14 +282,16 @@ class DraftLength:
         return 1.0 + self.expert_cost * (self.union_ratio(n) - 1.0) + n * self.draft_cost
 
     def step_time(self, n: int) -> float:
-        """Measured seconds of a step with n drafts; unmeasured ones scaled by `cost` from the
-        nearest measured one (or `cost` alone before any measurement)."""
+        """Seconds of a step with n drafts: its measured compute (an unmeasured n scaled by
+        `cost` from the nearest measured one, or `cost` alone before any measurement) plus
+        the expected wait for experts, the union's bytes times the measured seconds per byte."""
+        wait = self.wait_s_per_byte * self.union_ratio(n) * self.token_bytes
         if n in self.step_s:
-            return self.step_s[n]
+            return self.step_s[n] + wait
         if not self.step_s:
-            return self.cost(n)
+            return self.cost(n) + wait
         m = min(self.step_s, key=lambda m: (abs(m - n), m))
-        return self.step_s[m] * self.cost(n) / self.cost(m)
+        return self.step_s[m] * self.cost(n) / self.cost(m) + wait
 
     def best(self) -> int:
         return max(range(self.max_n + 1), key=lambda n: self.expected_tokens(n) / self.step_time(n))
@@ -260,14 +312,20 @@ class DraftLength:
         for i in range(min(accepted + 1, checked)):  # drafts 1..accepted+1 were looked at
             self.accept[i] = self.decay * self.accept[i] + (1 - self.decay) * (1.0 if i < accepted else 0.0)
 
-    def observe_union(self, n: int, ratio: float, k_over_e: float) -> None:
+    def observe_union(self, n: int, ratio: float, k_over_e: float, token_bytes: int = 0) -> None:
         self.k_over_e = k_over_e
+        self.token_bytes = token_bytes or self.token_bytes
         old = self.union.get(n)
         self.union[n] = ratio if old is None else self.decay * old + (1 - self.decay) * ratio
 
-    def observe_time(self, n: int, seconds: float) -> None:
+    def observe_time(self, n: int, seconds: float, wait_s: float = 0.0, union_bytes: int = 0) -> None:
+        """A step with n drafts took `seconds`, `wait_s` of them waiting for the expert store
+        while reading `union_bytes` of routed experts in its verification pass."""
         old = self.step_s.get(n)
-        self.step_s[n] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        compute = seconds - wait_s
+        self.step_s[n] = compute if old is None else 0.7 * old + 0.3 * compute
+        if union_bytes:
+            self.wait_s_per_byte = self.decay * self.wait_s_per_byte + (1 - self.decay) * wait_s / union_bytes
 
 
 def _probs(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> torch.Tensor:
@@ -289,36 +347,31 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, net, dtype: torch.dtype, draft_tokens: int | str = 1, expert_cost: float = 1.0,
-                 chooser: DraftLength | None = None, kv_dtype: torch.dtype | None = None):
+                 chooser: DraftLength | None = None, kv_dtype: torch.dtype | None = None, prefetch: bool = True):
         check_speculative(net, "mtp")
         self.net = net
+        # with an expert store (`net.expert_store`): its figures, and the drafts' experts hinted to it
+        self.store = getattr(net, "expert_store", None)
+        self.prefetcher = DraftPrefetch(net, self.store) if self.store is not None and prefetch else None
         self.dtype = dtype
         self.kv_dtype = kv_dtype  # the KV caches' storage (`Cache`)
         self.draft_tokens = check_draft_tokens(draft_tokens)
         self.chooser = None
         if self.draft_tokens == "auto":  # a chooser passed in keeps what earlier runs measured
             self.chooser = chooser if chooser is not None else new_draft_length(net, expert_cost)
-        self._mtp_returns_hidden = "return_hidden" in inspect.signature(net.mtp_logits).parameters
         self.cache: Cache | None = None
         self.mtp_cache: Cache | None = None
 
     # -- the MTP head ----------------------------------------------------------
     def _mtp(self, hidden, tokens, slots):
         """-> (logits [B, T, V], the head's final normed hidden state [B, T, H])."""
-        if self._mtp_returns_hidden:
-            return self.net.mtp_logits(hidden, tokens, self.mtp_cache, slots, return_hidden=True)
-        seen = {}
-        handle = self.net.mtp.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("h", o))
-        try:
-            logits = self.net.mtp_logits(hidden, tokens, self.mtp_cache, slots)
-        finally:
-            handle.remove()
-        return logits, seen["h"]
+        return self.net.mtp_logits(hidden, tokens, self.mtp_cache, slots, return_hidden=True)
 
     # -- the loop --------------------------------------------------------------
     def run(self, seqs: list[Sequence], eos_ids: set[int], stats: SpeculativeStats | None = None) -> Iterator[tuple[int, str]]:
         stats = stats if stats is not None else SpeculativeStats()
         stats.draft_tokens = self.draft_tokens
+        stats.prefetch = self.prefetcher is not None
         net = self.net
         B = len(seqs)
         n_max = MAX_DRAFT_TOKENS if self.draft_tokens == "auto" else self.draft_tokens
@@ -349,6 +402,7 @@ class SpeculativeDecoder:
                         last[b], pend_h[b], pend_t[b] = logits[j, -1], hidden[j], list(seqs[b].prompt_ids[1:])
                 stats.prefill_s += time.perf_counter() - t0
                 t0 = time.perf_counter()
+                store0 = store_figures(self.store) if self.store is not None else None
                 active = []
                 for b, s in enumerate(seqs):
                     if s.params.max_tokens == 0:
@@ -367,6 +421,10 @@ class SpeculativeDecoder:
                     yield from self._step(seqs, active, pend_h, pend_t, eos_ids, stats, tracker, recurrent)
                     active = [b for b in active if not seqs[b].finished]
                 stats.decode_s += time.perf_counter() - t0
+                if store0 is not None:
+                    moved, stall = store_figures(self.store)
+                    stats.moved_expert_bytes += moved - store0[0]
+                    stats.expert_stall_s += stall - store0[1]
         finally:
             tracker.close()
 
@@ -403,6 +461,8 @@ class SpeculativeDecoder:
                     tok = int(torch.multinomial(q, 1, generator=s.generator)[0])
                 drafts[i].append(tok)
                 qs[i].append(q)
+            if self.prefetcher is not None:  # moved while the head drafts the next one
+                self.prefetcher.tokens([dr[-1] for dr in drafts])
             if d + 1 < n:
                 hidden = torch.stack(h_last)[:, None]  # [B, 1, H]
                 tokens = torch.tensor([[dr[-1]] for dr in drafts], dtype=torch.long)
@@ -414,6 +474,9 @@ class SpeculativeDecoder:
     def _step(self, seqs, active, pend_h, pend_t, eos_ids, stats, tracker, recurrent):
         net, cache = self.net, self.cache
         t0 = time.perf_counter()
+        wait0 = store_figures(self.store)[1] if self.chooser is not None and self.store is not None else 0.0
+        if self.prefetcher is not None:  # t_L: the first token of the verification pass
+            self.prefetcher.tokens([pend_t[b][-1] for b in active])
         n = self.chooser.choose() if self.chooser is not None else self.draft_tokens
         stats.draft_hist[n] = stats.draft_hist.get(n, 0) + 1
         if n > 0:
@@ -439,8 +502,10 @@ class SpeculativeDecoder:
         stats.single_token_expert_bytes = max(stats.single_token_expert_bytes, tracker.token_bytes)
         if self.chooser is not None and tracker.token_bytes:
             k_over_e = tracker.top_k / tracker.num_experts if tracker.num_experts else 0.0
-            self.chooser.observe_union(n, tracker.pass_bytes / (tracker.token_bytes * len(active)), k_over_e)
+            self.chooser.observe_union(n, tracker.pass_bytes / (tracker.token_bytes * len(active)), k_over_e,
+                                       tracker.token_bytes)
         busy = time.perf_counter() - t0  # the step's own time, not the consumer's between yields
+        wait = store_figures(self.store)[1] - wait0 if self.chooser is not None and self.store is not None else 0.0
         rollback: dict[int, list[int]] = {}  # accepted positions -> rows of the batch
         for i, b in enumerate(active):
             s = seqs[b]
@@ -482,22 +547,23 @@ class SpeculativeDecoder:
                 for name, every in state.positions.items():
                     state.set(name, row_slots, every[idx, keep - 1])
         if self.chooser is not None:
-            self.chooser.observe_time(n, busy + time.perf_counter() - t1)
+            self.chooser.observe_time(n, busy + time.perf_counter() - t1, wait, tracker.pass_bytes // len(active))
 
     @staticmethod
     def _accept(s: Sequence, drafts: list[int], qs: list, logits: torch.Tensor) -> tuple[list[int], int]:
         """Check drafts against the trunk's logits [n+1, V]: (tokens to emit, drafts accepted)."""
         p_ = s.params
         history = s.prompt_ids + s.out_ids
+        n = len(drafts)
+        if p_.greedy:  # every position's argmax at once; position j's history ends with drafts[:j]
+            penalized = apply_repetition_penalty(logits[: n + 1].float(), [history + drafts[:j] for j in range(n + 1)],
+                                                 p_.repetition_penalty)
+            targets = penalized.argmax(-1).tolist()
+            k = next((j for j, d in enumerate(drafts) if targets[j] != d), n)
+            return drafts[:k] + [targets[k]], k
         out: list[int] = []
         for j, d in enumerate(drafts):
             h = history + out
-            if p_.greedy:
-                target = _greedy(logits[j], p_, h)
-                if target == d:
-                    out.append(d)
-                    continue
-                return out + [target], j
             p = _probs(logits[j], p_, h)
             q = qs[j]
             u = float(torch.rand((), generator=s.generator))
@@ -508,11 +574,7 @@ class SpeculativeDecoder:
             if float(residual.sum()) <= 0:
                 residual = p
             return out + [int(torch.multinomial(residual, 1, generator=s.generator)[0])], j
-        j = len(drafts)
-        h = history + out
-        if p_.greedy:
-            return out + [_greedy(logits[j], p_, h)], j
-        return out + [int(torch.multinomial(_probs(logits[j], p_, h), 1, generator=s.generator)[0])], j
+        return out + [int(torch.multinomial(_probs(logits[n], p_, history + out), 1, generator=s.generator)[0])], n
 
 
 def new_draft_length(net, expert_cost: float = 1.0) -> DraftLength:
@@ -522,6 +584,7 @@ def new_draft_length(net, expert_cost: float = 1.0) -> DraftLength:
 
 def run_speculative(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats: SpeculativeStats | None = None,
                     draft_tokens: int | str = 1, expert_cost: float = 1.0, chooser: DraftLength | None = None,
-                    kv_dtype: torch.dtype | None = None) -> Iterator[tuple[int, str]]:
-    """`generate.run` with MTP drafting: yields (row, text piece) as tokens are accepted."""
-    return SpeculativeDecoder(net, dtype, draft_tokens, expert_cost, chooser, kv_dtype).run(seqs, eos_ids, stats)
+                    kv_dtype: torch.dtype | None = None, prefetch: bool = True) -> Iterator[tuple[int, str]]:
+    """`generate.run` with MTP drafting: yields (row, text piece) as tokens are accepted.
+    prefetch: with an expert store, hint it with the drafts' experts (`DraftPrefetch`)."""
+    return SpeculativeDecoder(net, dtype, draft_tokens, expert_cost, chooser, kv_dtype, prefetch).run(seqs, eos_ids, stats)

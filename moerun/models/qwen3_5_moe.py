@@ -328,10 +328,11 @@ class Model(nn.Module):
         logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
         return (logits, hidden) if return_hidden else logits
 
-    def mtp_logits(self, hidden, next_token_ids, cache=None, slots=None):
+    def mtp_logits(self, hidden, next_token_ids, cache=None, slots=None, *, return_hidden=False):
         """MTP head: hidden [B, T, H] (final normed states at positions p..p+T-1) and
         next_token_ids [B, T] (the token after each of them) -> logits [B, T, vocab] for the
-        token after next.
+        token after next (and, with return_hidden, the head's normed output [B, T, H], which
+        chained speculative drafts feed back in).
 
         `cache` is a `Cache(model.mtp_cache_spec(), ...)`; its length per slot is the
         position of hidden[:, 0] (0 without a cache), and it advances by T.
@@ -348,4 +349,5 @@ class Model(nn.Module):
             x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
         if cache is not None:
             cache.advance(slots, T)
-        return self.lm_head(mtp.norm(x))
+        h = mtp.norm(x)
+        return (self.lm_head(h), h) if return_hidden else self.lm_head(h)
