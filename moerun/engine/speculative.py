@@ -36,26 +36,39 @@ the trunk):
 
 Expert traffic: a forward pre-hook on every `moerun.layers.moe.Experts` module sees the
 routed ids of each pass; a verification pass reads the union of its tokens' experts.
-`SpeculativeStats` reports bytes read per emitted token against one token's experts.
+`SpeculativeStats` reports bytes read per emitted token against one token's experts, and,
+with an expert store (`net.expert_store`), the bytes it moved and the seconds waited.
+
+Expert-aware drafting (`DraftPrefetch`, with a store): every token of the coming
+verification pass is known once drafted, so as soon as t_L and then each d_j is known its
+experts are hinted to the store for the pass, while the head drafts the next one. The
+prediction is the `token` predictor's (the token's embedding through the routers); only
+layer 0 is hinted, where that is nearly the router's real input (top-K precision 0.90 on
+the demo model, against 0.30-0.40 deeper, where the wrong reads cost more than the right
+ones save).
 
 `draft_tokens="auto"` (`DraftLength`) chooses N in 0..4 each step to maximise expected
 tokens per second,
     E(N) / t(N),   E(N) = 1 + sum_{j=1..N} prod_{i<=j} a_i
 a_i being the measured acceptance of draft i given drafts < i were accepted (EMA, prior
-0.6), and t(N) the measured seconds of a step with N drafts (EMA over draft + verification
-+ rollback). An N not measured yet is estimated from the nearest measured N' through the
-expert-byte cost model
-    t(N) ~ t(N') * cost(N) / cost(N'),
+0.6), and
+    t(N) = c(N) + w * U(N)
+c(N) the measured seconds of a step with N drafts (EMA over draft + verification +
+rollback) less its waits for the expert store, U(N) the routed-expert bytes of its
+verification pass (measured per N; before that, the expected union of N+1 tokens routed
+uniformly, one token's bytes * (1-(1-K/E)^(N+1)) / (K/E)), and w the measured seconds
+waited per union byte (the store's stall time over the pass's union bytes: the miss rate
+times the seconds a miss takes). Far-away experts raise w, and N drops when the union
+grows faster than the accepted tokens. An N not measured yet gets c from the nearest
+measured N' through
+    c(N) ~ c(N') * cost(N) / cost(N'),
     cost(N) = 1 + expert_cost * (U(N)/U(0) - 1) + N * draft_cost,  cost(0) = 1
-U(N) being the expert bytes of a verification pass of N+1 tokens (measured per N; before a
-measurement the expected union of N+1 tokens routed uniformly, E(1-(1-K/E)^(N+1))), U(0) one
-token's bytes, expert_cost the share of a plain step spent reading experts (1.0:
-memory-bound on experts), draft_cost one MTP call against a trunk step (1 / (layers + 1)).
-Because t is measured, far-away experts (store misses) show up as slower steps and N drops;
-N = 0 is a plain step (the head catches up later), so "auto" falls back to plain decoding
-when drafts are rarely accepted. Every N is measured once first, then every 8th step tries
-a neighbour of the best N so that its figures stay current. `LLM` keeps one chooser per
-loaded model, so what one request measured serves the next.
+expert_cost being the share of a plain step spent reading experts (1.0: memory-bound on
+experts), draft_cost one MTP call against a trunk step (1 / (layers + 1)). N = 0 is a
+plain step (the head catches up later), so "auto" falls back to plain decoding when drafts
+are rarely accepted. Every N is measured once first, then every 8th step tries a neighbour
+of the best N so that its figures stay current. `LLM` keeps one chooser per loaded model,
+so what one request measured serves the next.
 """
 
 from __future__ import annotations
