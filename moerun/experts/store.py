@@ -360,7 +360,7 @@ class ExpertStore:
             cpu = CpuSpeed.calibrate(*shape, dtype) if o.execute == "auto" else CpuSpeed(0.0, 0.0)
             self.cost = CostModel(self.link.spec, cpu, isz)
         elif o.execute != "device":
-            raise MoerunError(f"--execute {o.execute} chooses between the device and the CPU: it needs a device tier "
+            raise MoerunError(f"--execute {o.execute} places device misses, so it needs a device tier "
                               "(--vram-budget, with --emulate-link pcie4 without a GPU)")
         if self.link is not None and self.link.inclusive and ram < vram:
             raise MoerunError(
@@ -911,8 +911,8 @@ def format_stats(st: dict) -> str:
         modelled = "MODELLED" if st["emulated"] else "modelled"
         lines.append(
             f"  execute {st['execute']}: {st['link_waits']} misses waited for the link, {st['cpu_executed']} ran on the CPU "
-            f"({st['cpu_exec_s']:.2f} s, {st['link_bytes_avoided'] / 1e6:.1f} MB of demand transfers avoided, "
-            f"{st['background_moves']} moved in the background); experts on the device: {st['device_exec_s']:.2f} s measured"
+            f"({st['cpu_exec_s']:.3f} s, {st['link_bytes_avoided'] / 1e6:.1f} MB of demand transfers avoided, "
+            f"{st['background_moves']} moved in the background); experts on the device: {st['device_exec_s']:.3f} s measured"
             f"{' on the CPU' if st['emulated'] else ''}, {st['device_exec_modelled_s']:.3f} s {modelled} device compute")
     for name, t in st["tiers"].items():
         if "budget_bytes" in t:
