@@ -85,6 +85,7 @@ def main(argv=None):
     ap.add_argument("-m", "--model", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quant", default=None, help="quantize at load (int4: routed experts int4 in native kernels)")
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--drafts", default="0,1,2,3,auto", help="comma-separated: 0 (no speculation), 1..4, auto")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
@@ -102,6 +103,8 @@ def main(argv=None):
         else:
             args.model = random_model(Path(tempfile.mkdtemp(prefix="moerun_spec_")))
             note = "demo model missing: a tiny RANDOM qwen3_5_moe with a random MTP head"
+    if args.ram_budget and args.quant:
+        raise SystemExit("--quant together with --ram-budget is not supported (the expert store holds unquantized experts)")
     load_before = os.getloadavg()
     if args.ram_budget:
         from moerun.experts import StoreOptions
@@ -109,7 +112,7 @@ def main(argv=None):
 
         llm = load_with_store(args.model, dtype=args.dtype, threads=args.threads, options=StoreOptions(ram_budget=args.ram_budget))
     else:
-        llm = moerun.load(args.model, dtype=args.dtype, threads=args.threads)
+        llm = moerun.load(args.model, dtype=args.dtype, threads=args.threads, quant=args.quant)
     if not llm.net.has_mtp:
         raise SystemExit(f"{args.model} has no MTP head")
     drafts = [d if d == "auto" else int(d) for d in args.drafts.split(",")]
@@ -168,7 +171,7 @@ def main(argv=None):
     for r in results.values():
         if base:
             r["speedup"] = r["decode_tok_s"] / base
-    report = {"model": str(args.model), "note": note, "threads": args.threads, "dtype": args.dtype, "gen_tokens": args.gen_tokens,
+    report = {"model": str(args.model), "note": note, "threads": args.threads, "dtype": args.dtype, "quant": args.quant, "gen_tokens": args.gen_tokens,
               "prompts": len(prompts), "rounds": args.rounds, "ram_budget": args.ram_budget,
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "results": results}
     if args.json:

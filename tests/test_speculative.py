@@ -364,3 +364,14 @@ def test_with_expert_store_at_half_the_experts(qwen, monkeypatch):
         assert llm.store.stats()["prefetch_issued"] == before["prefetch_issued"]
     finally:
         llm.store.close()
+
+
+def test_int4_experts_greedy_identical_and_counted(tmp_path, qwen):
+    """Quantized routed experts (QuantizedExperts, native kernels) are drop-ins the tracker counts."""
+    llm = moerun.load(qwen.path, dtype="float32", threads=1, quant="int4")
+    torch.set_num_threads(1)
+    prompts = random_prompts(3, 300, seed=6)
+    plain = llm.generate_ids(prompts, max_tokens=10, temperature=0.0)
+    assert llm.generate_ids(prompts, max_tokens=10, temperature=0.0, speculative="mtp", draft_tokens=2) == plain
+    stats = llm.last_stats
+    assert stats.single_token_expert_bytes > 0 and stats.verify_expert_bytes >= stats.single_token_expert_bytes

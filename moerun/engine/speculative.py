@@ -182,16 +182,17 @@ class ExpertTracker:
         self.num_experts = 0
         self._handles = []
         for m in net.modules():
-            # Experts, or the expert store's drop-in StoreExperts (same call, weights elsewhere)
-            if isinstance(m, Experts) or type(m).__name__ == "StoreExperts":
+            # Experts, or a drop-in with the same call: the store's StoreExperts (weights
+            # elsewhere), QuantizedExperts (routed_experts)
+            if isinstance(m, Experts) or type(m).__name__ == "StoreExperts" or getattr(m, "routed_experts", False):
                 self._handles.append(m.register_forward_pre_hook(self._hook, with_kwargs=True))
 
     @staticmethod
     def _expert_bytes(m, x: torch.Tensor) -> int:
-        params = [getattr(m, n) for n in ("gate_proj", "up_proj", "down_proj") if isinstance(getattr(m, n, None), torch.Tensor)]
-        if params:
-            return sum(p.numel() * p.element_size() for p in params) // max(m.num_experts, 1)
-        return 3 * getattr(m, "hidden", 0) * getattr(m, "inter", 0) * x.element_size()
+        held = [*m.parameters(recurse=False), *m.buffers(recurse=False)]  # stacked [E, ...] weights (and scales)
+        if held:
+            return sum(t.numel() * t.element_size() for t in held) // max(m.num_experts, 1)
+        return 3 * getattr(m, "hidden", 0) * getattr(m, "inter", 0) * x.element_size()  # weights in a store
 
     def _hook(self, m, args, kwargs):
         if self.phase is None:
