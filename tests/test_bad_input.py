@@ -146,6 +146,13 @@ def test_bench_json_reports_the_expert_store(tiny):
     assert 0.0 <= out["expert_hit_rate"] <= 1.0
 
 
+def test_bench_with_a_very_short_prompt():
+    # the warm-up used to slice the prompt; a 2-token prompt left DeltaNet an empty pass
+    r = moerun("bench", "--json", "--threads", "1", "--prompt-tokens", "2", "--gen-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["prompt_tokens"] == 2
+
+
 def test_speculative_without_mtp_head_is_refused(tiny):
     assert_one_line_error(moerun("generate", "-m", tiny, "x", "--speculative", "mtp", "--threads", "1"), "multi-token-prediction")
 
