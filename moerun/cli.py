@@ -70,17 +70,10 @@ def _load(a):
     store_opts = {k: getattr(a, k) for k in STORE_FLAGS if getattr(a, k, None) is not None}
     if not store_opts and not getattr(a, "predictor", None):
         return moerun.load(a.model, dtype=a.dtype, threads=a.threads, quant=a.quant, kv_cache=a.kv_cache)
-    if a.quant != "none":
-        raise MoerunError("--quant together with the expert store is not supported yet")
-    from .quant.checkpoint import stored_policy
-
-    if a.model is not None and stored_policy(a.model) is not None:
-        raise MoerunError(f"{a.model} is a quantized checkpoint; the expert store (--ram-budget, --vram-budget, "
-                          "--predictor, ...) holds float experts only so far")
     from .experts.attach import load as load_with_store
     from .experts.store import StoreOptions
 
-    llm = load_with_store(a.model, dtype=a.dtype, threads=a.threads, options=StoreOptions(**store_opts))
+    llm = load_with_store(a.model, dtype=a.dtype, threads=a.threads, options=StoreOptions(**store_opts), quant=a.quant)
     llm.kv_dtype = kv_dtype
     if a.predictor:
         from .experts.predict import attach_predictor

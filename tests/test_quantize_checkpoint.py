@@ -198,7 +198,8 @@ def test_cli_bad_input(qwen3, tmp_path, capsys):
     assert_one_line_error(cli(capsys, "quantize", "-m", out, "-o", tmp_path / "again"), "already a quantized checkpoint")
     assert_one_line_error(cli(capsys, "info", "-m", out, "--quant", "int8"), "written quantized with policy int4",
                           "cannot be loaded as int8")
-    assert_one_line_error(cli(capsys, "info", "-m", out, "--ram-budget", "50%"), "quantized checkpoint", "expert store")
+    assert_one_line_error(cli(capsys, "info", "-m", qwen3, "--quant", "int4", "--ram-budget", "50%"),
+                          "expert store needs a quantized checkpoint", "moerun quantize")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "q"]
 
 

@@ -21,7 +21,8 @@ from torch import nn
 
 from ..errors import MoerunError
 from ..layers.moe import Experts, dispatch, group_by_expert, swiglu
-from .store import ExpertStore, LayerExperts, StoreOptions, expert_pieces
+from ..quant.modules import QuantizedExperts
+from .store import ExpertStore, LayerExperts, StoreOptions, expert_pieces, quantized_expert_pieces
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
 
@@ -63,14 +64,73 @@ class StoreExperts(nn.Module):
             self.store.release(self.layer, needed, ran)
 
 
+class QuantStoreExperts(StoreExperts):
+    """`StoreExperts` for packed experts (a checkpoint written by `moerun quantize`): the
+    layer's needed experts, wherever the store holds them, are gathered into stacks of n
+    experts and run by ONE native `moe_experts` call with ids renumbered 0..n-1 in expert
+    order. The kernel's tiles depend only on each expert's pairs and the number of experts
+    in use, and its weighted sum runs in k order, so the output is bit-identical to
+    `QuantizedExperts` on the full stack (tests/test_expert_store_quant.py checks it)."""
+
+    def __init__(self, layer: int, num_experts: int, hidden: int, inter: int, fmt: str, gather: "Gather"):
+        super().__init__(layer, num_experts, hidden, inter)
+        self.fmt, self.gather = fmt, gather
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fmt={self.fmt}"
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from .. import kernels
+
+        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+        needed = counts.nonzero().flatten()  # [n], ascending
+        local = torch.empty(self.num_experts, dtype=torch.long)
+        local[needed] = torch.arange(len(needed))
+        counts, needed = counts.tolist(), needed.tolist()
+        where: dict[int, str] = {}
+        got = self.store.get(self.layer, needed, n_tokens=x.shape[0], counts=counts, where=where)
+        ran = []
+        try:
+            stacks = self.gather([got[e] for e in needed])
+            t0 = time.perf_counter()
+            y = kernels.moe_experts(x, local[ids], weights, *stacks, self.fmt, self.inter)
+            # one call runs them all: its time is shared out by each expert's tokens
+            sec = (time.perf_counter() - t0) / ids.numel()
+            ran = [(e, where[e], counts[e], sec * counts[e]) for e in needed]
+        finally:
+            self.store.release(self.layer, needed, ran)
+        return y.to(x.dtype)
+
+
+class Gather:
+    """Stacks of n experts' packed pieces for one native call, in buffers shared by every
+    layer (they run one at a time) and grown to the most experts one call has needed."""
+
+    def __init__(self):
+        self.bufs: list[torch.Tensor] = []
+
+    def __call__(self, experts: list[tuple]) -> list[torch.Tensor]:
+        n = len(experts)
+        out = []
+        for j, first in enumerate(experts[0]):
+            if j == len(self.bufs):
+                self.bufs.append(None)
+            b = self.bufs[j]
+            if b is None or b.shape[0] < n or b.shape[1:] != first.shape or b.dtype != first.dtype:
+                b = self.bufs[j] = torch.empty(n, *first.shape, dtype=first.dtype)
+            out.append(torch.stack([w[j] for w in experts], out=b[:n]))
+        return out
+
+
 def _layer_index(name: str, fallback: int) -> int:
     m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
     return int(m.group(1)) if m else fallback
 
 
 def _swap_experts(net: nn.Module) -> list[tuple[str, StoreExperts]]:
-    """Replace every `Experts` in `net` with a `StoreExperts`; returns (name, new module)."""
-    found = [(n, m) for n, m in net.named_modules() if isinstance(m, Experts)]
+    """Replace every `Experts` (or `QuantizedExperts`) in `net` with a `StoreExperts` (or
+    `QuantStoreExperts`); returns (name, new module)."""
+    found = [(n, m) for n, m in net.named_modules() if isinstance(m, (Experts, QuantizedExperts))]
     # trunk layers keep their index; others (an MTP head's `mtp.layers.0`) get fresh ones after
     trunk = [n for n, _ in found if not (n.startswith("mtp") or ".mtp." in n)]
     ids: dict[str, int | None] = {}
@@ -82,10 +142,13 @@ def _swap_experts(net: nn.Module) -> list[tuple[str, StoreExperts]]:
         if ids.get(n) is None:
             ids[n] = nxt
             nxt += 1
-    out = []
+    out, gather = [], Gather()
     for name, mod in found:
-        E, I, H = mod.gate_proj.shape
-        new = StoreExperts(ids[name], E, H, I)
+        if isinstance(mod, QuantizedExperts):
+            new = QuantStoreExperts(ids[name], mod.num_experts, mod.hidden_size, mod.intermediate_size, mod.fmt, gather)
+        else:
+            E, I, H = mod.gate_proj.shape
+            new = StoreExperts(ids[name], E, H, I)
         parent_name, _, attr = name.rpartition(".")
         setattr(net.get_submodule(parent_name) if parent_name else net, attr, new)
         out.append((name, new))
@@ -97,15 +160,24 @@ def _swap_experts(net: nn.Module) -> list[tuple[str, StoreExperts]]:
 def _make_store(net, swapped, model_dir: Path, dtype, options: StoreOptions | None) -> ExpertStore:
     from ..loaders.hf import _renamed
     from ..loaders.safetensors import Checkpoint
+    from ..quant.checkpoint import stored_policy
 
     ckpt = Checkpoint(model_dir)
-    names = _renamed(ckpt, getattr(net, "checkpoint_renames", ()))
-    layers = [
-        LayerExperts(m.layer, m.num_experts, m.hidden, m.inter, expert_pieces(names, name, m.num_experts, m.hidden, m.inter))
-        for name, m in swapped
-    ]
+    # a checkpoint written by `moerun quantize` holds our names
+    renames = () if stored_policy(model_dir) is not None else getattr(net, "checkpoint_renames", ())
+    names = _renamed(ckpt, renames)
+    layers = []
+    for name, m in swapped:
+        fmt = getattr(m, "fmt", None)
+        pieces = (expert_pieces(names, name, m.num_experts, m.hidden, m.inter) if fmt is None
+                  else quantized_expert_pieces(names, name, m.num_experts, m.hidden, m.inter, fmt))
+        layers.append(LayerExperts(m.layer, m.num_experts, m.hidden, m.inter, pieces, fmt))
     top_k = getattr(getattr(net, "args", None), "num_experts_per_tok", 8)
     store = ExpertStore(layers, dtype, options, top_k=top_k)
+    if store.fmt is not None and store.link is not None and not store.emulated:
+        store.close()
+        raise MoerunError(f"{store.fmt} experts run on the CPU's native kernels; a CUDA device tier for them is not "
+                          "built (use --emulate-link to emulate one, or drop --vram-budget)")
     for _, m in swapped:
         m.store = store
     net.expert_store = store
@@ -113,8 +185,15 @@ def _make_store(net, swapped, model_dir: Path, dtype, options: StoreOptions | No
 
 
 def attach_store(net: nn.Module, model_dir, options: StoreOptions | None = None) -> ExpertStore:
-    """Put an `ExpertStore` behind an already loaded net (its expert tensors are dropped)."""
-    dtype = next(m for m in net.modules() if isinstance(m, Experts)).gate_proj.dtype
+    """Put an `ExpertStore` behind an already loaded net (its expert tensors are dropped);
+    quantized experts only from a checkpoint written by `moerun quantize` (the store reads
+    their blocks from its files)."""
+    from ..quant.checkpoint import stored_policy
+
+    if stored_policy(model_dir) is None and any(isinstance(m, QuantizedExperts) for m in net.modules()):
+        raise MoerunError("the expert store reads quantized experts from a checkpoint written by `moerun quantize`, "
+                          f"and {model_dir} is a float one (experts quantized at load cannot be streamed from it)")
+    dtype = next((m.gate_proj.dtype for m in net.modules() if isinstance(m, Experts)), torch.float32)
     swapped = _swap_experts(net)
     return _make_store(net, swapped, Path(model_dir), dtype, options)
 
@@ -131,12 +210,20 @@ def build(model_dir, dtype="auto", options: StoreOptions | None = None):
     return arch, args, net, dtype, store
 
 
-def load(path=None, dtype="auto", threads: int | None = None, options: StoreOptions | None = None):
-    """`moerun.load` with an expert store: returns an `LLM` whose `.store` is the ExpertStore."""
+def load(path=None, dtype="auto", threads: int | None = None, options: StoreOptions | None = None, quant=None):
+    """`moerun.load` with an expert store: returns an `LLM` whose `.store` is the ExpertStore.
+    A checkpoint written by `moerun quantize` keeps its experts packed in the store; `quant`
+    may name its policy (a no-op) but cannot quantize a float checkpoint's experts here."""
     from ..engine.llm import LLM, default_model_path, set_threads
+    from ..quant.checkpoint import quantize_at_load, stored_policy
     from ..tokenizer import Tokenizer
 
     path = default_model_path() if path is None else Path(path)
+    if quant not in (None, "none"):
+        if stored_policy(path) is None:
+            raise MoerunError(f"--quant {quant} with the expert store needs a quantized checkpoint: write one with "
+                              f"`moerun quantize -m {path} -o OUT --policy {quant}`, then pass -m OUT")
+        quantize_at_load(None, path, quant)  # the stored policy: nothing to do; another: an error
     set_threads(threads)
     arch, args, net, dtype, store = build(path, dtype, options)
     tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None

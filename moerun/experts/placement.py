@@ -11,8 +11,8 @@ many tokens (prefill) favour moving the expert once and running it on the faster
 
 Figures behind the choice:
 - link: the `LinkSpec` (the emulated link's, or the pcie4 preset assumed for a CUDA link);
-- CPU: seconds per weight byte, `a + b * tokens`, timed on one expert's shape when the
-  store starts (best of 3 at 1 and 32 tokens) and then followed as an EMA of the times
+- CPU: seconds per weight byte, `a + b * tokens`, timed on one expert's shape (float, or
+  packed and run by the native kernel) when the store starts (best of 3 at 1 and 32 tokens) and then followed as an EMA of the times
   the store's experts measure as they run;
 - device: MODELLED, never measured here (no GPU): an RTX 4090-like card
   (`moerun.bench.simulate`'s `pcie4+rtx4090`: 1008 GB/s at 80% efficiency, plus a
@@ -55,22 +55,20 @@ class CpuSpeed:
         self.samples = 0
 
     @classmethod
-    def calibrate(cls, hidden: int, inter: int, dtype: torch.dtype, reps: int = 3) -> "CpuSpeed":
-        """Time the SwiGLU of one expert shape at 1 and 32 tokens (best of `reps`)."""
-        from ..layers.moe import swiglu
-
-        w = (torch.zeros(inter, hidden, dtype=dtype), torch.zeros(inter, hidden, dtype=dtype),
-             torch.zeros(hidden, inter, dtype=dtype))
-        nbytes = sum(t.numel() * t.element_size() for t in w)
+    def calibrate(cls, hidden: int, inter: int, dtype: torch.dtype, fmt: str | None = None,
+                  reps: int = 3) -> "CpuSpeed":
+        """Time one expert of this shape at 1 and 32 tokens (best of `reps`): torch's SwiGLU,
+        or with `fmt` the native quantized kernel on its packed blocks."""
+        run, nbytes = _one_expert(hidden, inter, dtype, fmt)
         times = {}
         with torch.inference_mode():
             for n in (1, 32):
                 x = torch.zeros(n, hidden, dtype=dtype)
-                swiglu(x, *w)  # first call: allocation and dispatch warm-up
+                run(x)  # first call: allocation and dispatch warm-up
                 best = float("inf")
                 for _ in range(reps):
                     t0 = time.perf_counter()
-                    swiglu(x, *w)
+                    run(x)
                     best = min(best, time.perf_counter() - t0)
                 times[n] = best / nbytes
         b = max((times[32] - times[1]) / 31, 0.0)
@@ -87,6 +85,27 @@ class CpuSpeed:
         else:
             self.b += self.alpha * (max((y - self.a) / n_tokens, 0.0) - self.b)
         self.samples += 1
+
+
+def _one_expert(hidden: int, inter: int, dtype: torch.dtype, fmt: str | None):
+    """(x [n, H] -> y, weight bytes) for one zero-weight expert: float, or packed in `fmt`."""
+    if fmt is None:
+        from ..layers.moe import swiglu
+
+        w = (torch.zeros(inter, hidden, dtype=dtype), torch.zeros(inter, hidden, dtype=dtype),
+             torch.zeros(hidden, inter, dtype=dtype))
+        return (lambda x: swiglu(x, *w)), sum(t.numel() * t.element_size() for t in w)
+    from .. import kernels
+    from ..quant.modules import QuantizedExperts
+
+    q = QuantizedExperts(1, hidden, inter, fmt)
+    bufs = [t for _, t in q.named_buffers()]
+
+    def run(x):
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.long)
+        return kernels.moe_experts(x, ids, torch.ones(x.shape[0], 1), *bufs, fmt, inter)
+
+    return run, sum(t.numel() * t.element_size() for t in bufs)
 
 
 @dataclass

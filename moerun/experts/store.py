@@ -16,6 +16,11 @@ tier has no evictable room even for the experts of one layer (everything in use 
 pinned), a demand miss is served from a transient buffer freed after use: budgets hold for
 the cache, and the transient bytes are counted (`transient_loads`).
 
+Quantized experts. On a checkpoint written by `moerun quantize`, an expert is its packed
+gate/up/down blocks and fp16 scales (six pieces, read straight from the shards), so the
+budgets count packed bytes (int4: ~0.56 bytes per weight); `attach.QuantStoreExperts`
+runs them with the native kernel.
+
 Execution where it lives (`--execute`, placement.py). With a device tier, a device miss
 either waits for the link and runs on the device (`device`, the default), runs on the CPU
 from RAM without waiting (`cpu`), or goes where a cost model says it finishes first
@@ -71,13 +76,49 @@ class Piece:
 
 @dataclass(frozen=True)
 class LayerExperts:
-    """The routed experts of one layer: E experts of shape gate/up [I, H], down [H, I]."""
+    """The routed experts of one layer: E experts of shape gate/up [I, H], down [H, I]; float,
+    or packed in `fmt` (int4/int8 blocks, `moerun.quant.formats`) as six pieces per expert."""
 
     layer: int
     num_experts: int
     hidden: int
     inter: int
-    pieces: tuple  # [E] of (gate Piece, up Piece, down Piece)
+    pieces: tuple  # [E] of (gate, up, down) Pieces, or with fmt: (gate_q, gate_scales, up_q, ..., down_scales)
+    fmt: str | None = None
+
+
+def _stacked_pieces(ref, num_experts: int, shape: tuple) -> list[Piece]:
+    """Expert e's slice of a tensor stacked [E, *shape]."""
+    if tuple(ref.shape) != (num_experts, *shape):
+        raise MoerunError(f"tensor {ref.name!r} has shape {list(ref.shape)} but the config expects {[num_experts, *shape]}")
+    size = ref.nbytes // num_experts
+    return [Piece(f"{ref.name}[{e}]", ref.path, ref.offset + e * size, size, ref.dtype, shape) for e in range(num_experts)]
+
+
+def quantized_shapes(hidden: int, inter: int, fmt: str) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Shape and dtype of one expert's packed tensors, by their names in a quantized checkpoint."""
+    from ..quant.formats import GROUP, blocks
+
+    per, qdtype = (GROUP // 2, torch.uint8) if fmt == "int4" else (GROUP, torch.int8)
+    out = {}
+    for proj, rows, cols in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
+        out[f"{proj}_q"] = ((rows, blocks(cols) * per), qdtype)
+        out[f"{proj}_scales"] = ((rows, blocks(cols)), torch.float16)
+    return out
+
+
+def quantized_expert_pieces(names: dict, prefix: str, num_experts: int, hidden: int, inter: int, fmt: str) -> tuple:
+    """Per expert (gate_q, gate_scales, up_q, up_scales, down_q, down_scales) byte ranges of a
+    checkpoint written by `moerun quantize` (stacked [E, rows, ...] under our module names)."""
+    cols = []
+    for key, (shape, dtype) in quantized_shapes(hidden, inter, fmt).items():
+        ref = names.get(f"{prefix}.{key}")
+        if ref is None:
+            raise MoerunError(f"checkpoint is missing tensor {prefix + '.' + key!r} (the {fmt} experts of layer {prefix})")
+        if ref.dtype != dtype:
+            raise MoerunError(f"tensor {ref.name!r} has dtype {ref.dtype} but {fmt} experts store {dtype}")
+        cols.append(_stacked_pieces(ref, num_experts, shape))
+    return tuple(zip(*cols))
 
 
 def expert_pieces(names: dict, prefix: str, num_experts: int, hidden: int, inter: int) -> tuple:
@@ -100,13 +141,8 @@ def expert_pieces(names: dict, prefix: str, num_experts: int, hidden: int, inter
                     raise MoerunError(f"tensor {ref.name!r} has shape {list(ref.shape)} but the config expects {list(shape)}")
                 out[e][j] = Piece(ref.name, ref.path, ref.offset, ref.nbytes, ref.dtype, shape)
         elif stacked is not None:
-            if tuple(stacked.shape) != (num_experts, *shape):
-                raise MoerunError(
-                    f"tensor {stacked.name!r} has shape {list(stacked.shape)} but the config expects {[num_experts, *shape]}"
-                )
-            size = stacked.nbytes // num_experts
-            for e in range(num_experts):
-                out[e][j] = Piece(f"{stacked.name}[{e}]", stacked.path, stacked.offset + e * size, size, stacked.dtype, shape)
+            for e, piece in enumerate(_stacked_pieces(stacked, num_experts, shape)):
+                out[e][j] = piece
         elif fused is not None and proj != "down_proj":  # [E, 2I, H]: gate rows first, then up
             if tuple(fused.shape) != (num_experts, 2 * inter, hidden):
                 raise MoerunError(
@@ -216,6 +252,21 @@ class SlotPool:
         self.free.setdefault(slot.numel(), []).append(slot)
 
 
+def slot_layout(L: LayerExperts, dtype: torch.dtype) -> tuple[tuple, int]:
+    """Where an expert's pieces go in its slot: ((byte offset, shape, dtype) per piece), bytes.
+    Float experts are held in the compute `dtype`, packed ones as stored."""
+    if L.fmt is None:
+        specs = [((L.inter, L.hidden), dtype), ((L.inter, L.hidden), dtype), ((L.hidden, L.inter), dtype)]
+    else:
+        specs = list(quantized_shapes(L.hidden, L.inter, L.fmt).values())
+    layout, off = [], 0
+    for shape, dt in specs:
+        off = -(-off // dt.itemsize) * dt.itemsize  # aligned for the view
+        layout.append((off, shape, dt))
+        off += math.prod(shape) * dt.itemsize
+    return tuple(layout), off
+
+
 # -- options ----------------------------------------------------------------------------------
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -224,7 +275,7 @@ _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kb": 1
 
 def parse_budget(value, total: int, what: str = "budget") -> int | None:
     """`None` (no limit), bytes as an int, `4GiB`/`4G` (binary), `4GB` (decimal), or `30%`
-    of `total` (the routed experts' bytes in the compute dtype)."""
+    of `total` (the routed experts' bytes in the compute dtype, or packed)."""
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -245,7 +296,8 @@ def parse_budget(value, total: int, what: str = "budget") -> int | None:
 
 @dataclass
 class StoreOptions:
-    """What the CLI flags set. Budgets cover routed experts only (in the compute dtype);
+    """What the CLI flags set. Budgets cover routed experts only (in the compute dtype, or
+    their packed bytes when the checkpoint is quantized);
     attention, shared experts, router and embeddings are always resident."""
 
     ram_budget: object = None  # --ram-budget: None = every expert in RAM
@@ -279,7 +331,7 @@ class Entry:
     def __init__(self, key, pieces, layout, nbytes):
         self.key = key
         self.pieces = pieces
-        self.layout = layout  # [(byte offset, shape)] of gate, up, down in a slot
+        self.layout = layout  # [(byte offset, shape, dtype)] of each piece in a slot
         self.nbytes = nbytes
         self.host = self.dev = self.host_slot = self.job = None
         self.host_state = self.dev_state = NONE
@@ -317,17 +369,21 @@ class ExpertStore:
         self.options = o
         self.dtype = dtype
         self.top_k = top_k
-        isz = torch.empty((), dtype=dtype).element_size()
         self.entries: dict[tuple, Entry] = {}
         for L in layers:
-            IH = L.inter * L.hidden * isz
-            layout = ((0, (L.inter, L.hidden)), (IH, (L.inter, L.hidden)), (2 * IH, (L.hidden, L.inter)))
+            layout, nbytes = slot_layout(L, dtype)
             for e in range(L.num_experts):
-                self.entries[(L.layer, e)] = Entry((L.layer, e), L.pieces[e], layout, 3 * IH)
+                self.entries[(L.layer, e)] = Entry((L.layer, e), L.pieces[e], layout, nbytes)
+        self.fmt = next((L.fmt for L in layers), None)
+        if any(L.fmt != self.fmt for L in layers):
+            raise MoerunError("an expert store holds experts of one format; this checkpoint mixes float and quantized ones")
         self.num_experts = {L.layer: L.num_experts for L in layers}
         self.layers = sorted(self.num_experts)
         self.first_layer = self.layers[0] if self.layers else None
         self.total_bytes = sum(e.nbytes for e in self.entries.values())
+        # bytes per weight (0.5625 for int4): the cost model's device FLOPs per byte
+        weights = sum(3 * L.hidden * L.inter * L.num_experts for L in layers)
+        isz = self.total_bytes / weights if weights else torch.empty((), dtype=dtype).element_size()
         self.paths = sorted({p.path for e in self.entries.values() for p in e.pieces})
 
         self._cv = threading.Condition(threading.Lock())
@@ -357,7 +413,7 @@ class ExpertStore:
         self.cost = None  # the wait-or-run-on-CPU cost model, when there is a device to wait for
         if self.link is not None:
             shape = next(((L.hidden, L.inter) for L in layers), (1, 1))
-            cpu = CpuSpeed.calibrate(*shape, dtype) if o.execute == "auto" else CpuSpeed(0.0, 0.0)
+            cpu = CpuSpeed.calibrate(*shape, dtype, self.fmt) if o.execute == "auto" else CpuSpeed(0.0, 0.0)
             self.cost = CostModel(self.link.spec, cpu, isz)
         elif o.execute != "device":
             raise MoerunError(f"--execute {o.execute} places device misses, so it needs a device tier "
@@ -721,19 +777,18 @@ class ExpertStore:
             self.c["prefetch_wasted"] += 1
 
     def _views(self, ent: Entry, buf: torch.Tensor) -> tuple:
-        isz = torch.empty((), dtype=self.dtype).element_size()
         out = []
-        for off, shape in ent.layout:
-            n = shape[0] * shape[1] * isz
-            out.append(buf[off : off + n].view(self.dtype).view(shape))
+        for off, shape, dtype in ent.layout:
+            n = math.prod(shape) * dtype.itemsize
+            out.append(buf[off : off + n].view(dtype).view(shape))
         return tuple(out)
 
     def _read(self, ent: Entry, buf: torch.Tensor) -> tuple:
         """Read an expert from disk into `buf` (lock NOT held). Returns its weight views."""
         with torch.no_grad():
             views = self._views(ent, buf)
-            for piece, view, (off, _) in zip(ent.pieces, views, ent.layout):
-                if piece.dtype == self.dtype:
+            for piece, view, (off, _, dtype) in zip(ent.pieces, views, ent.layout):
+                if piece.dtype == dtype:
                     self.reader.read_into(piece, buf[off : off + piece.nbytes])
                 else:  # convert (e.g. an fp16 checkpoint run in bf16) through a scratch buffer
                     scratch = torch.empty(piece.nbytes, dtype=torch.uint8)
