@@ -15,6 +15,13 @@ CPU (`--execute cpu`) or where the cost model says (`--execute auto`), against t
 
     .venv/bin/python benchmarks/expert_store.py --rows 5,9,10
 
+`--quantized DIR` (a checkpoint written by `moerun quantize`) or `--quantized int4` (the
+model written quantized into --work-dir once) runs the same rows on the packed experts too
+(budgets then count packed bytes; one native kernel call per layer); `--no-float` skips
+the float rows:
+
+    .venv/bin/python benchmarks/expert_store.py --model moerun/demo_model --quantized int4 --rows 0,1,3
+
 Emulated rows charge link time only; the experts "on the device" still run on the CPU at
 CPU speed, so for them the table also gives decode tok/s with that measured CPU time
 replaced by the MODELLED device compute time (placement.DeviceModel). Use --threads 1 on a
@@ -64,6 +71,19 @@ def random_model(layers: int, root: Path) -> Path:
     path = root / f"qwen3-30b-a3b-random-L{layers}"
     if not (path / "config.json").is_file():
         write_random_model(path, preset_config("qwen3-30b-a3b", layers=layers))
+    return path
+
+
+def quantized_model(spec: str, src: Path, root: Path) -> Path:
+    """`spec`: a directory written by `moerun quantize`, or a policy to write `src` in (once)."""
+    from moerun.quant import POLICIES
+    from moerun.quant.checkpoint import quantize_checkpoint
+
+    if spec not in POLICIES:
+        return Path(spec)
+    path = root / f"{src.name}-{spec}"
+    if not (path / "config.json").is_file():
+        quantize_checkpoint(src, path, spec)
     return path
 
 
@@ -155,34 +175,44 @@ def main() -> int:
                    help="the model's own routing, or K experts drawn uniformly per token and layer (synthetic)")
     p.add_argument("--decode-input", choices=["auto", "random", "argmax"], default="auto",
                    help="next decode input: random token ids (default for random-weight models) or the argmax")
+    p.add_argument("--quantized", default=None,
+                   help="also run the rows on a quantized checkpoint: its directory, or int4/int8 to write one")
+    p.add_argument("--no-float", action="store_true", help="with --quantized: skip the float checkpoint's rows")
     a = p.parse_args()
 
     path = Path(a.model) if a.model else random_model(a.layers, Path(a.work_dir))
+    models = [] if a.no_float and a.quantized else [("", path)]
+    if a.quantized:
+        q = quantized_model(a.quantized, path, Path(a.work_dir))
+        policy = json.loads((q / "config.json").read_text())["quantization"]["components"]["experts"]
+        models.append((f"{policy} experts: ", q))
     cfg = json.loads((path / "config.json").read_text())
     vocab = cfg.get("vocab_size", 1000)
     random_input = {"random": True, "argmax": False}.get(a.decode_input, bool(cfg.get("random_weights")))
     prompt = torch.randint(0, vocab, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(0))
     rows = ROWS if a.rows is None else [ROWS[int(i)] for i in a.rows.split(",")]
-    print(f"model {path}; prompt {a.prompt_tokens} tokens, {a.warmup_tokens} warm-up + {a.gen_tokens} measured decode "
-          f"tokens ({'random' if random_input else 'argmax'} decode inputs, {a.routing} routing); threads {a.threads or torch.get_num_threads()}",
+    print(f"model {', '.join(str(m) for _, m in models)}; prompt {a.prompt_tokens} tokens, {a.warmup_tokens} warm-up + "
+          f"{a.gen_tokens} measured decode tokens ({'random' if random_input else 'argmax'} decode inputs, {a.routing} routing); threads {a.threads or torch.get_num_threads()}",
           file=sys.stderr)
-    profile = None
     results = []
-    for label, opts, pin, predictor in rows:
-        if pin and profile is None:  # a profile run of its own when the first row was skipped
-            profile = measure(path, a.dtype, a.threads, {}, prompt, a.gen_tokens, a.warmup_tokens,
-                              random_input=random_input, uniform=1000 if a.routing == "uniform" else None)["profile"]
-        r = measure(path, a.dtype, a.threads, opts, prompt, a.gen_tokens, a.warmup_tokens, profile, pin, random_input,
-                    predictor, ROWS.index((label, opts, pin, predictor)) if a.routing == "uniform" else None)
-        if profile is None:
-            profile = r["profile"]
-        r.pop("profile")
-        r["row"] = label
-        results.append(r)
-        if a.json:
-            print(json.dumps(r), flush=True)
-        else:
-            print(f"  {label}: {r['decode_tok_s']:.2f} tok/s, stall {100 * r['stall_share']:.0f}%", file=sys.stderr, flush=True)
+    for tag, path in models:
+        profile = None
+        for label, opts, pin, predictor in rows:
+            if pin and profile is None:  # a profile run of its own when the first row was skipped
+                profile = measure(path, a.dtype, a.threads, {}, prompt, a.gen_tokens, a.warmup_tokens,
+                                  random_input=random_input, uniform=1000 if a.routing == "uniform" else None)["profile"]
+            r = measure(path, a.dtype, a.threads, opts, prompt, a.gen_tokens, a.warmup_tokens, profile, pin,
+                        random_input, predictor, ROWS.index((label, opts, pin, predictor)) if a.routing == "uniform" else None)
+            if profile is None:
+                profile = r["profile"]
+            r.pop("profile")
+            r["row"] = tag + label
+            results.append(r)
+            if a.json:
+                print(json.dumps(r), flush=True)
+            else:
+                print(f"  {r['row']}: {r['decode_tok_s']:.2f} tok/s, stall {100 * r['stall_share']:.0f}%, experts "
+                      f"{r['experts_bytes'] / 2**20:.1f} MiB", file=sys.stderr, flush=True)
     if not a.json:
         print()
         print("| placement, policy | decode tok/s | stall share | stall s/token | expert hit rate | "
