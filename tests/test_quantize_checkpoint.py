@@ -12,6 +12,7 @@ from dataclasses import asdict
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import moerun
 from moerun.bench.random_model import write_random_model
@@ -232,12 +233,9 @@ def test_corrupt_quantized_checkpoint(qwen3, tmp_path, capsys):
         return mutate
 
     def drop_scales(d):
-        sd = {}
         with safe_open(d / "model.safetensors", "pt") as f:
-            sd = {k: f.get_tensor(k) for k in f.keys() if k != "model.layers.0.mlp.experts.down_scales"}
-        from safetensors.torch import save_file
-
-        save_file(sd, str(d / "model.safetensors"))
+            kept = {k: f.get_tensor(k) for k in f.keys() if k != "model.layers.0.mlp.experts.down_scales"}
+        save_file(kept, str(d / "model.safetensors"))
 
     cases = [
         (truncate, ("truncated", "model.safetensors")),
