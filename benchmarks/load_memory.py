@@ -2,7 +2,8 @@
 
 Writes a random Qwen3-30B-A3B-shaped checkpoint (bf16, a few layers) unless --model is
 given, then loads it in a fresh process and reports:
-  peak RSS during load - RSS before load   (ru_maxrss covers file-backed mmap pages too)
+  peak RSS during load - RSS before load   (VmHWM: file-backed mmap pages count too; unlike
+                                            ru_maxrss it is not inherited from the parent)
   RSS after one forward pass               (every weight has been touched by then)
 both divided by the bytes of the loaded weights.
 
@@ -19,18 +20,21 @@ import tempfile
 from pathlib import Path
 
 CHILD = r"""
-import json, resource, sys, torch, psutil
+import json, sys, torch, psutil
 import moerun
 proc = psutil.Process()
+def hwm():  # this process's own peak RSS (ru_maxrss would carry the parent's peak across exec)
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 before = proc.memory_info().rss
 llm = moerun.load(sys.argv[1], dtype=sys.argv[2], threads=2)
-peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak_load = hwm()
 after_load = proc.memory_info().rss
 weights = sum(t.numel() * t.element_size() for t in {id(p): p for p in llm.net.parameters()}.values())
 with torch.inference_mode():
     llm.net(torch.tensor([[1, 2, 3]]))
 after_forward = proc.memory_info().rss
-peak_all = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak_all = hwm()
 print(json.dumps(dict(weights=weights, before=before, peak_load=peak_load, after_load=after_load,
                       after_forward=after_forward, peak_all=peak_all)))
 """
