@@ -237,3 +237,19 @@ def test_split_threads_leaves_float_nets_alone():
     net = tiny_model()
     assert not kernels.split_threads(net, threads=2)
     assert getattr(net, "_split_threads", None) is None
+
+
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+def test_split_threads_finds_any_native_module():
+    """Store-backed packed experts (experts.attach.QuantStoreExperts) are neither
+    QuantizedLinear nor QuantizedExperts; the marker is what counts."""
+    from moerun.experts.attach import QuantStoreExperts
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert not kernels.split_threads(net)
+    net.append(QuantStoreExperts(0, 2, 32, 32, "int4", gather=None))  # never run here
+    try:
+        assert kernels.split_threads(net, threads=1)
+    finally:
+        net._split_threads.remove()
+        kernels.set_threads(None)

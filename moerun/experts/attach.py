@@ -72,6 +72,8 @@ class QuantStoreExperts(StoreExperts):
     in use, and its weighted sum runs in k order, so the output is bit-identical to
     `QuantizedExperts` on the full stack (tests/test_expert_store_quant.py checks it)."""
 
+    native_kernels = True  # kernels.split_threads: torch's decode ops on one thread
+
     def __init__(self, layer: int, num_experts: int, hidden: int, inter: int, fmt: str, gather: "Gather"):
         super().__init__(layer, num_experts, hidden, inter)
         self.fmt, self.gather = fmt, gather

@@ -116,14 +116,12 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def split_threads(net: torch.nn.Module, threads: int | None = None, max_tokens: int = 32) -> bool:
-    """For a net with native quantized modules: native ops on `threads` (default: torch's
+    """For a net with native quantized modules (those with `native_kernels = True`): native ops on `threads` (default: torch's
     current count), torch's own ops on one thread in forward passes of at most
     `max_tokens` tokens (decode, short drafts), on `threads` otherwise (prefill, where
     attention is big enough to share). Returns False (and changes nothing) for a net
     without native modules, or when the native extension is not in use."""
-    from ..quant.modules import QuantizedExperts, QuantizedLinear
-
-    if _native() is None or not any(isinstance(m, (QuantizedLinear, QuantizedExperts)) for m in net.modules()):
+    if _native() is None or not any(getattr(m, "native_kernels", False) for m in net.modules()):
         return False
     n = threads or torch.get_num_threads()
     set_threads(n)

@@ -15,6 +15,8 @@ CHUNK_ROWS = 4096  # quantize a big linear (an LM head of 150k rows) this many r
 
 
 class QuantizedLinear(nn.Module):
+    native_kernels = True  # runs moerun.kernels (kernels.split_threads looks for this)
+
     keeps_dtype = True  # the loader keeps the buffers' dtypes (fp16 scales, fp32 bias)
 
     def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False):
@@ -56,6 +58,7 @@ class QuantizedExperts(nn.Module):
     """Routed experts with gate/up [E, I, H] and down [E, H, I] packed in `fmt`."""
 
     routed_experts = True  # tells `moerun info` and the expert machinery what this module is
+    native_kernels = True
     keeps_dtype = True
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str):
