@@ -228,35 +228,32 @@ def store_figures(store) -> tuple[int, float]:
 
 class DraftPrefetch:
     """Expert-aware drafting: while the head drafts, hint the expert store with the trunk
-    experts the verification pass will read.
+    experts the verification pass will read at layer 0 (module doc).
 
     The pass runs the trunk on [t_L, d1..dN]; each token is known as soon as it is drafted,
-    so its experts are predicted with the `token` predictor (experts/predict.py): the
-    token's embedding through every layer's router (`profile.mtp_route_scores`), top
-    `factor * K` per layer. Hints target the store's next step (the verification pass) and
-    are dropped after it; earlier layers go first.
+    so its layer-0 experts are predicted with the `token` predictor (experts/predict.py):
+    the token's embedding through the router (`profile.mtp_route_scores`), top K. Hints
+    target the store's next step (the verification pass) and are dropped after it.
     """
 
-    def __init__(self, net, store, deep: int = 0):
+    def __init__(self, net, store):
         from ..experts.predict import Token
         from ..experts.profile import moe_blocks
 
         self.net, self.store = net, store
-        self.blocks = moe_blocks(net)
-        self.layer_ids = [getattr(blk.experts, "layer", i) for i, (_, blk) in enumerate(self.blocks)]
-        self.pred = Token(len(self.blocks), net.args.num_experts)
-        self.budget = [net.args.num_experts_per_tok] + [deep] * (len(self.blocks) - 1)  # hints per layer and token
+        self.blocks = moe_blocks(net)[:1]
+        self.layer = getattr(self.blocks[0][1].experts, "layer", 0)
+        self.pred = Token(1, net.args.num_experts)
+        self.budget = net.args.num_experts_per_tok
 
     def tokens(self, ids: list[int]) -> None:
         from ..experts.profile import mtp_route_scores
 
-        routes = mtp_route_scores(self.net, self.blocks, torch.tensor(ids)[:, None], torch.ones(len(ids), 1))  # [n, L, E]
+        routes = mtp_route_scores(self.net, self.blocks, torch.tensor(ids)[:, None], torch.ones(len(ids), 1))  # [n, 1, E]
         step = self.store.step + 1
         for route in routes.numpy():
             self.pred.begin_token({"token_route": route})
-            for l, layer in enumerate(self.layer_ids):
-                if self.budget[l]:
-                    self.store.prefetch(layer, self.pred.predict(l, self.budget[l]).tolist(), priority=-l, for_step=step)
+            self.store.prefetch(self.layer, self.pred.predict(0, self.budget).tolist(), for_step=step)
 
 
 class DraftLength:
