@@ -181,25 +181,28 @@ class ExpertTracker:
         self.top_k = 0
         self.num_experts = 0
         self._handles = []
+        self.per_expert: dict[torch.nn.Module, int] = {}  # module -> bytes of one expert
+        store = getattr(net, "expert_store", None)
+        stored = []
         for m in net.modules():
-            # Experts, or a drop-in with the same call: the store's StoreExperts (weights
-            # elsewhere), QuantizedExperts (routed_experts)
-            if isinstance(m, Experts) or type(m).__name__ == "StoreExperts" or getattr(m, "routed_experts", False):
+            # Experts, or a drop-in with the same call: QuantizedExperts (routed_experts), or the
+            # store's StoreExperts and its subclasses (weights in the store: `store` attribute)
+            if isinstance(m, Experts) or getattr(m, "routed_experts", False) or (store is not None and getattr(m, "store", None) is store):
+                held = [*m.parameters(recurse=False), *m.buffers(recurse=False)]  # stacked [E, ...] (and scales)
+                if held:
+                    self.per_expert[m] = sum(t.numel() * t.element_size() for t in held) // max(m.num_experts, 1)
+                else:
+                    stored.append(m)
                 self._handles.append(m.register_forward_pre_hook(self._hook, with_kwargs=True))
-
-    @staticmethod
-    def _expert_bytes(m, x: torch.Tensor) -> int:
-        held = [*m.parameters(recurse=False), *m.buffers(recurse=False)]  # stacked [E, ...] weights (and scales)
-        if held:
-            return sum(t.numel() * t.element_size() for t in held) // max(m.num_experts, 1)
-        return 3 * getattr(m, "hidden", 0) * getattr(m, "inter", 0) * x.element_size()  # weights in a store
+        if stored:  # the store's bytes over every expert it holds
+            per = store.stats()["experts_bytes"] // sum(m.num_experts for m in stored)
+            self.per_expert.update(dict.fromkeys(stored, per))
 
     def _hook(self, m, args, kwargs):
         if self.phase is None:
             return
-        x = args[0] if args else kwargs["x"]
         ids = args[1] if len(args) > 1 else kwargs["ids"]
-        per = self._expert_bytes(m, x)
+        per = self.per_expert.get(m, 0)
         b = len(set(ids.reshape(-1).tolist())) * per
         self.bytes[self.phase] += b
         if self.phase == "verify":
