@@ -158,4 +158,4 @@ def test_speculative_without_mtp_head_is_refused(tiny):
 
 
 def test_quant_and_store_together_are_refused(tiny):
-    assert_one_line_error(moerun("generate", "-m", tiny, "x", "--quant", "int4", "--ram-budget", "50%"), "not supported")
+    assert_one_line_error(moerun("generate", "-m", tiny, "x", "--quant", "int4", "--ram-budget", "50%"), "needs a quantized checkpoint")
