@@ -246,7 +246,8 @@ def cmd_quantize(a) -> int:
     return 0
 
 
-QUANT_COMPONENTS = ("experts", "shared_experts", "attention", "lm_head")
+QUANT_COMPONENTS = ("experts", "shared_experts", "attention", "lm_head")  # QuantPolicy's fields, spelled out so
+# that building the parser does not import torch (tests/test_quantize_checkpoint.py checks they agree)
 
 
 def _kernel_isa() -> str:

@@ -290,3 +290,12 @@ def test_generate_from_the_command_line(demo_int4):
         return r.stdout
 
     assert generate("-m", demo_int4) == generate("--quant", "int4")
+
+
+def test_cli_component_flags_are_the_policy_components():
+    from dataclasses import fields
+
+    from moerun.cli import QUANT_COMPONENTS
+    from moerun.quant import QuantPolicy
+
+    assert QUANT_COMPONENTS == tuple(f.name for f in fields(QuantPolicy))
