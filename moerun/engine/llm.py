@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
+from .. import kernels
 from ..errors import MoerunError
 from .generate import GenerationStats, Sequence, run
 from .sampling import SamplingParams
@@ -43,8 +44,6 @@ class LLM:
         self.dtype = dtype
         self.generation_config = generation_config
         self.last_stats = GenerationStats()
-        from .. import kernels
-
         kernels.split_threads(net)  # quantized nets: torch's small decode ops on one thread
 
     @classmethod
