@@ -160,6 +160,8 @@ NB_MODULE(_native, m) {
     m.def("isa", [] { return std::string(moerun::current_isa()); }, "the kernel path in use");
     m.def("set_threads", &set_threads, nb::arg("n"), "size of the native thread pool");
     m.def("get_threads", &moerun::get_threads, "size of the native thread pool");
+    m.def("set_spin_us", &moerun::set_spin_us, nb::arg("us"), "how long idle workers spin before they sleep");
+    m.def("get_spin_us", &moerun::get_spin_us, "how long idle workers spin before they sleep");
     m.def("qlinear", &qlinear, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("out"), nb::arg("fmt"),
           "out[M, N] = x[M, K] @ W^T with W quantized (fmt 4 or 8, blocks of 32)");
     m.def("moe_experts", &moe_experts, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),

@@ -94,6 +94,8 @@ bool set_isa(const char* name) {
 const char* current_isa() { return kern().name; }
 void set_threads(int n) { pool().resize(n); }
 int get_threads() { return pool().size(); }
+void set_spin_us(int us) { pool().set_spin_us(us); }
+int get_spin_us() { return pool().spin_us(); }
 
 void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, const uint16_t* ws_, float* y) {
     const int nb = blocks_of(K);

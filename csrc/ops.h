@@ -7,11 +7,14 @@
 
 namespace moerun {
 
-// Process-wide settings: which kernel table runs and how many threads the pool has.
+// Process-wide settings: which kernel table runs, how many threads the pool has and how long
+// its idle workers spin before they sleep.
 bool set_isa(const char* name);
 const char* current_isa();
 void set_threads(int n);
 int get_threads();
+void set_spin_us(int us);
+int get_spin_us();
 
 // y[M, N] = x[M, K] @ W^T, W quantized in fmt with nb = blocks_of(K).
 void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, const uint16_t* ws, float* y);

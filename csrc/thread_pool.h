@@ -5,7 +5,9 @@
 // from the model's forward. After a job the workers spin for a short while (a decode step
 // issues dozens of small jobs back to back; waking a sleeping thread costs tens of
 // microseconds) and then sleep on a condition variable, so they do not steal cores from
-// torch's own threads between our calls.
+// torch's own threads between our calls. How long they spin is a setting: 50 us by default,
+// milliseconds while torch runs on one thread (decode under kernels.split_threads), where a
+// spinning worker keeps its own core and is there the moment the next op starts.
 #pragma once
 
 #include <atomic>
@@ -26,6 +28,8 @@ public:
     ~ThreadPool() { stop(); }
 
     int size() const { return n_; }
+    void set_spin_us(int us) { spin_us_.store(us < 0 ? 0 : us, std::memory_order_relaxed); }
+    int spin_us() const { return spin_us_.load(std::memory_order_relaxed); }
 
     void resize(int n) {
         if (n < 1) n = 1;
@@ -73,7 +77,7 @@ private:
         for (;;) {
             // spin briefly for the next job (time-bounded: PAUSE costs 10-150 cycles
             // depending on the core), then sleep
-            auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinUs);
+            auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_.load(std::memory_order_relaxed));
             for (int spin = 0; gen_.load(std::memory_order_acquire) == seen && !quit_; ++spin) {
                 _mm_pause_();
                 if ((spin & 63) == 63 && std::chrono::steady_clock::now() > until) break;
@@ -109,7 +113,7 @@ private:
         workers_.clear();
     }
 
-    static constexpr int kSpinUs = 50;  // a decode step's native ops come closer together than this
+    std::atomic<int> spin_us_{50};  // a prefill step's native ops come closer together than this
     int n_ = 0;
     pid_t pid_ = getpid();
     std::vector<std::thread> workers_;

@@ -199,8 +199,9 @@ def test_pool_survives_fork():
 
 @pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
 def test_split_threads_decode_on_one_torch_thread():
-    """Quantized net: decode-sized passes run torch on one thread, native ops on N; larger
-    passes give torch its N threads back; outputs do not depend on it."""
+    """Quantized net: decode-sized passes run torch on one thread, native ops on N with
+    workers that spin longer between ops; larger passes give torch its N threads back and
+    the workers their short spin; outputs do not depend on it."""
     from moerun.engine.cache import Cache
     from moerun.quant import quantize_model
     from test_quant import tiny_model
@@ -219,13 +220,16 @@ def test_split_threads_decode_on_one_torch_thread():
             assert kernels._state["pinned"] == 2
             got = net(ids)  # 40 tokens > 32: torch keeps 2 threads
             assert torch.get_num_threads() == 2
+            assert kernels._native().get_spin_us() == kernels.IDLE_SPIN_US
             cache = Cache(net.cache_spec(), 1, 64, torch.float32)
             net(ids[:, :39], cache)
             step = net(ids[:, 39:], cache)  # one token: torch on one thread
             assert torch.get_num_threads() == 1
+            assert kernels._native().get_spin_us() == kernels.DECODE_SPIN_US > kernels.IDLE_SPIN_US
         finally:
             net._split_threads.remove()
             kernels.set_threads(None)
+            kernels.set_spin(kernels.IDLE_SPIN_US)
             torch.set_num_threads(before)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(step, plain_step, rtol=1e-5, atol=1e-5)
