@@ -130,6 +130,27 @@ void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq
                         (const uint8_t*)dq.data(), (const uint16_t*)ds.data(), (float*)out.data());
 }
 
+// q [Hq, D]; k [Hkv, S, D] and v [Hkv, S, Dv] may be strided views (a cache's first S
+// positions) with unit stride in their last dimension; out [Hq, Dv].
+void attn_decode(Array q, nb::ndarray<nb::device::cpu> k, nb::ndarray<nb::device::cpu> v, Array out, float scale) {
+    check_dtype(q, dtype_code::Float, 32, "q");
+    check(q.ndim() == 2, "q must be [Hq, D]");
+    const size_t Hq = q.shape(0), D = q.shape(1);
+    check(k.dtype() == nb::dtype<float>() && v.dtype() == nb::dtype<float>(), "k, v: must be float32");
+    check(k.ndim() == 3 && v.ndim() == 3, "k, v must be [Hkv, S, D]");
+    const size_t Hkv = k.shape(0), S = k.shape(1), Dv = v.shape(2);
+    check(Hkv > 0 && S > 0 && Hq % Hkv == 0, "q heads must be a multiple of kv heads, S at least 1");
+    check(k.shape(2) == D && v.shape(0) == Hkv && v.shape(1) == S, "k, v: shapes do not match q");
+    check(k.stride(2) == 1 && v.stride(2) == 1, "k, v: last dimension must be contiguous");
+    check_dtype(out, dtype_code::Float, 32, "out");
+    check_shape(out, {Hq, Dv}, "out");
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::attn_decode((int)Hq, (int)Hkv, (int)S, (int)D, (int)Dv, (const float*)q.data(), (const float*)k.data(),
+                        (long)k.stride(0), (long)k.stride(1), (const float*)v.data(), (long)v.stride(0),
+                        (long)v.stride(1), scale, (float*)out.data());
+}
+
 std::vector<std::string> available_isas() {
     const moerun::KernelTable* all[8];
     int n = moerun::supported_kernels(all);
@@ -164,6 +185,8 @@ NB_MODULE(_native, m) {
     m.def("get_spin_us", &moerun::get_spin_us, "how long idle workers spin before they sleep");
     m.def("qlinear", &qlinear, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("out"), nb::arg("fmt"),
           "out[M, N] = x[M, K] @ W^T with W quantized (fmt 4 or 8, blocks of 32)");
+    m.def("attn_decode", &attn_decode, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("scale"),
+          "one query token's attention over cached keys/values (grouped query heads)");
     m.def("moe_experts", &moe_experts, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("gate_scales"), nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"),
           nb::arg("out"), nb::arg("fmt"), nb::arg("intermediate"),

@@ -36,12 +36,31 @@ struct GemmArgs {
     size_t y_row;
 };
 
+// One kv head's attention over one chunk of n cached positions, for its G query heads (one
+// query token each): scores p[g, s] = scale * q_g . k_s, then per query head the chunk's
+// max m[g], sum of exp l[g] and unnormalised output o[g] = sum_s exp(p[g, s] - m[g]) v_s.
+// The driver merges chunks (and kv heads) with the usual log-sum-exp rescaling.
+struct AttnArgs {
+    int G, D, Dv, n;
+    const float* q;       // [G, D] contiguous
+    const float* k;       // position s's key at k + s * k_ss (contiguous D floats)
+    long k_ss;
+    const float* v;       // position s's value at v + s * v_ss
+    long v_ss;
+    float scale;
+    float* p;             // scratch [G, n]
+    float* m;             // [G]
+    float* l;             // [G]
+    float* o;             // [G, Dv]
+};
+
 struct KernelTable {
     const char* name;
     // Quantize n floats (padded with zeros to nb * QK) into q, d, s (s[b] = d[b] * sum q).
     void (*quantize_row)(const float* x, int n, int nb, int8_t* q, float* d, float* s);
     void (*gemm_q4)(const GemmArgs& a);
     void (*gemm_q8)(const GemmArgs& a);
+    void (*attn_chunk)(const AttnArgs& a);
 };
 
 extern const KernelTable generic_kernels;

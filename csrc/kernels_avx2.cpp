@@ -19,6 +19,6 @@ namespace {
 #include "kernels_x86.inc"
 }  // namespace
 
-const KernelTable avx2_kernels = {"avx2", quantize_row, gemm_q4, gemm_q8};
+const KernelTable avx2_kernels = {"avx2", quantize_row, gemm_q4, gemm_q8, attn_chunk};
 
 }  // namespace moerun

@@ -1,5 +1,6 @@
 // Portable kernels: plain C++ for any x86-64 (or other) CPU, and the ISA dispatch point.
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 
 #include "kernels.h"
@@ -98,9 +99,36 @@ void gemm_q8_generic(const GemmArgs& a) {
     }
 }
 
+void attn_chunk_generic(const AttnArgs& a) {
+    for (int g = 0; g < a.G; ++g) {
+        const float* q = a.q + (size_t)g * a.D;
+        float* p = a.p + (size_t)g * a.n;
+        float m = -INFINITY;
+        for (int s = 0; s < a.n; ++s) {
+            const float* k = a.k + s * a.k_ss;
+            float acc = 0.f;
+            for (int d = 0; d < a.D; ++d) acc += q[d] * k[d];
+            p[s] = acc * a.scale;
+            m = std::fmax(m, p[s]);
+        }
+        float l = 0.f;
+        float* o = a.o + (size_t)g * a.Dv;
+        for (int d = 0; d < a.Dv; ++d) o[d] = 0.f;
+        for (int s = 0; s < a.n; ++s) {
+            float e = std::exp(p[s] - m);
+            l += e;
+            const float* v = a.v + s * a.v_ss;
+            for (int d = 0; d < a.Dv; ++d) o[d] += e * v[d];
+        }
+        a.m[g] = m;
+        a.l[g] = l;
+    }
+}
+
 }  // namespace
 
-const KernelTable generic_kernels = {"generic", quantize_row_generic, gemm_q4_generic, gemm_q8_generic};
+const KernelTable generic_kernels = {"generic", quantize_row_generic, gemm_q4_generic, gemm_q8_generic,
+                                     attn_chunk_generic};
 
 bool cpu_has_avx2() {
     __builtin_cpu_init();

@@ -32,7 +32,9 @@ namespace {
 #undef MOERUN_DPBUSD
 }  // namespace avxvnni
 
-const KernelTable avx512vnni_kernels = {"avx512vnni", avx512vnni::quantize_row, avx512vnni::gemm_q4, avx512vnni::gemm_q8};
-const KernelTable avxvnni_kernels = {"avxvnni", avxvnni::quantize_row, avxvnni::gemm_q4, avxvnni::gemm_q8};
+const KernelTable avx512vnni_kernels = {"avx512vnni", avx512vnni::quantize_row, avx512vnni::gemm_q4, avx512vnni::gemm_q8,
+                                        avx512vnni::attn_chunk};
+const KernelTable avxvnni_kernels = {"avxvnni", avxvnni::quantize_row, avxvnni::gemm_q4, avxvnni::gemm_q8,
+                                     avxvnni::attn_chunk};
 
 }  // namespace moerun

@@ -252,4 +252,55 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
     }
 }
 
+void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const float* k, long k_sh, long k_ss,
+                 const float* v, long v_sh, long v_ss, float scale, float* out) {
+    const int G = Hq / Hkv;
+    // chunks of positions: enough tasks for the pool, each long enough to amortise its merge
+    const int want = std::max(1, (4 * pool().size() + Hkv - 1) / Hkv);
+    const int chunk = std::max(64, (S + want - 1) / want);
+    const int nc = (S + chunk - 1) / chunk;
+    Workspace& W = ws();
+    const size_t per_task = (size_t)G * (chunk + 2 + Dv);  // p, m, l, o
+    W.g.resize((size_t)Hkv * nc * per_task);
+    auto& kn = kern();
+    pool().parallel_for(Hkv * nc, [&](int task) {
+        const int j = task / nc, c = task % nc, s0 = c * chunk;
+        float* base = W.g.data() + (size_t)task * per_task;
+        AttnArgs a;
+        a.G = G;
+        a.D = D;
+        a.Dv = Dv;
+        a.n = std::min(chunk, S - s0);
+        a.q = q + (size_t)j * G * D;
+        a.k = k + j * k_sh + s0 * k_ss;
+        a.k_ss = k_ss;
+        a.v = v + j * v_sh + s0 * v_ss;
+        a.v_ss = v_ss;
+        a.scale = scale;
+        a.p = base;
+        a.m = base + (size_t)G * chunk;
+        a.l = a.m + G;
+        a.o = a.l + G;
+        kn.attn_chunk(a);
+    });
+    for (int j = 0; j < Hkv; ++j) {
+        for (int g = 0; g < G; ++g) {
+            float M = -INFINITY;
+            for (int c = 0; c < nc; ++c) M = std::max(M, W.g[(size_t)(j * nc + c) * per_task + (size_t)G * chunk + g]);
+            float L = 0.f;
+            float* o = out + (size_t)(j * G + g) * Dv;
+            for (int d = 0; d < Dv; ++d) o[d] = 0.f;
+            for (int c = 0; c < nc; ++c) {
+                const float* base = W.g.data() + (size_t)(j * nc + c) * per_task;
+                const float* mc = base + (size_t)G * chunk;
+                float f = std::exp(mc[g] - M);
+                L += f * mc[G + g];
+                const float* oc = mc + 2 * G + (size_t)g * Dv;
+                for (int d = 0; d < Dv; ++d) o[d] += f * oc[d];
+            }
+            for (int d = 0; d < Dv; ++d) o[d] /= L;
+        }
+    }
+}
+
 }  // namespace moerun

@@ -25,4 +25,11 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
                  const float* weights, const uint8_t* gq, const uint16_t* gs, const uint8_t* uq,
                  const uint16_t* us, const uint8_t* dq, const uint16_t* ds, float* out);
 
+// One query token's attention over S cached positions: out[h] = softmax(scale * q_h K_j^T) V_j
+// for query head h < Hq and its kv head j = h / (Hq / Hkv). q is [Hq, D] contiguous; kv head
+// j's position s sits at k + j * k_sh + s * k_ss (D contiguous floats), likewise v; out is
+// [Hq, Dv]. Split over (kv head, chunk of positions) and merged by log-sum-exp.
+void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const float* k, long k_sh, long k_ss,
+                 const float* v, long v_sh, long v_ss, float scale, float* out);
+
 }  // namespace moerun

@@ -8,6 +8,8 @@ Tolerances (errors relative to the reference's largest magnitude):
   max 1e-2 and 1e-4 in norm (relative Frobenius error).
 - against the float product with the unquantized weights (Gaussian weights, the worst case
   for block formats): int8 2e-2 and int4 0.2 in norm.
+- attn_decode (float32 throughout) against its grouped-matmul reference: 1e-5, summation
+  order and the kernel's exp polynomial (relative error ~2e-7) only.
 """
 
 from __future__ import annotations
@@ -257,3 +259,44 @@ def test_split_threads_finds_any_native_module():
     finally:
         net._split_threads.remove()
         kernels.set_threads(None)
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("hq,hkv,S,D,Dv,spread", [(8, 2, 1, 32, 32, 1.0), (4, 4, 7, 20, 13, 1.0), (6, 1, 300, 64, 72, 1.0),
+                                                  (32, 4, 700, 128, 128, 1.0), (3, 3, 65, 8, 8, 1.0), (4, 2, 130, 32, 32, 40.0)])
+def test_attn_decode(isa, threads, hq, hkv, S, D, Dv, spread):
+    """Odd head dims (tails of the 8-lane loops), one position, chunked long caches, G = 1,
+    and scores spread wide enough that most exp() underflow; k and v are views of a longer
+    cache, as in decode."""
+    g = torch.Generator().manual_seed(S * 7 + D)
+    q = torch.randn(hq, D, generator=g) * spread
+    k = torch.randn(hkv, S + 37, D, generator=g)[:, :S]
+    v = torch.randn(hkv, S + 37, Dv, generator=g)[:, :S]
+    ref = kernels.attn_decode_ref(q, k, v, D**-0.5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with kernels.use_isa(isa):
+            assert kernels.attn_decode_is_native(k, v)
+            got = kernels.attn_decode(q, k, v, D**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == (hq, Dv) and got.dtype == torch.float32
+    assert max_rel(got, ref) < 1e-5
+
+
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+def test_attn_decode_bad_shapes_and_fallbacks():
+    nat = kernels._native()
+    q, k, v, out = torch.zeros(8, 16), torch.zeros(3, 5, 16), torch.zeros(3, 5, 16), torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        nat.attn_decode(q.numpy(), k.numpy(), v.numpy(), out.numpy(), 1.0)
+    with pytest.raises(ValueError, match="last dimension"):
+        nat.attn_decode(q.numpy(), torch.zeros(2, 16, 5).transpose(1, 2).numpy(), torch.zeros(2, 5, 16).numpy(),
+                        out.numpy(), 1.0)
+    # bf16 caches and transposed views are not native: the reference runs instead
+    kb = torch.randn(2, 5, 16).bfloat16()
+    assert not kernels.attn_decode_is_native(kb, kb)
+    got = kernels.attn_decode(torch.randn(8, 16), kb, kb, 0.25)
+    assert got.shape == (8, 16) and torch.isfinite(got).all()
