@@ -1,7 +1,7 @@
 """moerun vs llama.cpp on the same quantized weights, same threads, one after the other.
 
     .venv/bin/python benchmarks/vs_llamacpp.py [--layers 8] [--prompt-tokens 512] \
-        [--gen-tokens 128] [--threads 2] [--rows int4,int8]
+        [--gen-tokens 128] [--threads 2] [--rows int4,int8] [--rounds 3]
 
 A random model with Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts, top-8, expert width
 768, 32/4 heads of 128, vocab 151936) is built in memory, already quantized by moerun's
@@ -14,7 +14,9 @@ for llama.cpp and fp32 for moerun (one row per token: no effect on speed).
 Prints prefill tok/s (one prompt of --prompt-tokens), decode tok/s (--gen-tokens steps with
 a KV cache), the ratio, and the decode roofline: bytes read per decoded token / measured
 memory read bandwidth. A sanity line compares the two engines' last-token logits after the
-prompt (same weights -> nearly the same logits).
+prompt (same weights -> nearly the same logits). Both engines stay loaded and take turns for
+--rounds rounds; the table shows medians, and each ratio is the median of the rounds' own
+ratios (measured side by side, so drifting machine bandwidth cancels) with its range.
 
 Needs `gguf` and `llama-cpp-python` (pip install gguf llama-cpp-python; the latter compiles
 llama.cpp for this CPU). Weights are random: routing is near uniform, outputs meaningless.
@@ -270,12 +272,16 @@ def run_moerun(net, args, prompt: list[int], gen: int, threads: int, split: bool
                 logits=logits[0, -1].float())
 
 
-def run_llamacpp(path: Path, prompt: list[int], gen: int, threads: int) -> dict:
+def load_llamacpp(path: Path, prompt: list[int], gen: int, threads: int):
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=len(prompt) + gen + 16, n_batch=len(prompt), n_ubatch=min(512, len(prompt)),
                 n_threads=threads, n_threads_batch=threads, verbose=False)
     llm.eval(prompt[:8])  # warm-up: first-touch of the mmap'ed weights of the layers
+    return llm
+
+
+def run_llamacpp(llm, prompt: list[int], gen: int) -> dict:
     llm.reset()
     with CpuClock() as pre:
         llm.eval(prompt)
@@ -284,11 +290,14 @@ def run_llamacpp(path: Path, prompt: list[int], gen: int, threads: int) -> dict:
     with CpuClock() as dec:
         for i in range(gen):
             llm.eval([prompt[i % len(prompt)]])
-    out = dict(prefill_tok_s=len(prompt) / pre.wall, decode_tok_s=gen / dec.wall,
-               decode_cpu_per_wall=dec.cpu_s / dec.wall, decode_invol_csw_per_tok=dec.invol / gen, logits=logits)
-    del llm
-    gc.collect()
-    return out
+    return dict(prefill_tok_s=len(prompt) / pre.wall, decode_tok_s=gen / dec.wall,
+                decode_cpu_per_wall=dec.cpu_s / dec.wall, decode_invol_csw_per_tok=dec.invol / gen, logits=logits)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Per figure, the median over rounds (logits from the first)."""
+    out = {k: float(np.median([r[k] for r in runs])) for k in runs[0] if k != "logits"}
+    return {**out, "logits": runs[0]["logits"]}
 
 
 def main(argv=None) -> int:
@@ -303,6 +312,9 @@ def main(argv=None) -> int:
     p.add_argument("--keep-gguf", action="store_true",
                    help="keep the GGUF files in --workdir and reuse them next time (the model is seeded)")
     p.add_argument("--gguf-only", action="store_true", help="write the GGUF files and stop")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of (moerun, llama.cpp), alternating; figures are medians, ratios the median of "
+                        "each round's ratio (a shared machine's bandwidth drifts by a third between minutes)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-split-threads", action="store_true",
                    help="let torch use --threads in decode too (moerun's behaviour before split_threads)")
@@ -325,14 +337,9 @@ def main(argv=None) -> int:
         res = dict(row=row, llama_type={"int4": "Q4_0 experts + Q8_0", "int8": "Q8_0"}[row],
                    layers=a.layers, threads=a.threads, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens,
                    bytes_per_token=nbytes, read_bw=bw, roofline_tok_s=bw / nbytes)
-        # moerun first, before the GGUF file is written: the kernel's writeback of gigabytes of
-        # dirty pages must not run under either engine's timing (it is synced before llama.cpp)
-        ours = None
-        if not a.gguf_only:
-            ours = run_moerun(net, args, prompt, a.gen_tokens, a.threads, split=not a.no_split_threads)
-            res["moerun"] = {k: v for k, v in ours.items() if k != "logits"}
-            print(f"[{row}] moerun: {res['moerun']}", file=sys.stderr)
-        lc = None
+        # the GGUF file first, then synced: the kernel's writeback of gigabytes of dirty pages
+        # must not run under either engine's timing
+        llm = gguf_path = None
         if not a.skip_llamacpp:
             gguf_path = work / f"random-{a.layers}L-{row}.gguf"
             if not (a.keep_gguf and gguf_path.is_file()):
@@ -343,16 +350,31 @@ def main(argv=None) -> int:
                 os.sync()
             if a.gguf_only:
                 continue
-            lc = run_llamacpp(gguf_path, prompt, a.gen_tokens, a.threads)
+            llm = load_llamacpp(gguf_path, prompt, a.gen_tokens, a.threads)
+        ours_runs, lc_runs = [], []
+        for r in range(a.rounds):
+            ours_runs.append(run_moerun(net, args, prompt, a.gen_tokens, a.threads, split=not a.no_split_threads))
+            print(f"[{row}] round {r + 1} moerun: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in ours_runs[-1].items() if k != "logits"), file=sys.stderr)
+            if llm is not None:
+                lc_runs.append(run_llamacpp(llm, prompt, a.gen_tokens))
+                print(f"[{row}] round {r + 1} llama.cpp: " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in lc_runs[-1].items() if k != "logits"), file=sys.stderr)
+        ours = median_run(ours_runs)
+        res["moerun"] = {k: v for k, v in ours.items() if k != "logits"}
+        if llm is not None:
+            del llm
+            gc.collect()
             if not a.keep_gguf:
                 gguf_path.unlink()
+            lc = median_run(lc_runs)
             res["llamacpp"] = {k: v for k, v in lc.items() if k != "logits"}
-            print(f"[{row}] llama.cpp: {res['llamacpp']}", file=sys.stderr)
-        if lc is not None:
             x, y = ours["logits"], lc["logits"]
             res["logits_cosine"] = float(torch.nn.functional.cosine_similarity(x, y, dim=0))
-            res["prefill_ratio"] = ours["prefill_tok_s"] / lc["prefill_tok_s"]
-            res["decode_ratio"] = ours["decode_tok_s"] / lc["decode_tok_s"]
+            for fig in ("prefill", "decode"):
+                ratios = [o[f"{fig}_tok_s"] / t[f"{fig}_tok_s"] for o, t in zip(ours_runs, lc_runs)]
+                res[f"{fig}_ratio"] = float(np.median(ratios))
+                res[f"{fig}_ratio_range"] = (min(ratios), max(ratios))
         res["decode_of_roofline"] = ours["decode_tok_s"] / res["roofline_tok_s"]
         results.append(res)
         del net
@@ -362,7 +384,8 @@ def main(argv=None) -> int:
         print(json.dumps({"pools": pools, "rows": results}, indent=1))
         return 0
     print(f"\n{a.layers} layers, Qwen3-30B-A3B shapes, {a.threads} threads, prompt {a.prompt_tokens}, "
-          f"decode {a.gen_tokens}, read bandwidth {bw / 1e9:.1f} GB/s, kernels {kernels.isa()}")
+          f"decode {a.gen_tokens}, read bandwidth {bw / 1e9:.1f} GB/s, kernels {kernels.isa()}; medians of "
+          f"{a.rounds} alternating rounds (ratios: median of the rounds' ratios, range in brackets)")
     print("| weights | engine | prefill tok/s | decode tok/s | decode % of roofline |")
     print("|---|---|---|---|---|")
     for r in results:
@@ -372,8 +395,9 @@ def main(argv=None) -> int:
                 print(f"| {r['row'] if eng == 'moerun' else r['llama_type']} | {eng} | {e['prefill_tok_s']:.1f} | "
                       f"{e['decode_tok_s']:.2f} | {100 * e['decode_tok_s'] / r['roofline_tok_s']:.0f}% |")
         if "decode_ratio" in r:
-            print(f"| {r['row']} | moerun / llama.cpp | {r['prefill_ratio']:.2f}x | {r['decode_ratio']:.2f}x | "
-                  f"logits cosine {r['logits_cosine']:.4f} |")
+            (p0, p1), (d0, d1) = r["prefill_ratio_range"], r["decode_ratio_range"]
+            print(f"| {r['row']} | moerun / llama.cpp | {r['prefill_ratio']:.2f}x ({p0:.2f}-{p1:.2f}) | "
+                  f"{r['decode_ratio']:.2f}x ({d0:.2f}-{d1:.2f}) | logits cosine {r['logits_cosine']:.4f} |")
         print(f"| {r['row']} | roofline | | {r['roofline_tok_s']:.2f} | {r['bytes_per_token'] / 1e6:.0f} MB/token |")
     print(f"\nthread pools, one decode-sized torch linear then one native int8 linear, {a.threads} threads: "
           f"torch {pools['torch_us']:.0f} us, native {pools['native_us']:.0f} us, alternating "
