@@ -32,3 +32,21 @@ def test_attend_uses_every_cached_position_in_decode():
     attend(q[:, :, : S - 1], k[:, :, : S - 1], v[:, :, : S - 1], cache.layers[0], slots, torch.tensor([0]), 0.25)
     last = attend(q[:, :, S - 1 :], k[:, :, S - 1 :], v[:, :, S - 1 :], cache.layers[0], slots, torch.tensor([S - 1]), 0.25)
     torch.testing.assert_close(last, full[:, :, S - 1 :], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cache_update_writes_reads_and_refuses_overflow(batch):
+    """The one-row fast path and the batched path of KVCache.update agree: values land at
+    each row's positions, everything up to the longest row comes back, and writing past
+    max_len is an error, not a silent truncation."""
+    g = torch.Generator().manual_seed(batch)
+    cache = Cache([KVSpec(2, 8, 4)], batch, 6, torch.float32)
+    kv = cache.layers[0]
+    slots, pos0 = torch.arange(batch), torch.tensor([2] * batch)
+    k, v = torch.randn(batch, 2, 3, 8, generator=g), torch.randn(batch, 2, 3, 4, generator=g)
+    k_all, v_all = kv.update(slots, pos0, k, v)
+    assert k_all.shape == (batch, 2, 5, 8) and v_all.shape == (batch, 2, 5, 4)
+    assert torch.equal(k_all[:, :, 2:5], k) and torch.equal(v_all[:, :, 2:5], v)
+    assert not k_all[:, :, :2].any()
+    with pytest.raises(ValueError, match="exceeds the cache's 6"):
+        kv.update(slots, torch.tensor([4] * batch), k, v)

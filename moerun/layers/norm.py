@@ -22,6 +22,9 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    if x.dtype == weight.dtype == torch.float32 and not zero_centered:
+        # nothing to cast: one op with the weight (decode runs a few of these per layer)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one fused op instead of four
     if zero_centered:
         # the zero-centred form multiplies in fp32 before casting back

@@ -80,6 +80,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate the first cos.shape[-1] channels of x [B, heads, T, D]; the rest pass through."""
     rd = cos.shape[-1]
+    if rd == x.shape[-1] and not interleaved:  # the whole head rotates (fewer ops: decode runs this per layer)
+        return torch.addcmul(x * cos, rotate_half(x), sin)
     rot, rest = x[..., :rd], x[..., rd:]
     if interleaved:
         # [x0, x1, x2, x3, ...] -> [x0, x2, ..., x1, x3, ...] then the usual half rotation
