@@ -257,6 +257,7 @@ def run_moerun(net, args, prompt: list[int], gen: int, threads: int, split: bool
     kernels.set_threads(None)
     if split:  # what moerun.load does: torch's small decode ops on one thread (kernels.split_threads)
         kernels.split_threads(net, threads)
+        kernels.fuse_decode_attention(net)  # ... and each attention block's decode step one native call
     cache = Cache(net.cache_spec(), 1, len(prompt) + gen + 1, torch.float32)
     ids = torch.tensor([prompt])
     with torch.inference_mode():

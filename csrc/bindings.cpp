@@ -151,6 +151,53 @@ void attn_decode(Array q, nb::ndarray<nb::device::cpu> k, nb::ndarray<nb::device
                         (long)v.stride(1), scale, (float*)out.data());
 }
 
+moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows, int nb, const char* what) {
+    check_fmt(fmt);
+    check_qweight(w, fmt, {rows}, nb, what);
+    check_scales(s, {rows}, nb, what);
+    return {fmt, (const uint8_t*)w.data(), (const uint16_t*)s.data()};
+}
+
+// x [H]; q/k/v/o quantized [rows, bytes] + scales; qn, kn [D] or empty; cos, sin [rd];
+// kc, vc [Hkv, max_len, D] (one slot of the cache); out [H].
+void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf,
+                       Array ow, Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc,
+                       Array vc, int pos, int Hq, float scale, Array out) {
+    check_dtype(x, dtype_code::Float, 32, "x");
+    check(x.ndim() == 1, "x must be [H]");
+    const size_t H = x.shape(0);
+    check_dtype(kc, dtype_code::Float, 32, "k cache");
+    check_dtype(vc, dtype_code::Float, 32, "v cache");
+    check(kc.ndim() == 3, "k cache must be [kv heads, max_len, D]");
+    const size_t Hkv = kc.shape(0), L = kc.shape(1), D = kc.shape(2);
+    check_shape(vc, {Hkv, L, D}, "v cache");
+    check(Hq > 0 && Hkv > 0 && Hq % Hkv == 0, "q heads must be a multiple of kv heads");
+    check(pos >= 0 && (size_t)pos < L, "position outside the cache");
+    const int nbH = moerun::blocks_of((int)H), nbA = moerun::blocks_of((int)(Hq * D));
+    auto q = qweight_of(qw, qs, qf, Hq * D, nbH, "q_proj");
+    auto k = qweight_of(kw, ks, kf, Hkv * D, nbH, "k_proj");
+    auto v = qweight_of(vw, vs, vf, Hkv * D, nbH, "v_proj");
+    auto o = qweight_of(ow, os, of, H, nbA, "o_proj");
+    for (const Array* n : {&qn, &kn}) {
+        check_dtype(*n, dtype_code::Float, 32, "q/k norm");
+        check(n->ndim() == 1 && (n->shape(0) == 0 || n->shape(0) == D), "q/k norm weight must be [D] or empty");
+    }
+    check_dtype(cos, dtype_code::Float, 32, "cos");
+    check_dtype(sin, dtype_code::Float, 32, "sin");
+    check(cos.ndim() == 1 && sin.ndim() == 1 && cos.shape(0) == sin.shape(0), "cos, sin must be [rd]");
+    const size_t rd = cos.shape(0);
+    check(rd % 2 == 0 && rd <= D, "rotary dims must be even and at most the head dim");
+    check_dtype(out, dtype_code::Float, 32, "out");
+    check_shape(out, {H}, "out");
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::attn_block_decode((int)H, Hq, (int)Hkv, (int)D, (const float*)x.data(), q, k, v, o,
+                              qn.shape(0) ? (const float*)qn.data() : nullptr,
+                              kn.shape(0) ? (const float*)kn.data() : nullptr, eps, (const float*)cos.data(),
+                              (const float*)sin.data(), (int)rd, (float*)kc.data(), (float*)vc.data(), (long)(L * D),
+                              pos, scale, (float*)out.data());
+}
+
 std::vector<std::string> available_isas() {
     const moerun::KernelTable* all[8];
     int n = moerun::supported_kernels(all);
@@ -187,6 +234,11 @@ NB_MODULE(_native, m) {
           "out[M, N] = x[M, K] @ W^T with W quantized (fmt 4 or 8, blocks of 32)");
     m.def("attn_decode", &attn_decode, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("scale"),
           "one query token's attention over cached keys/values (grouped query heads)");
+    m.def("attn_block_decode", &attn_block_decode, nb::arg("x"), nb::arg("qw"), nb::arg("qs"), nb::arg("qf"),
+          nb::arg("kw"), nb::arg("ks"), nb::arg("kf"), nb::arg("vw"), nb::arg("vs"), nb::arg("vf"), nb::arg("ow"),
+          nb::arg("os"), nb::arg("of"), nb::arg("qn"), nb::arg("kn"), nb::arg("eps"), nb::arg("cos"), nb::arg("sin"),
+          nb::arg("kc"), nb::arg("vc"), nb::arg("pos"), nb::arg("hq"), nb::arg("scale"), nb::arg("out"),
+          "one token through a quantized GQA attention block with a float32 cache");
     m.def("moe_experts", &moe_experts, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("gate_scales"), nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"),
           nb::arg("out"), nb::arg("fmt"), nb::arg("intermediate"),

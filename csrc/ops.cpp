@@ -74,7 +74,7 @@ void quantize_rows(const float* x, size_t ld, int rows, int n, int nb, ActQ& aq)
 // Workspace kept between calls (one op at a time: bindings hold a mutex).
 struct Workspace {
     ActQ x, h;
-    std::vector<float> g, u, y;
+    std::vector<float> g, u, y, qkv, att;
     std::vector<int32_t> pair_tok, slot;
     std::vector<int> count, offset;
 };
@@ -301,6 +301,85 @@ void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const fl
             for (int d = 0; d < Dv; ++d) o[d] /= L;
         }
     }
+}
+
+namespace {
+
+void head_rms_norm(float* x, const float* w, int D, float eps) {
+    float ss = 0.f;
+    for (int d = 0; d < D; ++d) ss += x[d] * x[d];
+    const float r = 1.f / std::sqrt(ss / D + eps);
+    for (int d = 0; d < D; ++d) x[d] = x[d] * r * w[d];
+}
+
+// rotate-half rope on the first rd dims: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+void head_rope(float* x, const float* cos, const float* sin, int rd) {
+    const int h = rd / 2;
+    for (int i = 0; i < h; ++i) {
+        const float x1 = x[i], x2 = x[i + h];
+        x[i] = x1 * cos[i] - x2 * sin[i];
+        x[i + h] = x2 * cos[i + h] + x1 * sin[i + h];
+    }
+}
+
+}  // namespace
+
+void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWeight& q, const QWeight& k,
+                       const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
+                       const float* cos, const float* sin, int rd, float* kc, float* vc, long c_sh, int pos,
+                       float scale, float* out) {
+    Workspace& W = ws();
+    const int nb = blocks_of(H);
+    const size_t wrow = row_bytes(FMT_INT8, nb), wrow4 = row_bytes(FMT_INT4, nb);
+    quantize_rows(x, H, 1, H, nb, W.x);
+    // q, k and v rows as one list of tiles, so the small k and v projections share the pool
+    const int nq = Hq * D, nk = Hkv * D;
+    W.qkv.resize((size_t)nq + 2 * nk);
+    float* yq = W.qkv.data();
+    float* yk = yq + nq;
+    float* yv = yk + nk;
+    struct Part {
+        const QWeight* w;
+        int rows;
+        float* y;
+    } parts[3] = {{&q, nq, yq}, {&k, nk, yk}, {&v, nk, yv}};
+    const int rt = row_tile(nq + 2 * nk, 1, pool().size());
+    std::vector<Tile> tiles;  // e: which part
+    for (int pi = 0; pi < 3; ++pi)
+        for (int r0 = 0; r0 < parts[pi].rows; r0 += rt) tiles.push_back({pi, r0, std::min(rt, parts[pi].rows - r0), 0, 1});
+    pool().parallel_for((int)tiles.size(), [&](int i) {
+        const Tile& t = tiles[i];
+        const Part& pt = parts[t.e];
+        const size_t rb = pt.w->fmt == FMT_INT4 ? wrow4 : wrow;
+        GemmArgs a;
+        a.nrows = t.nr;
+        a.nb = nb;
+        a.w = pt.w->w + (size_t)t.r0 * rb;
+        a.w_row = rb;
+        a.ws = pt.w->s + (size_t)t.r0 * nb;
+        a.ntok = 1;
+        a.xq = W.x.q.data();
+        a.xd = W.x.d.data();
+        a.xs = W.x.s.data();
+        a.xidx = nullptr;
+        a.y = pt.y + t.r0;
+        a.y_row = pt.rows;
+        gemm(pt.w->fmt, a);
+    });
+    for (int h = 0; h < Hq; ++h) {
+        if (qn) head_rms_norm(yq + (size_t)h * D, qn, D, eps);
+        head_rope(yq + (size_t)h * D, cos, sin, rd);
+    }
+    for (int j = 0; j < Hkv; ++j) {
+        float* kj = yk + (size_t)j * D;
+        if (kn) head_rms_norm(kj, kn, D, eps);
+        head_rope(kj, cos, sin, rd);
+        std::copy(kj, kj + D, kc + j * c_sh + (long)pos * D);
+        std::copy(yv + (size_t)j * D, yv + (size_t)(j + 1) * D, vc + j * c_sh + (long)pos * D);
+    }
+    W.att.resize((size_t)Hq * D);
+    attn_decode(Hq, Hkv, pos + 1, D, D, yq, kc, c_sh, D, vc, c_sh, D, scale, W.att.data());
+    qlinear(o.fmt, 1, Hq * D, H, W.att.data(), o.w, o.s, out);
 }
 
 }  // namespace moerun

@@ -32,4 +32,21 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
 void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const float* k, long k_sh, long k_ss,
                  const float* v, long v_sh, long v_ss, float scale, float* out);
 
+// A quantized linear's weights: format, packed rows and fp16 scales (blocks_of(in) per row).
+struct QWeight {
+    int fmt;
+    const uint8_t* w;
+    const uint16_t* s;
+};
+
+// One token through a GQA attention block with a float32 KV cache, in one call (decode):
+// q, k, v = x W^T; optional per-head RMSNorm of q and k (weights qn, kn [D], nullptr for none);
+// rope on each head's first rd dims (rotate-half pairing, cos/sin [rd]); k, v written at
+// position pos of the cache (kv head j's position s at kc + j * c_sh + s * D); attention
+// over positions 0..pos; out[H] = o_proj of the result.
+void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWeight& q, const QWeight& k,
+                       const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
+                       const float* cos, const float* sin, int rd, float* kc, float* vc, long c_sh, int pos,
+                       float scale, float* out);
+
 }  // namespace moerun

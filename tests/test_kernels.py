@@ -300,3 +300,54 @@ def test_attn_decode_bad_shapes_and_fallbacks():
     assert not kernels.attn_decode_is_native(kb, kb)
     got = kernels.attn_decode(torch.randn(8, 16), kb, kb, 0.25)
     assert got.shape == (8, 16) and torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("head_dim", [16, 20])
+def test_fused_decode_attention_matches_the_module(isa, head_dim):
+    """kernels.fuse_decode_attention: decode steps through the native attention block give
+    the module's own logits and leave the same keys and values in the cache; prefill,
+    batches and non-float32 caches keep the module's forward."""
+    from moerun.engine.cache import Cache
+    from moerun.quant import quantize_model
+    from test_quant import tiny_model
+
+    net = tiny_model(head_dim=head_dim)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in net.model.layers:  # per-head norms that are not all ones
+            for nm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                nm.weight.copy_(1 + 0.3 * torch.randn(head_dim, generator=g))
+    quantize_model(net, "int4")
+    ids = torch.randint(0, 101, (1, 14), generator=g)
+
+    def run():
+        cache = Cache(net.cache_spec(), 1, 16, torch.float32)
+        out = [net(ids[:, :8], cache)[:, -1]]
+        out += [net(ids[:, i : i + 1], cache)[:, -1] for i in range(8, 14)]
+        return torch.cat(out), cache
+
+    keys = list(net.state_dict())
+    with torch.inference_mode(), kernels.use_isa(isa):
+        want, want_cache = run()
+        assert kernels.fuse_decode_attention(net) == 2
+        assert kernels.fuse_decode_attention(net) == 0  # already wrapped
+        got, got_cache = run()
+        batch = net(ids[:, :3].repeat(2, 1))  # uncached batch of two: the module's forward
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got_cache.layers, want_cache.layers):
+        torch.testing.assert_close(a.k[:, :, :14], b.k[:, :, :14], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.v[:, :, :14], b.v[:, :, :14], rtol=1e-5, atol=1e-5)
+    assert batch.shape == (2, 3, 101)
+    assert list(net.state_dict()) == keys  # the checkpoint layout does not change
+
+
+def test_fused_decode_attention_skips_float_and_biased_modules():
+    from moerun.quant import quantize_model
+    from test_quant import tiny_model
+
+    assert kernels.fuse_decode_attention(tiny_model()) == 0  # float projections
+    net = tiny_model()
+    quantize_model(net, "int4")
+    net.model.layers[0].self_attn.q_proj.bias = torch.zeros(net.model.layers[0].self_attn.q_proj.out_features)
+    assert kernels.fuse_decode_attention(net) == (1 if kernels.isa() != "torch" else 0)

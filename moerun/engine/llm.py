@@ -45,6 +45,7 @@ class LLM:
         self.generation_config = generation_config
         self.last_stats = GenerationStats()
         kernels.split_threads(net)  # quantized nets: torch's small decode ops on one thread
+        kernels.fuse_decode_attention(net)  # ... and each attention block's decode step one native call
 
     @classmethod
     def load(cls, path=None, dtype="auto", threads: int | None = None, quant: str | None = None,

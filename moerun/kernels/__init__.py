@@ -257,8 +257,70 @@ def attn_decode_ref(q, k, v, scale) -> torch.Tensor:
     return torch.matmul(scores.softmax(-1), v.float()).reshape(Hq, v.shape[-1])
 
 
+# -- fused decode attention ----------------------------------------------------------------
+
+def fuse_decode_attention(net: torch.nn.Module) -> int:
+    """Run one-token passes of each attention module that declares `fused_decode = True`
+    as one native call (`attn_block_decode`: q/k/v projections on one pool job, per-head
+    q/k norms, rope, the cache write, attention, o projection), instead of ~40 small torch
+    ops and five native calls. The module keeps its own forward for everything else
+    (prefill, batches, other caches) and its weights and state_dict are untouched: only the
+    instance's forward is wrapped. Applies where q/k/v/o are QuantizedLinear without bias
+    and q_norm/k_norm (if any) are per-head RMSNorms; returns how many modules it wrapped."""
+    if _native() is None:
+        return 0
+    from ..quant.modules import QuantizedLinear
+
+    n = 0
+    for m in net.modules():
+        if not getattr(m, "fused_decode", False) or hasattr(m, "_unfused_forward"):
+            continue
+        projs = [getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if not all(isinstance(p, QuantizedLinear) and p.bias is None for p in projs):
+            continue
+        norms = [getattr(m, name, None) for name in ("q_norm", "k_norm")]
+        if any(nm is not None and (nm.weight.numel() != m.head_dim or getattr(nm, "zero_centered", False))
+               for nm in norms):
+            continue
+        m._unfused_forward = m.forward
+        m.forward = _fused_forward.__get__(m)
+        n += 1
+    return n
+
+
+def _fused_forward(self, x, cos_sin, kv, slots, pos0):
+    from ..engine.cache import KVCache
+
+    B, T, H = x.shape
+    if (B != 1 or T != 1 or type(kv) is not KVCache or kv.k.dtype != torch.float32 or x.dtype != torch.float32
+            or _native() is None):
+        return self._unfused_forward(x, cos_sin, kv, slots, pos0)
+    s, p = int(slots[0]), int(pos0[0])
+    if p >= kv.max_len:
+        raise ValueError(f"sequence of {p + 1} tokens exceeds the cache's {kv.max_len}")
+    cos, sin = (t.reshape(-1).float() for t in cos_sin)
+    qp, kp, vp, op = self.q_proj, self.k_proj, self.v_proj, self.o_proj
+    none = _EMPTY
+    qn = self.q_norm.weight.detach() if getattr(self, "q_norm", None) is not None else none
+    kn = self.k_norm.weight.detach() if getattr(self, "k_norm", None) is not None else none
+    eps = float(getattr(getattr(self, "q_norm", None), "eps", 1e-6))
+    out = torch.empty(H, dtype=torch.float32)
+    nat = _native()
+    _sync_threads(nat)
+    f = formats.FORMATS
+    nat.attn_block_decode(
+        _np(x.reshape(H)), _np(qp.qweight), _np(qp.scales), f[qp.fmt], _np(kp.qweight), _np(kp.scales), f[kp.fmt],
+        _np(vp.qweight), _np(vp.scales), f[vp.fmt], _np(op.qweight), _np(op.scales), f[op.fmt], _np(qn), _np(kn), eps,
+        _np(cos.contiguous()), _np(sin.contiguous()), _np(kv.k[s]), _np(kv.v[s]), p, self.n_heads, float(self.scale),
+        _np(out))
+    return out.view(1, 1, H)
+
+
+_EMPTY = torch.empty(0)
+
+
 __all__ = [
     "available_isas", "isa", "set_isa", "use_isa", "describe", "set_threads", "set_spin", "split_threads",
     "qlinear", "qlinear_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
-    "attn_decode_is_native",
+    "attn_decode_is_native", "fuse_decode_attention",
 ]

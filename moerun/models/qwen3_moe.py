@@ -64,6 +64,9 @@ class ModelArgs(BaseModelArgs):
 
 
 class Attention(nn.Module):
+    # its one-token forward is what kernels.fuse_decode_attention's native block computes
+    fused_decode = True
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
