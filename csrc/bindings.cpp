@@ -7,6 +7,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -131,12 +132,17 @@ void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq
 }
 
 // q [Hq, D]; k [Hkv, S, D] and v [Hkv, S, Dv] may be strided views (a cache's first S
-// positions) with unit stride in their last dimension; out [Hq, Dv].
-void attn_decode(Array q, nb::ndarray<nb::device::cpu> k, nb::ndarray<nb::device::cpu> v, Array out, float scale) {
+// positions) with unit stride in their last dimension; out [Hq, Dv]. float32 keys and values,
+// or int8 ones with their scales k_scale, v_scale [Hkv, S, 1] (float32 views too).
+using Strided = nb::ndarray<nb::device::cpu>;
+void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::optional<Strided> k_scale,
+                 std::optional<Strided> v_scale) {
     check_dtype(q, dtype_code::Float, 32, "q");
     check(q.ndim() == 2, "q must be [Hq, D]");
     const size_t Hq = q.shape(0), D = q.shape(1);
-    check(k.dtype() == nb::dtype<float>() && v.dtype() == nb::dtype<float>(), "k, v: must be float32");
+    const bool i8 = k.dtype() == nb::dtype<int8_t>();
+    check(k.dtype() == v.dtype() && (i8 || k.dtype() == nb::dtype<float>()), "k, v: must be both float32 or both int8");
+    check(i8 == k_scale.has_value() && i8 == v_scale.has_value(), "int8 k, v need k_scale and v_scale (and only they)");
     check(k.ndim() == 3 && v.ndim() == 3, "k, v must be [Hkv, S, D]");
     const size_t Hkv = k.shape(0), S = k.shape(1), Dv = v.shape(2);
     check(Hkv > 0 && S > 0 && Hq % Hkv == 0, "q heads must be a multiple of kv heads, S at least 1");
@@ -144,11 +150,25 @@ void attn_decode(Array q, nb::ndarray<nb::device::cpu> k, nb::ndarray<nb::device
     check(k.stride(2) == 1 && v.stride(2) == 1, "k, v: last dimension must be contiguous");
     check_dtype(out, dtype_code::Float, 32, "out");
     check_shape(out, {Hq, Dv}, "out");
+    const float *ks = nullptr, *vs = nullptr;
+    long st[4] = {0, 0, 0, 0};
+    if (i8) {
+        int i = 0;
+        for (Strided* sc : {&*k_scale, &*v_scale}) {
+            check(sc->dtype() == nb::dtype<float>(), "k_scale, v_scale: must be float32");
+            check(sc->ndim() == 3 && sc->shape(0) == Hkv && sc->shape(1) == S && sc->shape(2) == 1,
+                  "k_scale, v_scale must be [Hkv, S, 1]");
+            st[i++] = (long)sc->stride(0);
+            st[i++] = (long)sc->stride(1);
+        }
+        ks = (const float*)k_scale->data();
+        vs = (const float*)v_scale->data();
+    }
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::attn_decode((int)Hq, (int)Hkv, (int)S, (int)D, (int)Dv, (const float*)q.data(), (const float*)k.data(),
-                        (long)k.stride(0), (long)k.stride(1), (const float*)v.data(), (long)v.stride(0),
-                        (long)v.stride(1), scale, (float*)out.data());
+    moerun::attn_decode((int)Hq, (int)Hkv, (int)S, (int)D, (int)Dv, (const float*)q.data(), k.data(),
+                        (long)k.stride(0), (long)k.stride(1), v.data(), (long)v.stride(0), (long)v.stride(1), scale,
+                        (float*)out.data(), ks, st[0], st[1], vs, st[2], st[3]);
 }
 
 moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows, int nb, const char* what) {
@@ -233,6 +253,7 @@ NB_MODULE(_native, m) {
     m.def("qlinear", &qlinear, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("out"), nb::arg("fmt"),
           "out[M, N] = x[M, K] @ W^T with W quantized (fmt 4 or 8, blocks of 32)");
     m.def("attn_decode", &attn_decode, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("scale"),
+          nb::arg("k_scale") = nb::none(), nb::arg("v_scale") = nb::none(),
           "one query token's attention over cached keys/values (grouped query heads)");
     m.def("attn_block_decode", &attn_block_decode, nb::arg("x"), nb::arg("qw"), nb::arg("qs"), nb::arg("qf"),
           nb::arg("kw"), nb::arg("ks"), nb::arg("kf"), nb::arg("vw"), nb::arg("vs"), nb::arg("vf"), nb::arg("ow"),

@@ -99,15 +99,20 @@ void gemm_q8_generic(const GemmArgs& a) {
     }
 }
 
+// element d of position s of a float32 or int8 (scaled) key/value row
+inline float kv_at(const void* base, const float* sc, long ss, long s_ss, int s, int d) {
+    if (!sc) return ((const float*)base)[s * ss + d];
+    return sc[s * s_ss] * (float)((const int8_t*)base)[s * ss + d];
+}
+
 void attn_chunk_generic(const AttnArgs& a) {
     for (int g = 0; g < a.G; ++g) {
         const float* q = a.q + (size_t)g * a.D;
         float* p = a.p + (size_t)g * a.n;
         float m = -INFINITY;
         for (int s = 0; s < a.n; ++s) {
-            const float* k = a.k + s * a.k_ss;
             float acc = 0.f;
-            for (int d = 0; d < a.D; ++d) acc += q[d] * k[d];
+            for (int d = 0; d < a.D; ++d) acc += q[d] * kv_at(a.k, a.k_scale, a.k_ss, a.ks_ss, s, d);
             p[s] = acc * a.scale;
             m = std::fmax(m, p[s]);
         }
@@ -117,8 +122,7 @@ void attn_chunk_generic(const AttnArgs& a) {
         for (int s = 0; s < a.n; ++s) {
             float e = std::exp(p[s] - m);
             l += e;
-            const float* v = a.v + s * a.v_ss;
-            for (int d = 0; d < a.Dv; ++d) o[d] += e * v[d];
+            for (int d = 0; d < a.Dv; ++d) o[d] += e * kv_at(a.v, a.v_scale, a.v_ss, a.vs_ss, s, d);
         }
         a.m[g] = m;
         a.l[g] = l;

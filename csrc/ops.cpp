@@ -252,12 +252,16 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
     }
 }
 
-void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const float* k, long k_sh, long k_ss,
-                 const float* v, long v_sh, long v_ss, float scale, float* out) {
+void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const void* k, long k_sh, long k_ss,
+                 const void* v, long v_sh, long v_ss, float scale, float* out, const float* ks, long ks_sh,
+                 long ks_ss, const float* vs, long vs_sh, long vs_ss) {
+    const size_t esz = ks ? 1 : sizeof(float);  // bytes per key/value element
     const int G = Hq / Hkv;
     // chunks of positions: enough tasks for the pool, each long enough to amortise its merge
+    // and short enough that its values stay in L2 while every query head of the group reads
+    // them (float32, 4096 positions, one thread: 256-position chunks 3.4 vs 7.4 ms as one)
     const int want = std::max(1, (4 * pool().size() + Hkv - 1) / Hkv);
-    const int chunk = std::max(64, (S + want - 1) / want);
+    const int chunk = std::min(256, std::max(64, (S + want - 1) / want));
     const int nc = (S + chunk - 1) / chunk;
     Workspace& W = ws();
     const size_t per_task = (size_t)G * (chunk + 2 + Dv);  // p, m, l, o
@@ -272,10 +276,14 @@ void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const fl
         a.Dv = Dv;
         a.n = std::min(chunk, S - s0);
         a.q = q + (size_t)j * G * D;
-        a.k = k + j * k_sh + s0 * k_ss;
+        a.k = (const char*)k + (j * k_sh + s0 * k_ss) * esz;
         a.k_ss = k_ss;
-        a.v = v + j * v_sh + s0 * v_ss;
+        a.v = (const char*)v + (j * v_sh + s0 * v_ss) * esz;
         a.v_ss = v_ss;
+        a.k_scale = ks ? ks + j * ks_sh + s0 * ks_ss : nullptr;
+        a.ks_ss = ks_ss;
+        a.v_scale = vs ? vs + j * vs_sh + s0 * vs_ss : nullptr;
+        a.vs_ss = vs_ss;
         a.scale = scale;
         a.p = base;
         a.m = base + (size_t)G * chunk;

@@ -351,3 +351,33 @@ def test_fused_decode_attention_skips_float_and_biased_modules():
     quantize_model(net, "int4")
     net.model.layers[0].self_attn.q_proj.bias = torch.zeros(net.model.layers[0].self_attn.q_proj.out_features)
     assert kernels.fuse_decode_attention(net) == (1 if kernels.isa() != "torch" else 0)
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("hq,hkv,S,D", [(8, 2, 1, 32), (4, 4, 9, 20), (32, 4, 700, 128)])
+def test_attn_decode_int8_cache(isa, hq, hkv, S, D):
+    """int8 keys/values with per-position scales (views of an int8 cache) against the
+    reference on the dequantized values: the kernel applies the scales as it reads."""
+    from moerun.engine.cache import quantize_int8
+
+    g = torch.Generator().manual_seed(S + D)
+    q = torch.randn(hq, D, generator=g)
+    k8, ks = quantize_int8(torch.randn(hkv, S + 5, D, generator=g))
+    v8, vs = quantize_int8(torch.randn(hkv, S + 5, D, generator=g))
+    k8, ks, v8, vs = k8[:, :S], ks[:, :S], v8[:, :S], vs[:, :S]
+    ref = kernels.attn_decode_ref(q, k8.float() * ks, v8.float() * vs, D**-0.5)
+    with kernels.use_isa(isa):
+        assert kernels.attn_decode_is_native(k8, v8)
+        got = kernels.attn_decode(q, k8, v8, D**-0.5, ks, vs)
+    assert max_rel(got, ref) < 1e-5
+
+
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+def test_attn_decode_int8_needs_both_scales():
+    nat = kernels._native()
+    k8 = torch.zeros(2, 5, 16, dtype=torch.int8)
+    q, out, sc = torch.zeros(4, 16), torch.zeros(4, 16), torch.ones(2, 5, 1)
+    with pytest.raises(ValueError, match="need k_scale and v_scale"):
+        nat.attn_decode(q.numpy(), k8.numpy(), k8.numpy(), out.numpy(), 1.0, sc.numpy())
+    with pytest.raises(ValueError, match="both float32 or both int8"):
+        nat.attn_decode(q.numpy(), k8.numpy(), torch.zeros(2, 5, 16).numpy(), out.numpy(), 1.0)

@@ -266,3 +266,28 @@ def test_cli_passes_the_format_with_the_expert_store(tmp_path):
     a = build_parser().parse_args(["generate", "x", "-m", str(tmp_path), "--ram-budget", "50%", "--kv-cache", "int8"])
     llm = _load(a)
     assert llm.store is not None and llm.kv_dtype == torch.int8
+
+
+def test_one_token_attention_reads_the_int8_cache_in_place():
+    """A decode step over an int8 cache goes to the native kernel, which applies each
+    position's scales while reading; it equals attention over the dequantized cache."""
+    import torch.nn.functional as F
+
+    from moerun import kernels
+    from moerun.layers.attention import attend
+
+    g = torch.Generator().manual_seed(3)
+    cache = Cache([KVSpec(2, 16, 16)], 1, 40, torch.float32, torch.int8)
+    kv, slots = cache.layers[0], torch.tensor([0])
+    q, k, v = (torch.randn(1, h, 31, 16, generator=g) for h in (4, 2, 2))
+    attend(q[:, :, :30], k[:, :, :30], v[:, :, :30], kv, slots, torch.tensor([0]), 0.25)
+    got = attend(q[:, :, 30:], k[:, :, 30:], v[:, :, 30:], kv, slots, torch.tensor([30]), 0.25)
+    kd = dequantize_int8(kv.k[:, :, :31], kv.k_scale[:, :, :31], torch.float32)
+    vd = dequantize_int8(kv.v[:, :, :31], kv.v_scale[:, :, :31], torch.float32)
+    want = F.scaled_dot_product_attention(q[:, :, 30:], kd, vd, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with kernels.use_isa("torch"):  # the dequantizing path says the same
+        kv2 = Cache([KVSpec(2, 16, 16)], 1, 40, torch.float32, torch.int8).layers[0]
+        attend(q[:, :, :30], k[:, :, :30], v[:, :, :30], kv2, slots, torch.tensor([0]), 0.25)
+        ref = attend(q[:, :, 30:], k[:, :, 30:], v[:, :, 30:], kv2, slots, torch.tensor([30]), 0.25)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

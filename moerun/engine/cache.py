@@ -95,6 +95,14 @@ class Int8KVCache:
     def bytes_per_token(spec: KVSpec, dtype: torch.dtype = torch.int8) -> int:
         return spec.kv_heads * (spec.k_dim + spec.v_dim + 2 * torch.float32.itemsize)
 
+    def update_int8(self, slots: torch.Tensor, pos0: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v like `update`, but return the stored int8 keys, their scales, the int8
+        values and theirs ([B, kv_heads, S, dim] and [B, kv_heads, S, 1] views), for attention
+        that applies the scales itself (kernels.attn_decode)."""
+        end = _end(pos0, k.shape[2], self.max_len)
+        _write((self.k, self.k_scale, self.v, self.v_scale), slots, pos0, (*quantize_int8(k), *quantize_int8(v)))
+        return tuple(_read(t, slots, end) for t in (self.k, self.k_scale, self.v, self.v_scale))
+
     def update(self, slots: torch.Tensor, pos0: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """`KVCache.update` through int8: returns the dequantized keys/values, new ones included."""
         end = _end(pos0, k.shape[2], self.max_len)

@@ -225,31 +225,40 @@ def moe_experts_ref(x, ids, weights, gate, gate_scales, up, up_scales, down, dow
 
 # -- decode attention ----------------------------------------------------------------------
 
-def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token over S cached positions: q [Hq, D], k [Hkv, S, D], v [Hkv, S, Dv] ->
     [Hq, Dv] float32; query head h reads kv head h // (Hq // Hkv). k and v may be views of a
-    longer cache (only their last dimension must be contiguous): nothing is copied.
+    longer cache (only their last dimension must be contiguous): nothing is copied. int8 k
+    and v (an int8 KV cache) come with their scales k_scale, v_scale [Hkv, S, 1]: x = q * scale,
+    applied on the fly instead of dequantizing the cache.
 
-    Native for float32 keys and values, on the pinned pool (decode under split_threads runs
-    torch on one thread; attention over a long cache is a memory-bound read of every key and
-    value, which wants every core). Other dtypes run the reference."""
+    Native for float32 or int8 keys and values, on the pinned pool (decode under
+    split_threads runs torch on one thread; attention over a long cache is a memory-bound
+    read of every key and value, which wants every core). Other dtypes run the reference."""
     nat = _native()
     if not attn_decode_is_native(k, v):
-        return attn_decode_ref(q, k, v, scale)
+        return attn_decode_ref(q, k, v, scale, k_scale, v_scale)
     out = torch.empty(q.shape[0], v.shape[-1], dtype=torch.float32)
     _sync_threads(nat)
-    nat.attn_decode(_np(_f32(q)), _np(k), _np(v), _np(out), float(scale))
+    if k.dtype == torch.int8:
+        nat.attn_decode(_np(_f32(q)), _np(k), _np(v), _np(out), float(scale), _np(k_scale), _np(v_scale))
+    else:
+        nat.attn_decode(_np(_f32(q)), _np(k), _np(v), _np(out), float(scale))
     return out
 
 
 def attn_decode_is_native(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether attn_decode runs natively for these keys and values."""
-    return (_native() is not None and k.dtype == v.dtype == torch.float32
+    return (_native() is not None and k.dtype == v.dtype and k.dtype in (torch.float32, torch.int8)
             and k.stride(-1) == 1 and v.stride(-1) == 1)
 
 
-def attn_decode_ref(q, k, v, scale) -> torch.Tensor:
-    """Each kv head's query group as one [G, D] x [D, S] product in fp32."""
+def attn_decode_ref(q, k, v, scale, k_scale=None, v_scale=None) -> torch.Tensor:
+    """Each kv head's query group as one [G, D] x [D, S] product in fp32 (int8 keys and
+    values dequantized first)."""
+    if k_scale is not None:
+        k, v = k.float() * k_scale, v.float() * v_scale
     Hq, D = q.shape
     Hkv = k.shape[0]
     qg = q.reshape(Hkv, Hq // Hkv, D).float()

@@ -25,6 +25,11 @@ def attend(
     T = q.shape[2]
     if kv is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=scale, enable_gqa=True)
+    if q.shape[0] == 1 and T == 1 and hasattr(kv, "update_int8") and kernels.isa() != "torch":
+        # an int8 cache, one token: the kernel scales keys and values as it reads them
+        k8, ks, v8, vs = kv.update_int8(slots, pos0, k, v)
+        out = kernels.attn_decode(q[0, :, 0], k8[0], v8[0], scale, ks[0], vs[0])
+        return out.view(1, q.shape[1], 1, -1).to(q.dtype)
     k_all, v_all = kv.update(slots, pos0, k, v)
     S = k_all.shape[2]
     B = q.shape[0]
