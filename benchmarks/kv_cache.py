@@ -8,8 +8,8 @@ so every position after the first piece attends to keys and values read back fro
 cache; within a piece too, since the cache returns the stored (for int8: dequantized) ones.
 "Top-1 agreement" is the share of positions whose most likely next token equals the one
 with the model's own dtype in the cache. Last, the time of one decode step of one attention
-layer (Qwen3-30B-A3B shape) over S cached tokens: the int8 cache pays for dequantizing
-positions 0..S on every read.
+layer (Qwen3-30B-A3B shape) over S cached tokens (an int8 cache is read in place by the
+native kernel, which applies the scales; with MOERUN_ISA=torch it is dequantized first).
 """
 
 from __future__ import annotations
