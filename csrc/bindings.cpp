@@ -132,8 +132,8 @@ void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq
 }
 
 // q [Hq, D]; k [Hkv, S, D] and v [Hkv, S, Dv] may be strided views (a cache's first S
-// positions) with unit stride in their last dimension; out [Hq, Dv]. float32 keys and values,
-// or int8 ones with their scales k_scale, v_scale [Hkv, S, 1] (float32 views too).
+// positions) with unit stride in their last dimension; out [Hq, Dv]. float32 or bf16 keys and
+// values, or int8 ones with their scales k_scale, v_scale [Hkv, S, 1] (float32 views too).
 using Strided = nb::ndarray<nb::device::cpu>;
 void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::optional<Strided> k_scale,
                  std::optional<Strided> v_scale) {
@@ -141,7 +141,10 @@ void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::opt
     check(q.ndim() == 2, "q must be [Hq, D]");
     const size_t Hq = q.shape(0), D = q.shape(1);
     const bool i8 = k.dtype() == nb::dtype<int8_t>();
-    check(k.dtype() == v.dtype() && (i8 || k.dtype() == nb::dtype<float>()), "k, v: must be both float32 or both int8");
+    // bf16 arrives as raw 16-bit words (numpy has no bf16): uint16
+    const bool bf16 = k.dtype() == nb::dtype<uint16_t>();
+    check(k.dtype() == v.dtype() && (i8 || bf16 || k.dtype() == nb::dtype<float>()),
+          "k, v: must be both float32, both bf16 (as uint16) or both int8");
     check(i8 == k_scale.has_value() && i8 == v_scale.has_value(), "int8 k, v need k_scale and v_scale (and only they)");
     check(k.ndim() == 3 && v.ndim() == 3, "k, v must be [Hkv, S, D]");
     const size_t Hkv = k.shape(0), S = k.shape(1), Dv = v.shape(2);
@@ -168,7 +171,8 @@ void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::opt
     std::lock_guard<std::mutex> lk(g_op_mutex);
     moerun::attn_decode((int)Hq, (int)Hkv, (int)S, (int)D, (int)Dv, (const float*)q.data(), k.data(),
                         (long)k.stride(0), (long)k.stride(1), v.data(), (long)v.stride(0), (long)v.stride(1), scale,
-                        (float*)out.data(), ks, st[0], st[1], vs, st[2], st[3]);
+                        (float*)out.data(), i8 ? moerun::KV_I8 : bf16 ? moerun::KV_BF16 : moerun::KV_F32, ks, st[0],
+                        st[1], vs, st[2], st[3]);
 }
 
 moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows, int nb, const char* what) {

@@ -40,16 +40,18 @@ struct GemmArgs {
 // query token each): scores p[g, s] = scale * q_g . k_s, then per query head the chunk's
 // max m[g], sum of exp l[g] and unnormalised output o[g] = sum_s exp(p[g, s] - m[g]) v_s.
 // The driver merges chunks (and kv heads) with the usual log-sum-exp rescaling.
-// Keys and values are float32, or int8 with one float scale per position (an int8 KV
-// cache: x = q * scale), read and scaled on the fly.
+// Keys and values are float32, bf16, or int8 with one float scale per position (an int8 KV
+// cache: x = q * scale), read (and scaled) on the fly.
+enum KvType : int { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
 struct AttnArgs {
+    int kv_type;          // KvType
     int G, D, Dv, n;
     const float* q;       // [G, D] contiguous
     const void* k;        // position s's key at k + s * k_ss elements (contiguous D values)
     long k_ss;
     const void* v;        // position s's value at v + s * v_ss
     long v_ss;
-    const float* k_scale; // int8 only (nullptr: float32): position s's scale at k_scale[s * ks_ss]
+    const float* k_scale; // KV_I8 only: position s's scale at k_scale[s * ks_ss]
     long ks_ss;
     const float* v_scale;
     long vs_ss;

@@ -99,10 +99,17 @@ void gemm_q8_generic(const GemmArgs& a) {
     }
 }
 
-// element d of position s of a float32 or int8 (scaled) key/value row
-inline float kv_at(const void* base, const float* sc, long ss, long s_ss, int s, int d) {
-    if (!sc) return ((const float*)base)[s * ss + d];
-    return sc[s * s_ss] * (float)((const int8_t*)base)[s * ss + d];
+// element d of position s of a float32, bf16 or int8 (scaled) key/value row
+inline float kv_at(int type, const void* base, const float* sc, long ss, long s_ss, int s, int d) {
+    const long i = s * ss + d;
+    if (type == KV_I8) return sc[s * s_ss] * (float)((const int8_t*)base)[i];
+    if (type == KV_BF16) {
+        uint32_t bits = (uint32_t)((const uint16_t*)base)[i] << 16;
+        float f;
+        std::memcpy(&f, &bits, 4);
+        return f;
+    }
+    return ((const float*)base)[i];
 }
 
 void attn_chunk_generic(const AttnArgs& a) {
@@ -112,7 +119,7 @@ void attn_chunk_generic(const AttnArgs& a) {
         float m = -INFINITY;
         for (int s = 0; s < a.n; ++s) {
             float acc = 0.f;
-            for (int d = 0; d < a.D; ++d) acc += q[d] * kv_at(a.k, a.k_scale, a.k_ss, a.ks_ss, s, d);
+            for (int d = 0; d < a.D; ++d) acc += q[d] * kv_at(a.kv_type, a.k, a.k_scale, a.k_ss, a.ks_ss, s, d);
             p[s] = acc * a.scale;
             m = std::fmax(m, p[s]);
         }
@@ -122,7 +129,7 @@ void attn_chunk_generic(const AttnArgs& a) {
         for (int s = 0; s < a.n; ++s) {
             float e = std::exp(p[s] - m);
             l += e;
-            for (int d = 0; d < a.Dv; ++d) o[d] += e * kv_at(a.v, a.v_scale, a.v_ss, a.vs_ss, s, d);
+            for (int d = 0; d < a.Dv; ++d) o[d] += e * kv_at(a.kv_type, a.v, a.v_scale, a.v_ss, a.vs_ss, s, d);
         }
         a.m[g] = m;
         a.l[g] = l;

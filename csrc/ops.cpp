@@ -253,9 +253,9 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
 }
 
 void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const void* k, long k_sh, long k_ss,
-                 const void* v, long v_sh, long v_ss, float scale, float* out, const float* ks, long ks_sh,
-                 long ks_ss, const float* vs, long vs_sh, long vs_ss) {
-    const size_t esz = ks ? 1 : sizeof(float);  // bytes per key/value element
+                 const void* v, long v_sh, long v_ss, float scale, float* out, int kv_type, const float* ks,
+                 long ks_sh, long ks_ss, const float* vs, long vs_sh, long vs_ss) {
+    const size_t esz = kv_type == KV_I8 ? 1 : kv_type == KV_BF16 ? 2 : 4;  // bytes per key/value element
     const int G = Hq / Hkv;
     // chunks of positions: enough tasks for the pool, each long enough to amortise its merge
     // and short enough that its values stay in L2 while every query head of the group reads
@@ -271,6 +271,7 @@ void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const vo
         const int j = task / nc, c = task % nc, s0 = c * chunk;
         float* base = W.g.data() + (size_t)task * per_task;
         AttnArgs a;
+        a.kv_type = kv_type;
         a.G = G;
         a.D = D;
         a.Dv = Dv;

@@ -29,11 +29,12 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
 // for query head h < Hq and its kv head j = h / (Hq / Hkv). q is [Hq, D] contiguous; kv head
 // j's position s sits at k + j * k_sh + s * k_ss (D contiguous floats), likewise v; out is
 // [Hq, Dv]. Split over (kv head, chunk of positions) and merged by log-sum-exp.
-// With int8 keys/values, ks/vs hold each position's scale (kv head j's position s at
-// ks[j * ks_sh + s * ks_ss]); nullptr for float32.
+// kv_type: KvType of k and v; with int8 ones, ks/vs hold each position's scale (kv head j's
+// position s at ks[j * ks_sh + s * ks_ss]).
 void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const void* k, long k_sh, long k_ss,
-                 const void* v, long v_sh, long v_ss, float scale, float* out, const float* ks = nullptr,
-                 long ks_sh = 0, long ks_ss = 0, const float* vs = nullptr, long vs_sh = 0, long vs_ss = 0);
+                 const void* v, long v_sh, long v_ss, float scale, float* out, int kv_type = KV_F32,
+                 const float* ks = nullptr, long ks_sh = 0, long ks_ss = 0, const float* vs = nullptr, long vs_sh = 0,
+                 long vs_ss = 0);
 
 // A quantized linear's weights: format, packed rows and fp16 scales (blocks_of(in) per row).
 struct QWeight {

@@ -295,11 +295,13 @@ def test_attn_decode_bad_shapes_and_fallbacks():
     with pytest.raises(ValueError, match="last dimension"):
         nat.attn_decode(q.numpy(), torch.zeros(2, 16, 5).transpose(1, 2).numpy(), torch.zeros(2, 5, 16).numpy(),
                         out.numpy(), 1.0)
-    # bf16 caches and transposed views are not native: the reference runs instead
-    kb = torch.randn(2, 5, 16).bfloat16()
-    assert not kernels.attn_decode_is_native(kb, kb)
-    got = kernels.attn_decode(torch.randn(8, 16), kb, kb, 0.25)
-    assert got.shape == (8, 16) and torch.isfinite(got).all()
+    # fp16 caches and transposed views are not native: the reference runs instead
+    kh = torch.randn(2, 5, 16).half()
+    assert not kernels.attn_decode_is_native(kh, kh)
+    kt = torch.randn(2, 16, 5).transpose(1, 2)
+    assert not kernels.attn_decode_is_native(kt, kt)
+    q = torch.randn(8, 16)
+    torch.testing.assert_close(kernels.attn_decode(q, kh, kh, 0.25), kernels.attn_decode_ref(q, kh, kh, 0.25))
 
 
 @pytest.mark.parametrize("isa", NATIVE)
@@ -379,5 +381,21 @@ def test_attn_decode_int8_needs_both_scales():
     q, out, sc = torch.zeros(4, 16), torch.zeros(4, 16), torch.ones(2, 5, 1)
     with pytest.raises(ValueError, match="need k_scale and v_scale"):
         nat.attn_decode(q.numpy(), k8.numpy(), k8.numpy(), out.numpy(), 1.0, sc.numpy())
-    with pytest.raises(ValueError, match="both float32 or both int8"):
+    with pytest.raises(ValueError, match="both float32, both bf16"):
         nat.attn_decode(q.numpy(), k8.numpy(), torch.zeros(2, 5, 16).numpy(), out.numpy(), 1.0)
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("hq,hkv,S,D", [(8, 2, 1, 32), (4, 4, 9, 20), (32, 4, 700, 128)])
+def test_attn_decode_bf16_cache(isa, hq, hkv, S, D):
+    """bf16 keys/values (a bf16 model's cache), widened in the kernel: against the reference
+    on the same bf16 values in fp32, so only summation order differs."""
+    g = torch.Generator().manual_seed(S * 3 + D)
+    q = torch.randn(hq, D, generator=g)
+    k = torch.randn(hkv, S + 5, D, generator=g).bfloat16()[:, :S]
+    v = torch.randn(hkv, S + 5, D, generator=g).bfloat16()[:, :S]
+    ref = kernels.attn_decode_ref(q, k, v, D**-0.5)
+    with kernels.use_isa(isa):
+        assert kernels.attn_decode_is_native(k, v)
+        got = kernels.attn_decode(q, k, v, D**-0.5)
+    assert max_rel(got, ref) < 1e-5

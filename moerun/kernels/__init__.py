@@ -233,7 +233,7 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     and v (an int8 KV cache) come with their scales k_scale, v_scale [Hkv, S, 1]: x = q * scale,
     applied on the fly instead of dequantizing the cache.
 
-    Native for float32 or int8 keys and values, on the pinned pool (decode under
+    Native for float32, bf16 or int8 keys and values, on the pinned pool (decode under
     split_threads runs torch on one thread; attention over a long cache is a memory-bound
     read of every key and value, which wants every core). Other dtypes run the reference."""
     nat = _native()
@@ -243,6 +243,8 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     _sync_threads(nat)
     if k.dtype == torch.int8:
         nat.attn_decode(_np(_f32(q)), _np(k), _np(v), _np(out), float(scale), _np(k_scale), _np(v_scale))
+    elif k.dtype == torch.bfloat16:  # numpy has no bf16: the same bits as uint16
+        nat.attn_decode(_np(_f32(q)), _np(k.view(torch.uint16)), _np(v.view(torch.uint16)), _np(out), float(scale))
     else:
         nat.attn_decode(_np(_f32(q)), _np(k), _np(v), _np(out), float(scale))
     return out
@@ -250,7 +252,7 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 def attn_decode_is_native(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether attn_decode runs natively for these keys and values."""
-    return (_native() is not None and k.dtype == v.dtype and k.dtype in (torch.float32, torch.int8)
+    return (_native() is not None and k.dtype == v.dtype and k.dtype in (torch.float32, torch.bfloat16, torch.int8)
             and k.stride(-1) == 1 and v.stride(-1) == 1)
 
 
