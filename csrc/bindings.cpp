@@ -183,15 +183,16 @@ moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows,
 }
 
 // x [H]; q/k/v/o quantized [rows, bytes] + scales; qn, kn [D] or empty; cos, sin [rd];
-// kc, vc [Hkv, max_len, D] (one slot of the cache); out [H].
+// kc, vc [Hkv, max_len, D] (one slot of the cache: float32, or bf16 as uint16); out [H].
 void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf,
                        Array ow, Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc,
                        Array vc, int pos, int Hq, float scale, Array out) {
     check_dtype(x, dtype_code::Float, 32, "x");
     check(x.ndim() == 1, "x must be [H]");
     const size_t H = x.shape(0);
-    check_dtype(kc, dtype_code::Float, 32, "k cache");
-    check_dtype(vc, dtype_code::Float, 32, "v cache");
+    const bool bf16 = kc.dtype() == nb::dtype<uint16_t>();
+    check((bf16 || kc.dtype() == nb::dtype<float>()) && vc.dtype() == kc.dtype(),
+          "k, v cache: must be both float32 or both bf16 (as uint16)");
     check(kc.ndim() == 3, "k cache must be [kv heads, max_len, D]");
     const size_t Hkv = kc.shape(0), L = kc.shape(1), D = kc.shape(2);
     check_shape(vc, {Hkv, L, D}, "v cache");
@@ -218,8 +219,8 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
     moerun::attn_block_decode((int)H, Hq, (int)Hkv, (int)D, (const float*)x.data(), q, k, v, o,
                               qn.shape(0) ? (const float*)qn.data() : nullptr,
                               kn.shape(0) ? (const float*)kn.data() : nullptr, eps, (const float*)cos.data(),
-                              (const float*)sin.data(), (int)rd, (float*)kc.data(), (float*)vc.data(), (long)(L * D),
-                              pos, scale, (float*)out.data());
+                              (const float*)sin.data(), (int)rd, kc.data(), vc.data(), (long)(L * D), pos, scale,
+                              (float*)out.data(), bf16 ? moerun::KV_BF16 : moerun::KV_F32);
 }
 
 std::vector<std::string> available_isas() {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -321,6 +322,20 @@ void head_rms_norm(float* x, const float* w, int D, float eps) {
     for (int d = 0; d < D; ++d) x[d] = x[d] * r * w[d];
 }
 
+// float32 -> bf16, rounded to nearest even (as torch's .to(torch.bfloat16) for finite values)
+void to_bf16(const float* x, int n, uint16_t* y) {
+    for (int i = 0; i < n; ++i) {
+        uint32_t u;
+        std::memcpy(&u, x + i, 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+            y[i] = (uint16_t)((u >> 16) | 0x40);
+            continue;
+        }
+        u += 0x7fffu + ((u >> 16) & 1u);
+        y[i] = (uint16_t)(u >> 16);
+    }
+}
+
 // rotate-half rope on the first rd dims: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
 void head_rope(float* x, const float* cos, const float* sin, int rd) {
     const int h = rd / 2;
@@ -335,8 +350,8 @@ void head_rope(float* x, const float* cos, const float* sin, int rd) {
 
 void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWeight& q, const QWeight& k,
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
-                       const float* cos, const float* sin, int rd, float* kc, float* vc, long c_sh, int pos,
-                       float scale, float* out) {
+                       const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
+                       float scale, float* out, int kv_type) {
     Workspace& W = ws();
     const int nb = blocks_of(H);
     const size_t wrow = row_bytes(FMT_INT8, nb), wrow4 = row_bytes(FMT_INT4, nb);
@@ -383,11 +398,17 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
         float* kj = yk + (size_t)j * D;
         if (kn) head_rms_norm(kj, kn, D, eps);
         head_rope(kj, cos, sin, rd);
-        std::copy(kj, kj + D, kc + j * c_sh + (long)pos * D);
-        std::copy(yv + (size_t)j * D, yv + (size_t)(j + 1) * D, vc + j * c_sh + (long)pos * D);
+        const long at = j * c_sh + (long)pos * D;
+        if (kv_type == KV_BF16) {
+            to_bf16(kj, D, (uint16_t*)kc + at);
+            to_bf16(yv + (size_t)j * D, D, (uint16_t*)vc + at);
+        } else {
+            std::copy(kj, kj + D, (float*)kc + at);
+            std::copy(yv + (size_t)j * D, yv + (size_t)(j + 1) * D, (float*)vc + at);
+        }
     }
     W.att.resize((size_t)Hq * D);
-    attn_decode(Hq, Hkv, pos + 1, D, D, yq, kc, c_sh, D, vc, c_sh, D, scale, W.att.data());
+    attn_decode(Hq, Hkv, pos + 1, D, D, yq, kc, c_sh, D, vc, c_sh, D, scale, W.att.data(), kv_type);
     qlinear(o.fmt, 1, Hq * D, H, W.att.data(), o.w, o.s, out);
 }
 

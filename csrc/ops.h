@@ -46,11 +46,12 @@ struct QWeight {
 // One token through a GQA attention block with a float32 KV cache, in one call (decode):
 // q, k, v = x W^T; optional per-head RMSNorm of q and k (weights qn, kn [D], nullptr for none);
 // rope on each head's first rd dims (rotate-half pairing, cos/sin [rd]); k, v written at
-// position pos of the cache (kv head j's position s at kc + j * c_sh + s * D); attention
-// over positions 0..pos; out[H] = o_proj of the result.
+// position pos of the cache (kv head j's position s at kc + j * c_sh + s * D; float32 or
+// bf16 by kv_type, rounded to nearest even); attention over positions 0..pos; out[H] =
+// o_proj of the result. Everything between the projections runs in float32.
 void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWeight& q, const QWeight& k,
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
-                       const float* cos, const float* sin, int rd, float* kc, float* vc, long c_sh, int pos,
-                       float scale, float* out);
+                       const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
+                       float scale, float* out, int kv_type = KV_F32);
 
 }  // namespace moerun

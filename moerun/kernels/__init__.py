@@ -274,7 +274,8 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
     """Run one-token passes of each attention module that declares `fused_decode = True`
     as one native call (`attn_block_decode`: q/k/v projections on one pool job, per-head
     q/k norms, rope, the cache write, attention, o projection), instead of ~40 small torch
-    ops and five native calls. The module keeps its own forward for everything else
+    ops and five native calls. float32 or bf16 models and caches; between the projections it
+    computes in float32 (a bf16 model's own forward rounds q and k to bf16 on the way). The module keeps its own forward for everything else
     (prefill, batches, other caches) and its weights and state_dict are untouched: only the
     instance's forward is wrapped. Applies where q/k/v/o are QuantizedLinear without bias
     and q_norm/k_norm (if any) are per-head RMSNorms; returns how many modules it wrapped."""
@@ -303,7 +304,7 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
     from ..engine.cache import KVCache
 
     B, T, H = x.shape
-    if (B != 1 or T != 1 or type(kv) is not KVCache or kv.k.dtype != torch.float32 or x.dtype != torch.float32
+    if (B != 1 or T != 1 or type(kv) is not KVCache or kv.k.dtype not in (torch.float32, torch.bfloat16)
             or _native() is None):
         return self._unfused_forward(x, cos_sin, kv, slots, pos0)
     s, p = int(slots[0]), int(pos0[0])
@@ -312,19 +313,21 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
     cos, sin = (t.reshape(-1).float() for t in cos_sin)
     qp, kp, vp, op = self.q_proj, self.k_proj, self.v_proj, self.o_proj
     none = _EMPTY
-    qn = self.q_norm.weight.detach() if getattr(self, "q_norm", None) is not None else none
-    kn = self.k_norm.weight.detach() if getattr(self, "k_norm", None) is not None else none
+    qn = self.q_norm.weight.detach().float() if getattr(self, "q_norm", None) is not None else none
+    kn = self.k_norm.weight.detach().float() if getattr(self, "k_norm", None) is not None else none
     eps = float(getattr(getattr(self, "q_norm", None), "eps", 1e-6))
     out = torch.empty(H, dtype=torch.float32)
     nat = _native()
     _sync_threads(nat)
     f = formats.FORMATS
+    kc, vc = kv.k[s], kv.v[s]
+    if kc.dtype == torch.bfloat16:  # numpy has no bf16: the same bits as uint16
+        kc, vc = kc.view(torch.uint16), vc.view(torch.uint16)
     nat.attn_block_decode(
-        _np(x.reshape(H)), _np(qp.qweight), _np(qp.scales), f[qp.fmt], _np(kp.qweight), _np(kp.scales), f[kp.fmt],
+        _np(_f32(x.reshape(H))), _np(qp.qweight), _np(qp.scales), f[qp.fmt], _np(kp.qweight), _np(kp.scales), f[kp.fmt],
         _np(vp.qweight), _np(vp.scales), f[vp.fmt], _np(op.qweight), _np(op.scales), f[op.fmt], _np(qn), _np(kn), eps,
-        _np(cos.contiguous()), _np(sin.contiguous()), _np(kv.k[s]), _np(kv.v[s]), p, self.n_heads, float(self.scale),
-        _np(out))
-    return out.view(1, 1, H)
+        _np(cos.contiguous()), _np(sin.contiguous()), _np(kc), _np(vc), p, self.n_heads, float(self.scale), _np(out))
+    return out.view(1, 1, H).to(x.dtype)
 
 
 _EMPTY = torch.empty(0)
