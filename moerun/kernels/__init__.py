@@ -19,8 +19,8 @@ pass carries few tokens (measured: decode 1.7x faster with 2 threads,
 benchmarks/vs_llamacpp.py prints both). In those passes the native workers also spin for
 `DECODE_SPIN_US` between ops instead of 50 us before they sleep: torch's one thread does not
 need their cores, and a worker woken from sleep joins a small op late or not at all
-(measured on 4 Qwen3-30B-shaped int4 layers: attention projections 9.2 vs 11.0 ms, experts
-9.3 vs 10.9 ms per token).
+(measured once on 4 Qwen3-30B-shaped int4 layers: attention projections 9.2 vs 11.0 ms,
+experts 9.3 vs 10.9 ms per token; later runs put the difference within this machine's noise).
 """
 
 from __future__ import annotations
@@ -275,9 +275,9 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
     as one native call (`attn_block_decode`: q/k/v projections on one pool job, per-head
     q/k norms, rope, the cache write, attention, o projection), instead of ~40 small torch
     ops and five native calls. float32 or bf16 models and caches; between the projections it
-    computes in float32 (a bf16 model's own forward rounds q and k to bf16 on the way). The module keeps its own forward for everything else
-    (prefill, batches, other caches) and its weights and state_dict are untouched: only the
-    instance's forward is wrapped. Applies where q/k/v/o are QuantizedLinear without bias
+    computes in float32 (a bf16 model's own forward rounds q and k to bf16 on the way). The
+    module keeps its own forward for everything else (prefill, batches, int8 caches) and its
+    weights and state_dict are untouched: only the instance's forward is wrapped. Applies where q/k/v/o are QuantizedLinear without bias
     and q_norm/k_norm (if any) are per-head RMSNorms; returns how many modules it wrapped."""
     if _native() is None:
         return 0

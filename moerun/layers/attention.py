@@ -48,13 +48,13 @@ def attend(
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token of one row over all S cached keys: q [1, Hq, 1, D], k/v [1, Hkv, S, D].
 
-    Query head h uses kv head h // G, as SDPA's enable_gqa. float32 caches run the native
-    kernel (`kernels.attn_decode`: 2 threads, 32 query / 4 kv heads of 128, 600 cached
-    tokens: 0.25 ms against 0.38 for the torch reference and 1.2 for SDPA; 38 against 51 us
-    for SDPA at 8 tokens, so `attend` takes it at any length). Others run the reference, each
-    kv head's query group as one [G, D] x [D, S] product in fp32 (1 thread: 0.31 ms against
-    SDPA's 0.69 ms at 512 cached tokens; below ~100 tokens SDPA's fewer calls win, so `attend`
-    uses it from 128 on). Returns [1, Hq, 1, Dv] in q's dtype."""
+    Query head h uses kv head h // G, as SDPA's enable_gqa. float32 and bf16 caches run the
+    native kernel (`kernels.attn_decode`; float32, 2 threads, 32 query / 4 kv heads of 128,
+    600 cached tokens: 0.25 ms against 0.38 for the torch reference and 1.2 for SDPA; 38
+    against 51 us for SDPA at 8 tokens, so `attend` takes it at any length). Others (fp16)
+    run the reference, each kv head's query group as one [G, D] x [D, S] product in fp32
+    (1 thread: 0.31 ms against SDPA's 0.69 ms at 512 cached tokens; below ~100 tokens SDPA's
+    fewer calls win, so `attend` uses it from 128 on). Returns [1, Hq, 1, Dv] in q's dtype."""
     Hq = q.shape[1]
     out = kernels.attn_decode(q.reshape(Hq, q.shape[3]), k[0], v[0], scale)
     return out.reshape(1, Hq, 1, v.shape[-1]).to(q.dtype)
