@@ -404,3 +404,35 @@ def test_attn_decode_bf16_cache(isa, hq, hkv, S, D):
         assert kernels.attn_decode_is_native(k, v)
         got = kernels.attn_decode(q, k, v, D**-0.5)
     assert max_rel(got, ref) < 1e-5
+
+
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+def test_attn_block_decode_refuses_bad_arguments():
+    """The fused block's binding checks what it is given: one line each, nothing written."""
+    nat = kernels._native()
+    H, Hq, Hkv, D = 64, 4, 2, 16
+    lin = {n: formats.quantize(torch.randn(r, c) * 0.1, "int8") for n, r, c in
+           (("q", Hq * D, H), ("k", Hkv * D, H), ("v", Hkv * D, H), ("o", H, Hq * D))}
+    kc, vc = torch.zeros(Hkv, 8, D), torch.zeros(Hkv, 8, D)
+    none = torch.empty(0)
+
+    def call(pos=3, hq=Hq, kc=kc, rd=D):
+        cos, sin = torch.ones(rd), torch.zeros(rd)
+        args = [torch.randn(H).numpy()]
+        for n in "qkvo":
+            args += [lin[n][0].numpy(), lin[n][1].numpy(), 8]
+        nat.attn_block_decode(*args, none.numpy(), none.numpy(), 1e-6, cos.numpy(), sin.numpy(), kc.numpy(),
+                              vc.numpy(), pos, hq, 0.25, torch.empty(H).numpy())
+
+    call()  # well-formed: runs
+    assert kc[:, 3].abs().sum() > 0 and not kc[:, 4:].any()  # wrote its position only
+    with pytest.raises(ValueError, match="position outside the cache"):
+        call(pos=8)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        call(hq=3)
+    with pytest.raises(ValueError, match="q_proj"):
+        call(hq=2)  # q_proj has 4 heads' rows
+    with pytest.raises(ValueError, match="rotary dims"):
+        call(rd=D + 2)
+    with pytest.raises(ValueError, match="both float32 or both bf16"):
+        call(kc=torch.zeros(Hkv, 8, D, dtype=torch.float64))
