@@ -132,15 +132,17 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 def _np(t: torch.Tensor):
     """A numpy view of t's memory, which the extension takes through the buffer protocol:
     measured 2 us a tensor against 6-8 us for torch's own __dlpack__, which adds up in decode
-    (moe_experts takes 11 tensors a call, every layer)."""
-    return (t.detach() if t.requires_grad else t).numpy()
+    (moe_experts takes 11 tensors a call, every layer). numpy has no bf16: a bf16 tensor goes
+    as its bits, uint16, which the ops that read bf16 expect (the others refuse the dtype)."""
+    t = t.detach() if t.requires_grad else t
+    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def split_threads(net: torch.nn.Module, threads: int | None = None, max_tokens: int = 32) -> bool:
-    """For a net with native quantized modules (those with `native_kernels = True`): native ops on `threads` (default: torch's
-    current count), torch's own ops on one thread in forward passes of at most
-    `max_tokens` tokens (decode, short drafts), on `threads` otherwise (prefill, where
-    attention is big enough to share). Returns False (and changes nothing) for a net
+    """For a net with native quantized modules (those with `native_kernels = True`): native
+    ops on `threads` (default: torch's current count), torch's own ops on one thread in
+    forward passes of at most `max_tokens` tokens (decode, short drafts), on `threads`
+    otherwise (prefill, where attention is big enough to share). Returns False (and changes nothing) for a net
     without native modules, or when the native extension is not in use."""
     if _native() is None or not any(getattr(m, "native_kernels", False) for m in net.modules()):
         return False
@@ -241,12 +243,8 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         return attn_decode_ref(q, k, v, scale, k_scale, v_scale)
     out = torch.empty(q.shape[0], v.shape[-1], dtype=torch.float32)
     _sync_threads(nat)
-    if k.dtype == torch.int8:
-        nat.attn_decode(_np(_f32(q)), _np(k), _np(v), _np(out), float(scale), _np(k_scale), _np(v_scale))
-    elif k.dtype == torch.bfloat16:  # numpy has no bf16: the same bits as uint16
-        nat.attn_decode(_np(_f32(q)), _np(k.view(torch.uint16)), _np(v.view(torch.uint16)), _np(out), float(scale))
-    else:
-        nat.attn_decode(_np(_f32(q)), _np(k), _np(v), _np(out), float(scale))
+    scales = (_np(k_scale), _np(v_scale)) if k.dtype == torch.int8 else ()
+    nat.attn_decode(_np(_f32(q)), _np(k), _np(v), _np(out), float(scale), *scales)
     return out
 
 
@@ -277,8 +275,9 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
     ops and five native calls. float32 or bf16 models and caches; between the projections it
     computes in float32 (a bf16 model's own forward rounds q and k to bf16 on the way). The
     module keeps its own forward for everything else (prefill, batches, int8 caches) and its
-    weights and state_dict are untouched: only the instance's forward is wrapped. Applies where q/k/v/o are QuantizedLinear without bias
-    and q_norm/k_norm (if any) are per-head RMSNorms; returns how many modules it wrapped."""
+    weights and state_dict are untouched: only the instance's forward is wrapped. Applies
+    where q/k/v/o are QuantizedLinear without bias and q_norm/k_norm (if any) are per-head
+    RMSNorms; returns how many modules it wrapped."""
     if _native() is None:
         return 0
     from ..quant.modules import QuantizedLinear
@@ -307,9 +306,7 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
     if (B != 1 or T != 1 or type(kv) is not KVCache or kv.k.dtype not in (torch.float32, torch.bfloat16)
             or _native() is None):
         return self._unfused_forward(x, cos_sin, kv, slots, pos0)
-    s, p = int(slots[0]), int(pos0[0])
-    if p >= kv.max_len:
-        raise ValueError(f"sequence of {p + 1} tokens exceeds the cache's {kv.max_len}")
+    s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
     cos, sin = (t.reshape(-1).float() for t in cos_sin)
     qp, kp, vp, op = self.q_proj, self.k_proj, self.v_proj, self.o_proj
     none = _EMPTY
@@ -320,13 +317,11 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
     nat = _native()
     _sync_threads(nat)
     f = formats.FORMATS
-    kc, vc = kv.k[s], kv.v[s]
-    if kc.dtype == torch.bfloat16:  # numpy has no bf16: the same bits as uint16
-        kc, vc = kc.view(torch.uint16), vc.view(torch.uint16)
     nat.attn_block_decode(
         _np(_f32(x.reshape(H))), _np(qp.qweight), _np(qp.scales), f[qp.fmt], _np(kp.qweight), _np(kp.scales), f[kp.fmt],
         _np(vp.qweight), _np(vp.scales), f[vp.fmt], _np(op.qweight), _np(op.scales), f[op.fmt], _np(qn), _np(kn), eps,
-        _np(cos.contiguous()), _np(sin.contiguous()), _np(kc), _np(vc), p, self.n_heads, float(self.scale), _np(out))
+        _np(cos.contiguous()), _np(sin.contiguous()), _np(kv.k[s]), _np(kv.v[s]), p, self.n_heads, float(self.scale),
+        _np(out))
     return out.view(1, 1, H).to(x.dtype)
 
 
