@@ -36,8 +36,8 @@ def test_attend_uses_every_cached_position_in_decode():
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_cache_update_writes_reads_and_refuses_overflow(batch):
-    """The one-row fast path and the batched path of KVCache.update agree: values land at
-    each row's positions, everything up to the longest row comes back, and writing past
+    """KVCache.update for one row (the helpers' one-row paths) and for a batch: values land
+    at each row's positions, everything up to the longest row comes back, and writing past
     max_len is an error, not a silent truncation."""
     g = torch.Generator().manual_seed(batch)
     cache = Cache([KVSpec(2, 8, 4)], batch, 6, torch.float32)

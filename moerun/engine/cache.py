@@ -57,14 +57,6 @@ class KVCache:
         Returns k_all, v_all [B, kv_heads, S, dim] with S = max(pos0) + T; positions past a
         row's own length hold stale data that the caller masks.
         """
-        if k.shape[0] == 1 and k.dtype == self.k.dtype:  # one row (decode): fewer small ops
-            s, p = int(slots[0]), int(pos0[0])
-            end = p + k.shape[2]
-            if end > self.max_len:
-                raise ValueError(f"sequence of {end} tokens exceeds the cache's {self.max_len}")
-            self.k[s, :, p:end] = k[0]
-            self.v[s, :, p:end] = v[0]
-            return self.k[s : s + 1, :, :end], self.v[s : s + 1, :, :end]
         end = _end(pos0, k.shape[2], self.max_len)
         _write((self.k, self.v), slots, pos0, (k, v))
         return _read(self.k, slots, end).to(k.dtype), _read(self.v, slots, end).to(v.dtype)
@@ -128,7 +120,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 
 
 def _end(pos0: torch.Tensor, T: int, max_len: int) -> int:
-    end = int(pos0.max()) + T
+    end = (int(pos0[0]) if pos0.numel() == 1 else int(pos0.max())) + T
     if end > max_len:
         raise ValueError(f"sequence of {end} tokens exceeds the cache's {max_len}")
     return end
