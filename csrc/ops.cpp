@@ -354,7 +354,6 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
                        float scale, float* out, int kv_type) {
     Workspace& W = ws();
     const int nb = blocks_of(H);
-    const size_t wrow = row_bytes(FMT_INT8, nb), wrow4 = row_bytes(FMT_INT4, nb);
     quantize_rows(x, H, 1, H, nb, W.x);
     // q, k and v rows as one list of tiles, so the small k and v projections share the pool
     const int nq = Hq * D, nk = Hkv * D;
@@ -374,7 +373,7 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
     pool().parallel_for((int)tiles.size(), [&](int i) {
         const Tile& t = tiles[i];
         const Part& pt = parts[t.e];
-        const size_t rb = pt.w->fmt == FMT_INT4 ? wrow4 : wrow;
+        const size_t rb = row_bytes(pt.w->fmt, nb);
         GemmArgs a;
         a.nrows = t.nr;
         a.nb = nb;

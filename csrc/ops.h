@@ -27,7 +27,7 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
 
 // One query token's attention over S cached positions: out[h] = softmax(scale * q_h K_j^T) V_j
 // for query head h < Hq and its kv head j = h / (Hq / Hkv). q is [Hq, D] contiguous; kv head
-// j's position s sits at k + j * k_sh + s * k_ss (D contiguous floats), likewise v; out is
+// j's position s sits at element k + j * k_sh + s * k_ss (D contiguous values), likewise v; out is
 // [Hq, Dv]. Split over (kv head, chunk of positions) and merged by log-sum-exp.
 // kv_type: KvType of k and v; with int8 ones, ks/vs hold each position's scale (kv head j's
 // position s at ks[j * ks_sh + s * ks_ss]).
@@ -43,7 +43,7 @@ struct QWeight {
     const uint16_t* s;
 };
 
-// One token through a GQA attention block with a float32 KV cache, in one call (decode):
+// One token through a GQA attention block with a float32 or bf16 KV cache, in one call (decode):
 // q, k, v = x W^T; optional per-head RMSNorm of q and k (weights qn, kn [D], nullptr for none);
 // rope on each head's first rd dims (rotate-half pairing, cos/sin [rd]); k, v written at
 // position pos of the cache (kv head j's position s at kc + j * c_sh + s * D; float32 or
