@@ -1,6 +1,7 @@
 """Held-out perplexity of the demo model with each KV cache format, and KV bytes per token.
 
   python benchmarks/kv_cache.py [--model moerun/demo_model] [--chunks 64] [--step 32]
+  python benchmarks/kv_cache.py --attention-only [--threads 2]   # the timings alone
 
 Needs the corpus (scripts/fetch_corpus.sh). Each 256-token held-out window goes through the
 cache `--step` tokens at a time (prefill in pieces, as a long prompt or a chat turn would),
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import moerun
+from moerun import kernels
 from moerun.bench.random_model import PRESETS, preset_config
 from moerun.engine.cache import Cache, KVSpec, kv_bytes_per_token, kv_cache_dtype
 from moerun.layers.attention import attend
@@ -78,7 +80,12 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=64, help="held-out windows of 256 tokens (0 = all)")
     ap.add_argument("--step", type=int, default=32, help="tokens per forward pass through the cache")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--attention-only", action="store_true",
+                    help="only the attention step timings (no corpus needed); MOERUN_ISA=torch times the torch path")
     a = ap.parse_args()
+    if a.attention_only:
+        torch.set_num_threads(a.threads)
+        return attention_table(a.threads)
     windows, _ = heldout_windows(Path(a.model), Path(a.corpus), 256, a.chunks)
     print(f"held-out windows: {len(windows)} x 256 tokens, fed {a.step} at a time; model {a.model}")
     print("| model dtype | KV cache | KV bytes/token | perplexity | vs same-dtype cache | top-1 agreement |")
@@ -102,7 +109,11 @@ def main() -> None:
         b = preset_kv_bytes(name)
         print(f"  {name}: {b['auto']} vs {b['int8']} ({b['int8'] / b['auto']:.3f}x); "
               f"32k tokens: {b['auto'] * 32768 / 2**30:.2f} vs {b['int8'] * 32768 / 2**30:.2f} GiB")
-    print(f"\none attention layer's decode step, ms (best of 30, {a.threads} thread(s)):")
+    attention_table(a.threads)
+
+
+def attention_table(threads: int) -> None:
+    print(f"\none attention layer's decode step, ms (best of 30, {threads} thread(s), kernels {kernels.isa()}):")
     print("| model dtype | cached tokens | model-dtype cache | int8 cache |\n|---|---|---|---|")
     for dtype in (torch.bfloat16, torch.float32):
         for S in (1024, 4096):
