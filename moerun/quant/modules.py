@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import kernels
 from . import formats
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
@@ -42,13 +43,13 @@ class QuantizedLinear(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .. import kernels
-
         lead = x.shape[:-1]
         y = kernels.qlinear(x.reshape(-1, self.in_features), self.qweight, self.scales, self.fmt, self.in_features)
         if self.bias is not None:
             y = y + self.bias
-        return y.to(x.dtype).reshape(*lead, self.out_features)
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
@@ -88,8 +89,6 @@ class QuantizedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]."""
-        from .. import kernels
-
         y = kernels.moe_experts(x, ids, weights, self.gate_q, self.gate_scales, self.up_q, self.up_scales,
                                 self.down_q, self.down_scales, self.fmt, self.intermediate_size)
         return y.to(x.dtype)
