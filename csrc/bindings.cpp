@@ -182,11 +182,12 @@ moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows,
     return {fmt, (const uint8_t*)w.data(), (const uint16_t*)s.data()};
 }
 
-// x [H]; q/k/v/o quantized [rows, bytes] + scales; qn, kn [D] or empty; cos, sin [rd];
-// kc, vc [Hkv, max_len, D] (one slot of the cache: float32, or bf16 as uint16); out [H].
+// x [H]; q/k/v/o quantized [rows, bytes] + scales (q: Hq * D rows, 2 * Hq * D when gated); qn,
+// kn [D] or empty; cos, sin [rd]; kc, vc [Hkv, max_len, D] (one slot of the cache: float32, or
+// bf16 as uint16); out [H].
 void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf,
                        Array ow, Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc,
-                       Array vc, int pos, int Hq, float scale, Array out) {
+                       Array vc, int pos, int Hq, float scale, Array out, bool gated) {
     check_dtype(x, dtype_code::Float, 32, "x");
     check(x.ndim() == 1, "x must be [H]");
     const size_t H = x.shape(0);
@@ -199,7 +200,7 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
     check(Hq > 0 && Hkv > 0 && Hq % Hkv == 0, "q heads must be a multiple of kv heads");
     check(pos >= 0 && (size_t)pos < L, "position outside the cache");
     const int nbH = moerun::blocks_of((int)H), nbA = moerun::blocks_of((int)(Hq * D));
-    auto q = qweight_of(qw, qs, qf, Hq * D, nbH, "q_proj");
+    auto q = qweight_of(qw, qs, qf, Hq * D * (gated ? 2 : 1), nbH, "q_proj");
     auto k = qweight_of(kw, ks, kf, Hkv * D, nbH, "k_proj");
     auto v = qweight_of(vw, vs, vf, Hkv * D, nbH, "v_proj");
     auto o = qweight_of(ow, os, of, H, nbA, "o_proj");
@@ -220,7 +221,50 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
                               qn.shape(0) ? (const float*)qn.data() : nullptr,
                               kn.shape(0) ? (const float*)kn.data() : nullptr, eps, (const float*)cos.data(),
                               (const float*)sin.data(), (int)rd, kc.data(), vc.data(), (long)(L * D), pos, scale,
-                              (float*)out.data(), bf16 ? moerun::KV_BF16 : moerun::KV_F32);
+                              (float*)out.data(), bf16 ? moerun::KV_BF16 : moerun::KV_F32, gated);
+}
+
+// qkv [B, T, C]; conv_w [C, K]; conv [B, C, K-1]; a, b [B, T, Hv]; A_log, dt_bias [Hv];
+// S [B, Hv, Dk, Dv]; z, out [B, T, Hv, Dv]; norm_w [Dv]; all float32. With conv_every
+// [B, T, C, K-1] and S_every [B, T, Hv, Dk, Dv] (both or neither) every token's state goes
+// there and conv, S are only read.
+void deltanet_decode(Array qkv, Array conv_w, Array conv, std::optional<Array> conv_every, Array a, Array b,
+                     Array A_log, Array dt_bias, Array S, std::optional<Array> S_every, Array z, Array norm_w,
+                     float eps, Array out, int Hk) {
+    for (const Array* t : {&qkv, &conv_w, &conv, &a, &b, &A_log, &dt_bias, &S, &z, &norm_w, &out})
+        check_dtype(*t, dtype_code::Float, 32, "deltanet tensors");
+    check(conv_every.has_value() == S_every.has_value(), "conv_every and S_every go together");
+    check(qkv.ndim() == 3, "qkv must be [B, T, C]");
+    const size_t B = qkv.shape(0), T = qkv.shape(1), C = qkv.shape(2);
+    check(conv_w.ndim() == 2 && conv_w.shape(0) == C && conv_w.shape(1) >= 2, "conv_w must be [C, K], K >= 2");
+    const size_t K = conv_w.shape(1);
+    check_shape(conv, {B, C, K - 1}, "conv");
+    check(S.ndim() == 4 && S.shape(0) == B, "S must be [B, Hv, Dk, Dv]");
+    const size_t Hv = S.shape(1), Dk = S.shape(2), Dv = S.shape(3);
+    check(Hk > 0 && Hv % (size_t)Hk == 0, "value heads must be a multiple of key heads");
+    check(C == 2 * (size_t)Hk * Dk + Hv * Dv, "qkv: C must be 2 * Hk * Dk + Hv * Dv");
+    check_shape(a, {B, T, Hv}, "a");
+    check_shape(b, {B, T, Hv}, "b");
+    check_shape(A_log, {Hv}, "A_log");
+    check_shape(dt_bias, {Hv}, "dt_bias");
+    check_shape(z, {B, T, Hv, Dv}, "z");
+    check_shape(norm_w, {Dv}, "norm_w");
+    check_shape(out, {B, T, Hv, Dv}, "out");
+    if (S_every) {
+        check_dtype(*conv_every, dtype_code::Float, 32, "conv_every");
+        check_dtype(*S_every, dtype_code::Float, 32, "S_every");
+        check_shape(*conv_every, {B, T, C, K - 1}, "conv_every");
+        check_shape(*S_every, {B, T, Hv, Dk, Dv}, "S_every");
+    }
+    moerun::DeltaArgs d{(int)B, (int)T, (int)C, (int)K, Hk, (int)Hv, (int)Dk, (int)Dv,
+                        (const float*)qkv.data(), (const float*)conv_w.data(), (float*)conv.data(),
+                        conv_every ? (float*)conv_every->data() : nullptr, (const float*)a.data(),
+                        (const float*)b.data(), (const float*)A_log.data(), (const float*)dt_bias.data(),
+                        (float*)S.data(), S_every ? (float*)S_every->data() : nullptr, (const float*)z.data(),
+                        (const float*)norm_w.data(), eps, (float*)out.data()};
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::deltanet_decode(d);
 }
 
 std::vector<std::string> available_isas() {
@@ -264,7 +308,13 @@ NB_MODULE(_native, m) {
           nb::arg("kw"), nb::arg("ks"), nb::arg("kf"), nb::arg("vw"), nb::arg("vs"), nb::arg("vf"), nb::arg("ow"),
           nb::arg("os"), nb::arg("of"), nb::arg("qn"), nb::arg("kn"), nb::arg("eps"), nb::arg("cos"), nb::arg("sin"),
           nb::arg("kc"), nb::arg("vc"), nb::arg("pos"), nb::arg("hq"), nb::arg("scale"), nb::arg("out"),
-          "one token through a quantized GQA attention block with a float32 or bf16 cache");
+          nb::arg("gated") = false,
+          "one token through a quantized GQA attention block with a float32 or bf16 cache (gated: Qwen3.5's "
+          "sigmoid output gate, q_proj giving each head's query then its gate)");
+    m.def("deltanet_decode", &deltanet_decode, nb::arg("qkv"), nb::arg("conv_w"), nb::arg("conv"),
+          nb::arg("conv_every").none(), nb::arg("a"), nb::arg("b"), nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("S"),
+          nb::arg("S_every").none(), nb::arg("z"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("out"), nb::arg("hk"),
+          "a few tokens per row through a Gated DeltaNet layer's conv, delta rule and gated norm (float32)");
     m.def("moe_experts", &moe_experts, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("gate_scales"), nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"),
           nb::arg("out"), nb::arg("fmt"), nb::arg("intermediate"),

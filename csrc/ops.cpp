@@ -11,15 +11,16 @@
 #include "thread_pool.h"
 
 namespace moerun {
-namespace {
-
-const KernelTable* g_kernels = nullptr;
 
 ThreadPool& pool() {
     // never destroyed: joining threads during interpreter shutdown can hang
     static ThreadPool* p = new ThreadPool(1);
     return *p;
 }
+
+namespace {
+
+const KernelTable* g_kernels = nullptr;
 
 const KernelTable& kern() {
     if (!g_kernels) g_kernels = best_kernels();
@@ -75,7 +76,7 @@ void quantize_rows(const float* x, size_t ld, int rows, int n, int nb, ActQ& aq)
 // Workspace kept between calls (one op at a time: bindings hold a mutex).
 struct Workspace {
     ActQ x, h;
-    std::vector<float> g, u, y, qkv, att;
+    std::vector<float> g, u, y, qkv, att, gate;
     std::vector<int32_t> pair_tok, slot;
     std::vector<int> count, offset;
 };
@@ -351,22 +352,22 @@ void head_rope(float* x, const float* cos, const float* sin, int rd) {
 void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWeight& q, const QWeight& k,
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
-                       float scale, float* out, int kv_type) {
+                       float scale, float* out, int kv_type, bool gated) {
     Workspace& W = ws();
     const int nb = blocks_of(H);
     quantize_rows(x, H, 1, H, nb, W.x);
     // q, k and v rows as one list of tiles, so the small k and v projections share the pool
-    const int nq = Hq * D, nk = Hkv * D;
-    W.qkv.resize((size_t)nq + 2 * nk);
+    const int nq = Hq * D, nk = Hkv * D, nqr = gated ? 2 * nq : nq;
+    W.qkv.resize((size_t)nqr + 2 * nk);
     float* yq = W.qkv.data();
-    float* yk = yq + nq;
+    float* yk = yq + nqr;
     float* yv = yk + nk;
     struct Part {
         const QWeight* w;
         int rows;
         float* y;
-    } parts[3] = {{&q, nq, yq}, {&k, nk, yk}, {&v, nk, yv}};
-    const int rt = row_tile(nq + 2 * nk, 1, pool().size());
+    } parts[3] = {{&q, nqr, yq}, {&k, nk, yk}, {&v, nk, yv}};
+    const int rt = row_tile(nqr + 2 * nk, 1, pool().size());
     std::vector<Tile> tiles;  // e: which part
     for (int pi = 0; pi < 3; ++pi)
         for (int r0 = 0; r0 < parts[pi].rows; r0 += rt) tiles.push_back({pi, r0, std::min(rt, parts[pi].rows - r0), 0, 1});
@@ -389,6 +390,13 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
         a.y_row = pt.rows;
         gemm(pt.w->fmt, a);
     });
+    if (gated) {  // head h's rows are its query then its output gate: set the gates aside, close up the queries
+        W.gate.resize(nq);
+        for (int h = 0; h < Hq; ++h) {
+            std::copy(yq + (size_t)(2 * h + 1) * D, yq + (size_t)(2 * h + 2) * D, W.gate.data() + (size_t)h * D);
+            std::copy(yq + (size_t)(2 * h) * D, yq + (size_t)(2 * h + 1) * D, yq + (size_t)h * D);
+        }
+    }
     for (int h = 0; h < Hq; ++h) {
         if (qn) head_rms_norm(yq + (size_t)h * D, qn, D, eps);
         head_rope(yq + (size_t)h * D, cos, sin, rd);
@@ -408,6 +416,8 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
     }
     W.att.resize((size_t)Hq * D);
     attn_decode(Hq, Hkv, pos + 1, D, D, yq, kc, c_sh, D, vc, c_sh, D, scale, W.att.data(), kv_type);
+    if (gated)
+        for (int i = 0; i < nq; ++i) W.att[i] *= 1.f / (1.f + std::exp(-W.gate[i]));
     qlinear(o.fmt, 1, Hq * D, H, W.att.data(), o.w, o.s, out);
 }
 

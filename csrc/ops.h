@@ -48,10 +48,36 @@ struct QWeight {
 // rope on each head's first rd dims (rotate-half pairing, cos/sin [rd]); k, v written at
 // position pos of the cache (kv head j's position s at kc + j * c_sh + s * D; float32 or
 // bf16 by kv_type, rounded to nearest even); attention over positions 0..pos; out[H] =
-// o_proj of the result. Everything between the projections runs in float32.
+// o_proj of the result. Everything between the projections runs in float32. gated (Qwen3.5):
+// q_proj yields 2D rows per head, its query then its output gate g, and the attention output
+// is multiplied by sigmoid(g) before o_proj.
 void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWeight& q, const QWeight& k,
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
-                       float scale, float* out, int kv_type = KV_F32);
+                       float scale, float* out, int kv_type = KV_F32, bool gated = false);
+
+// Gated DeltaNet (Qwen3.5 linear attention) over T tokens per row, token after token (decode,
+// or a speculative verification pass): causal conv + SiLU over the in_proj_qkv outputs, L2
+// norm of the q and k heads (q scaled by Dk^-0.5), the gated delta rule with
+// decay = exp(-exp(A_log) * softplus(a + dt_bias)) and beta = sigmoid(b), then
+// RMSNorm(o) * norm_w * silu(z) per value head. Value head h reads key head h / (Hv / Hk).
+// All float32 and contiguous. Without the *_every outputs conv and S are updated in place;
+// with them, conv and S are left alone and the state after each token is written there.
+struct DeltaArgs {
+    int B, T, C, K, Hk, Hv, Dk, Dv;
+    const float* qkv;              // [B, T, C]: in_proj_qkv outputs before the conv (q | k | v)
+    const float* conv_w;           // [C, K]
+    float* conv;                   // [B, C, K - 1]: the last K - 1 inputs of each channel
+    float* conv_every;             // [B, T, C, K - 1] or nullptr
+    const float *a, *b;            // [B, T, Hv]: in_proj_a and in_proj_b outputs
+    const float *A_log, *dt_bias;  // [Hv]
+    float* S;                      // [B, Hv, Dk, Dv]
+    float* S_every;                // [B, T, Hv, Dk, Dv] or nullptr
+    const float* z;                // [B, T, Hv, Dv]: the output gate
+    const float* norm_w;           // [Dv]
+    float eps;
+    float* out;                    // [B, T, Hv, Dv]
+};
+void deltanet_decode(const DeltaArgs& a);
 
 }  // namespace moerun

@@ -126,4 +126,7 @@ private:
     std::atomic<bool> quit_{false};
 };
 
+// The process's one pool, sized by set_threads (defined in ops.cpp).
+ThreadPool& pool();
+
 }  // namespace moerun

@@ -436,3 +436,110 @@ def test_attn_block_decode_refuses_bad_arguments():
         call(rd=D + 2)
     with pytest.raises(ValueError, match="both float32 or both bf16"):
         call(kc=torch.zeros(Hkv, 8, D, dtype=torch.float64))
+
+
+def _qwen3_5_net(tmp_path):
+    """A tiny random Qwen3.5-MoE net (transformers' init, norms moved off identity), float32."""
+    from conftest import save_and_load
+    from test_qwen3_5_moe import make_reference
+
+    return save_and_load(make_reference(), tmp_path).net
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+def test_fused_decode_attention_gated(isa, tmp_path):
+    """Qwen3.5's attention (output gate, zero-centred per-head norms, partial rotary) through
+    the native block: the same logits and cache contents as the module's own forward."""
+    from moerun.engine.cache import Cache
+    from moerun.quant import quantize_model
+
+    net = _qwen3_5_net(tmp_path)
+    quantize_model(net, "int4")
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        cache = Cache(net.cache_spec(), 1, 16, torch.float32)
+        out = [net(ids[:, :6], cache)[:, -1]]
+        out += [net(ids[:, i : i + 1], cache)[:, -1] for i in range(6, 12)]
+        return torch.cat(out), cache
+
+    with torch.inference_mode(), kernels.use_isa(isa):
+        want, want_cache = run()
+        assert kernels.fuse_decode_attention(net) == sum(t == "full_attention" for t in net.args.layer_types)
+        got, got_cache = run()
+    assert max_rel(got, want) < 1e-4
+    for a, b in zip(got_cache.layers, want_cache.layers):
+        if hasattr(a, "k"):
+            assert max_rel(a.k[:, :, :12], b.k[:, :, :12]) < 1e-5 and max_rel(a.v[:, :, :12], b.v[:, :, :12]) < 1e-5
+
+
+DELTA_SHAPES = [  # B, T, Hk, Hv, Dk, Dv, K
+    (1, 1, 2, 4, 32, 32, 4), (2, 3, 2, 4, 8, 12, 4), (1, 5, 1, 3, 16, 24, 3), (3, 2, 4, 8, 128, 128, 4)]
+
+
+def _delta_inputs(B, T, Hk, Hv, Dk, Dv, K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    C = 2 * Hk * Dk + Hv * Dv
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return dict(qkv=r(B, T, C), conv_w=0.5 * r(C, 1, K), conv=r(B, C, K - 1), a=r(B, T, Hv), b=r(B, T, Hv),
+                A_log=0.5 * r(Hv), dt_bias=r(Hv), S=0.1 * r(B, Hv, Dk, Dv), z=r(B, T, Hv, Dv), norm_w=r(Dv))
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("shape", DELTA_SHAPES)
+@pytest.mark.parametrize("every", [False, True])
+def test_deltanet_decode(isa, shape, every):
+    """The native Gated DeltaNet steps against the torch reference (float32, summation order
+    only: 1e-5): outputs and states; without `every` the states are updated in place, with
+    it the given states are left alone and every token's state comes back."""
+    from moerun.layers.deltanet import few_tokens_ref
+
+    inp = _delta_inputs(*shape, seed=sum(shape))
+    Hk = shape[2]
+    want = few_tokens_ref(**{k: v.clone() for k, v in inp.items()}, eps=1e-6, key_heads=Hk, every=every)
+    conv, S = inp["conv"].clone(), inp["S"].clone()
+    with kernels.use_isa(isa):
+        assert kernels.deltanet_decode_is_native(inp["qkv"], conv, S)
+        got = kernels.deltanet_decode(**{**inp, "conv": conv, "S": S}, eps=1e-6, key_heads=Hk, every=every)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and max_rel(a, b) < 1e-5
+    if every:
+        assert torch.equal(conv, inp["conv"]) and torch.equal(S, inp["S"])
+        assert got[1].shape[:2] == got[2].shape[:2] == shape[:2]
+    else:
+        assert got[1] is conv and got[2] is S
+
+
+def test_deltanet_decode_falls_back_and_refuses_bad_arguments():
+    from moerun.layers.deltanet import few_tokens_ref
+
+    inp = _delta_inputs(1, 2, 2, 4, 8, 12, 4)
+    bf = {**inp, "qkv": inp["qkv"].bfloat16(), "conv": inp["conv"].bfloat16()}
+    assert not kernels.deltanet_decode_is_native(bf["qkv"], bf["conv"], bf["S"])
+    got = kernels.deltanet_decode(**{k: v.clone() for k, v in bf.items()}, eps=1e-6, key_heads=2, every=True)
+    want = few_tokens_ref(**{k: v.clone() for k, v in bf.items()}, eps=1e-6, key_heads=2, every=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if kernels.isa() == "torch":
+        return
+    nat = kernels._native()
+    n = lambda t: t.numpy()  # noqa: E731
+    out = torch.empty(1, 2, 4, 12)
+
+    def call(**over):
+        a = {**inp, **over}
+        nat.deltanet_decode(n(a["qkv"]), n(a["conv_w"].reshape(a["conv_w"].shape[0], -1)), n(a["conv"]),
+                            over.get("conv_every"), n(a["a"]), n(a["b"]), n(a["A_log"]), n(a["dt_bias"]), n(a["S"]),
+                            over.get("S_every"), n(a["z"]), n(a["norm_w"]), 1e-6, n(over.get("out", out)),
+                            over.get("hk", 2))
+
+    call()  # the good call runs
+    with pytest.raises(ValueError, match="C must be"):
+        call(qkv=torch.zeros(1, 2, 70), conv_w=torch.zeros(70, 1, 4), conv=torch.zeros(1, 70, 3))
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        call(hk=3)
+    with pytest.raises(ValueError, match="go together"):
+        call(conv_every=n(torch.zeros(1, 2, inp["qkv"].shape[-1], 3)))
+    with pytest.raises(ValueError, match="wrong dtype"):
+        call(z=inp["z"].double())
+    with pytest.raises(ValueError, match="out: dimension 1"):
+        call(out=torch.empty(1, 3, 4, 12))

@@ -126,7 +126,9 @@ def set_spin(us: int) -> None:
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float32).contiguous()
+    # the common case (already contiguous float32) without the two no-op calls: decode makes
+    # dozens of these a token
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
 
 
 def _np(t: torch.Tensor):
@@ -266,6 +268,45 @@ def attn_decode_ref(q, k, v, scale, k_scale=None, v_scale=None) -> torch.Tensor:
     return torch.matmul(scores.softmax(-1), v.float()).reshape(Hq, v.shape[-1])
 
 
+# -- Gated DeltaNet, a few tokens ---------------------------------------------------------
+
+def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: float, key_heads: int,
+                    every: bool = False):
+    """A few tokens per row through a Gated DeltaNet layer between its projections, token
+    after token: conv + SiLU, q/k L2 norms, the gated delta rule, RMSNorm(o) * norm_w * silu(z).
+
+    qkv [B, T, C] (in_proj_qkv, before the conv), conv_w [C, 1, K], conv [B, C, K-1], a and b
+    [B, T, Hv] (in_proj_a, in_proj_b), A_log and dt_bias [Hv], S [B, Hv, Dk, Dv], z [B, T, Hv,
+    Dv], norm_w [Dv]. Returns (o [B, T, Hv, Dv] float32, conv, S): the states after the last
+    token, `conv` and `S` themselves updated in place; with `every`, the states after each
+    token ([B, T, C, K-1], [B, T, Hv, Dk, Dv]) and `conv`, `S` untouched. Native when every
+    tensor is float32 and `conv`, `S` contiguous (`deltanet_decode_is_native`); otherwise
+    `moerun.layers.deltanet.few_tokens_ref`, the reference, which returns new tensors."""
+    from ..layers.deltanet import few_tokens_ref
+
+    if not deltanet_decode_is_native(qkv, conv, S):
+        return few_tokens_ref(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps, key_heads, every)
+    nat = _native()
+    B, T, C = qkv.shape
+    Hv, Dk, Dv = S.shape[1:]
+    out = torch.empty(B, T, Hv, Dv)
+    conv_every = torch.empty(B, T, C, conv.shape[-1]) if every else None
+    S_every = torch.empty(B, T, Hv, Dk, Dv) if every else None
+    _sync_threads(nat)
+    nat.deltanet_decode(*map(_np, (qkv.contiguous(), conv_w.reshape(C, -1), conv)),
+                        None if conv_every is None else _np(conv_every),
+                        *map(_np, (a.contiguous(), b.contiguous(), A_log, dt_bias, S)),
+                        None if S_every is None else _np(S_every),
+                        _np(z.contiguous()), _np(norm_w), float(eps), _np(out), key_heads)
+    return (out, conv_every, S_every) if every else (out, conv, S)
+
+
+def deltanet_decode_is_native(qkv, conv, S) -> bool:
+    """Whether deltanet_decode runs natively: a float32 layer with contiguous float32 states."""
+    return (_native() is not None and qkv.dtype == conv.dtype == S.dtype == torch.float32 and conv.is_contiguous()
+            and S.is_contiguous())
+
+
 # -- fused decode attention ----------------------------------------------------------------
 
 def fuse_decode_attention(net: torch.nn.Module) -> int:
@@ -290,8 +331,7 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
         if not all(isinstance(p, QuantizedLinear) and p.bias is None for p in projs):
             continue
         norms = [getattr(m, name, None) for name in ("q_norm", "k_norm")]
-        if any(nm is not None and (nm.weight.numel() != m.head_dim or getattr(nm, "zero_centered", False))
-               for nm in norms):
+        if any(nm is not None and nm.weight.numel() != m.head_dim for nm in norms):
             continue
         m._unfused_forward = m.forward
         m.forward = _fused_forward.__get__(m)
@@ -309,9 +349,7 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
     s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
     cos, sin = (t.reshape(-1).float() for t in cos_sin)
     qp, kp, vp, op = self.q_proj, self.k_proj, self.v_proj, self.o_proj
-    none = _EMPTY
-    qn = self.q_norm.weight.detach().float() if getattr(self, "q_norm", None) is not None else none
-    kn = self.k_norm.weight.detach().float() if getattr(self, "k_norm", None) is not None else none
+    qn, kn = (_norm_weight(getattr(self, name, None)) for name in ("q_norm", "k_norm"))
     eps = float(getattr(getattr(self, "q_norm", None), "eps", 1e-6))
     out = torch.empty(H, dtype=torch.float32)
     nat = _native()
@@ -321,15 +359,24 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
         _np(_f32(x.reshape(H))), _np(qp.qweight), _np(qp.scales), f[qp.fmt], _np(kp.qweight), _np(kp.scales), f[kp.fmt],
         _np(vp.qweight), _np(vp.scales), f[vp.fmt], _np(op.qweight), _np(op.scales), f[op.fmt], _np(qn), _np(kn), eps,
         _np(cos.contiguous()), _np(sin.contiguous()), _np(kv.k[s]), _np(kv.v[s]), p, self.n_heads, float(self.scale),
-        _np(out))
+        _np(out), bool(getattr(self, "output_gate", False)))
     return out.view(1, 1, H).to(x.dtype)
 
 
 _EMPTY = torch.empty(0)
 
 
+def _norm_weight(norm) -> torch.Tensor:
+    """A per-head RMSNorm's effective float32 weight (1 + w when zero-centred), empty for none."""
+    if norm is None:
+        return _EMPTY
+    w = norm.weight.detach().float()
+    return 1.0 + w if getattr(norm, "zero_centered", False) else w
+
+
 __all__ = [
     "available_isas", "isa", "set_isa", "use_isa", "describe", "set_threads", "set_spin", "split_threads",
     "qlinear", "qlinear_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
+    "deltanet_decode", "deltanet_decode_is_native",
     "attn_decode_is_native", "fuse_decode_attention",
 ]

@@ -164,6 +164,29 @@ def recurrent_gated_delta_steps(q, k, v, g, beta, state):
     return o, states.view(T, B, Hv, Dk, Dv).transpose(0, 1)
 
 
+def few_tokens_ref(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: float, key_heads: int,
+                   every: bool = False):
+    """A few tokens of a Gated DeltaNet layer between its projections, in torch: the reference
+    of (and fallback for) `moerun.kernels.deltanet_decode`, same arguments and results (the
+    conv state comes back as a new tensor; S is updated in place where it is contiguous fp32,
+    as `recurrent_gated_delta_step` does)."""
+    B, T, C = qkv.shape
+    Hv, Dk, Dv = S.shape[1:]
+    y, conv = causal_conv1d(qkv, conv_w, conv, every_state=every)
+    kd = key_heads * Dk
+    q = y[..., :kd].reshape(B, T, key_heads, Dk)
+    k = y[..., kd : 2 * kd].reshape(B, T, key_heads, Dk)
+    v = y[..., 2 * kd :].reshape(B, T, Hv, Dv)
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # log decay
+    if every or T > 1:
+        o, states = recurrent_gated_delta_steps(q, k, v, g, beta, S)  # [B, T, Hv, Dk, Dv]
+        S = states if every else states[:, -1]
+    else:
+        o, S = recurrent_gated_delta_step(q, k, v, g, beta, S)
+    return gated_rms_norm(o, z, norm_w, eps), conv, S
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(x) * w * silu(gate) over the last dim (the DeltaNet output norm; w is not zero-centred)."""
     dtype = x.dtype

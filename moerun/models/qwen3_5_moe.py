@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec, StateSpec
 from ..layers.attention import attend
-from ..layers.deltanet import (FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, recurrent_gated_delta_step,
-                               recurrent_gated_delta_steps)
+from ..layers.deltanet import FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm
 from ..layers.moe import Experts, GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, apply_rope
@@ -129,6 +129,11 @@ class ModelArgs(BaseModelArgs):
 class Attention(nn.Module):
     """GQA with per-head zero-centred q/k norm, partial rotary and a sigmoid output gate."""
 
+    # its one-token forward is what kernels.fuse_decode_attention's native block computes, with
+    # the output gate (q_proj gives each head's query then its gate)
+    fused_decode = True
+    output_gate = True
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
@@ -179,9 +184,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, state, slots):
         B, T, _ = x.shape
-        few = state is not None and 1 < T <= FEW  # a speculative verification pass: keep every token's state
+        if state is not None and T <= FEW:  # decode, or a speculative verification pass
+            return self._few_tokens(x, state, slots)
         conv_state = state.get("conv", slots) if state is not None else None
-        qkv, conv_state = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight, conv_state, every_state=few)  # [B, T, C]
+        qkv, conv_state = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight, conv_state)  # [B, T, C]
         kd = self.n_k * self.dk
         q = qkv[..., :kd].reshape(B, T, self.n_k, self.dk)
         k = qkv[..., kd : 2 * kd].reshape(B, T, self.n_k, self.dk)
@@ -189,20 +195,29 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()  # [B, T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # log decay
         rec = state.get("recurrent", slots) if state is not None else None
-        if rec is not None and T == 1:
-            o, rec = recurrent_gated_delta_step(q, k, v, g, beta, rec)
-        elif few:
-            o, rec = recurrent_gated_delta_steps(q, k, v, g, beta, rec)  # rec [B, T, Hv, Dk, Dv]
-        else:
-            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, rec)  # [B, T, Hv, Dv]
-        if few:
-            state.set_every(slots, conv=conv_state, recurrent=rec)
-        elif state is not None:
+        o, rec = chunk_gated_delta_rule(q, k, v, g, beta, rec)  # [B, T, Hv, Dv]
+        if state is not None:
             state.set("conv", slots, conv_state)
             state.set("recurrent", slots, rec)
         z = self.in_proj_z(x).view(B, T, self.n_v, self.dv)
         o = gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(B, T, -1))
+
+    def _few_tokens(self, x, state, slots):
+        """Token after token (kernels.deltanet_decode); a pass of several tokens keeps every
+        token's state, so that a rejected speculative draft can be rolled back."""
+        B, T, _ = x.shape
+        every = T > 1
+        z = self.in_proj_z(x).view(B, T, self.n_v, self.dv)
+        o, conv, rec = kernels.deltanet_decode(
+            self.in_proj_qkv(x), self.conv1d.weight, state.get("conv", slots), self.in_proj_a(x), self.in_proj_b(x),
+            self.A_log, self.dt_bias, state.get("recurrent", slots), z, self.norm.weight, self.norm.eps, self.n_k, every)
+        if every:
+            state.set_every(slots, conv=conv, recurrent=rec)
+        else:
+            state.set("conv", slots, conv)
+            state.set("recurrent", slots, rec)
+        return self.out_proj(o.to(x.dtype).reshape(B, T, -1))
 
 
 class SparseMoeBlock(nn.Module):
