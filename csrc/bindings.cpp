@@ -175,6 +175,20 @@ void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::opt
                         st[1], vs, st[2], st[3]);
 }
 
+// x, out [M, D]; w [D]; float32
+void rms_norm(Array x, Array w, Array out, float eps, float w_offset) {
+    check_dtype(x, dtype_code::Float, 32, "x");
+    check_dtype(w, dtype_code::Float, 32, "w");
+    check_dtype(out, dtype_code::Float, 32, "out");
+    check(x.ndim() == 2, "x must be [M, D]");
+    const size_t M = x.shape(0), D = x.shape(1);
+    check_shape(w, {D}, "w");
+    check_shape(out, {M, D}, "out");
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::rms_norm((int)M, (int)D, (const float*)x.data(), (const float*)w.data(), w_offset, eps, (float*)out.data());
+}
+
 moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows, int nb, const char* what) {
     check_fmt(fmt);
     check_qweight(w, fmt, {rows}, nb, what);
@@ -182,15 +196,39 @@ moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows,
     return {fmt, (const uint8_t*)w.data(), (const uint16_t*)s.data()};
 }
 
-// x [H]; q/k/v/o quantized [rows, bytes] + scales (q: Hq * D rows, 2 * Hq * D when gated); qn,
-// kn [D] or empty; cos, sin [rd]; kc, vc [Hkv, max_len, D] (one slot of the cache: float32, or
-// bf16 as uint16); out [H].
+// x [M, K]; weights[p] [rows_p, bytes] with scales[p] [rows_p, nb] in fmts[p]; out [M, sum rows_p]
+void qlinear_multi(Array x, std::vector<Array> weights, std::vector<Array> scales, std::vector<int> fmts, Array out) {
+    check_dtype(x, dtype_code::Float, 32, "x");
+    check(x.ndim() == 2, "x must be [M, K]");
+    const size_t M = x.shape(0), K = x.shape(1);
+    const size_t P = weights.size();
+    check(P >= 1 && scales.size() == P && fmts.size() == P, "one scales tensor and one fmt per weight");
+    const int nb = moerun::blocks_of((int)K);
+    std::vector<moerun::QWeight> qw;
+    std::vector<int> rows;
+    size_t N = 0;
+    for (size_t p = 0; p < P; ++p) {
+        check(weights[p].ndim() == 2, "weights must be [rows, bytes per row]");
+        rows.push_back((int)weights[p].shape(0));
+        N += weights[p].shape(0);
+        qw.push_back(qweight_of(weights[p], scales[p], fmts[p], weights[p].shape(0), nb, "weight"));
+    }
+    check_dtype(out, dtype_code::Float, 32, "out");
+    check_shape(out, {M, N}, "out");
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::qlinear_multi((int)M, (int)K, (int)P, qw.data(), rows.data(), (const float*)x.data(), (float*)out.data());
+}
+
+// x [T, H]; q/k/v/o quantized [rows, bytes] + scales (q: Hq * D rows, 2 * Hq * D when gated);
+// qn, kn [D] or empty; cos, sin [T, rd]; kc, vc [Hkv, max_len, D] (one slot of the cache:
+// float32, or bf16 as uint16); out [T, H]. Token t sits at position pos + t.
 void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf,
                        Array ow, Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc,
                        Array vc, int pos, int Hq, float scale, Array out, bool gated) {
     check_dtype(x, dtype_code::Float, 32, "x");
-    check(x.ndim() == 1, "x must be [H]");
-    const size_t H = x.shape(0);
+    check(x.ndim() == 2 && x.shape(0) >= 1, "x must be [T, H]");
+    const size_t T = x.shape(0), H = x.shape(1);
     const bool bf16 = kc.dtype() == nb::dtype<uint16_t>();
     check((bf16 || kc.dtype() == nb::dtype<float>()) && vc.dtype() == kc.dtype(),
           "k, v cache: must be both float32 or both bf16 (as uint16)");
@@ -198,7 +236,7 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
     const size_t Hkv = kc.shape(0), L = kc.shape(1), D = kc.shape(2);
     check_shape(vc, {Hkv, L, D}, "v cache");
     check(Hq > 0 && Hkv > 0 && Hq % Hkv == 0, "q heads must be a multiple of kv heads");
-    check(pos >= 0 && (size_t)pos < L, "position outside the cache");
+    check(pos >= 0 && (size_t)pos + T <= L, "position outside the cache");
     const int nbH = moerun::blocks_of((int)H), nbA = moerun::blocks_of((int)(Hq * D));
     auto q = qweight_of(qw, qs, qf, Hq * D * (gated ? 2 : 1), nbH, "q_proj");
     auto k = qweight_of(kw, ks, kf, Hkv * D, nbH, "k_proj");
@@ -210,18 +248,19 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
     }
     check_dtype(cos, dtype_code::Float, 32, "cos");
     check_dtype(sin, dtype_code::Float, 32, "sin");
-    check(cos.ndim() == 1 && sin.ndim() == 1 && cos.shape(0) == sin.shape(0), "cos, sin must be [rd]");
-    const size_t rd = cos.shape(0);
+    check(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == T && sin.shape(0) == T && cos.shape(1) == sin.shape(1),
+          "cos, sin must be [T, rd]");
+    const size_t rd = cos.shape(1);
     check(rd % 2 == 0 && rd <= D, "rotary dims must be even and at most the head dim");
     check_dtype(out, dtype_code::Float, 32, "out");
-    check_shape(out, {H}, "out");
+    check_shape(out, {T, H}, "out");
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
     moerun::attn_block_decode((int)H, Hq, (int)Hkv, (int)D, (const float*)x.data(), q, k, v, o,
                               qn.shape(0) ? (const float*)qn.data() : nullptr,
                               kn.shape(0) ? (const float*)kn.data() : nullptr, eps, (const float*)cos.data(),
                               (const float*)sin.data(), (int)rd, kc.data(), vc.data(), (long)(L * D), pos, scale,
-                              (float*)out.data(), bf16 ? moerun::KV_BF16 : moerun::KV_F32, gated);
+                              (float*)out.data(), bf16 ? moerun::KV_BF16 : moerun::KV_F32, gated, (int)T);
 }
 
 // qkv [B, T, C]; conv_w [C, K]; conv [B, C, K-1]; a, b [B, T, Hv]; A_log, dt_bias [Hv];
@@ -301,6 +340,8 @@ NB_MODULE(_native, m) {
     m.def("get_spin_us", &moerun::get_spin_us, "how long idle workers spin before they sleep");
     m.def("qlinear", &qlinear, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("out"), nb::arg("fmt"),
           "out[M, N] = x[M, K] @ W^T with W quantized (fmt 4 or 8, blocks of 32)");
+    m.def("qlinear_multi", &qlinear_multi, nb::arg("x"), nb::arg("weights"), nb::arg("scales"), nb::arg("fmts"),
+          nb::arg("out"), "several quantized linears of one input in one call: out = [x W_0^T | x W_1^T | ...]");
     m.def("attn_decode", &attn_decode, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("scale"),
           nb::arg("k_scale") = nb::none(), nb::arg("v_scale") = nb::none(),
           "one query token's attention over cached keys/values (grouped query heads)");
@@ -309,8 +350,10 @@ NB_MODULE(_native, m) {
           nb::arg("os"), nb::arg("of"), nb::arg("qn"), nb::arg("kn"), nb::arg("eps"), nb::arg("cos"), nb::arg("sin"),
           nb::arg("kc"), nb::arg("vc"), nb::arg("pos"), nb::arg("hq"), nb::arg("scale"), nb::arg("out"),
           nb::arg("gated") = false,
-          "one token through a quantized GQA attention block with a float32 or bf16 cache (gated: Qwen3.5's "
+          "a few tokens of one row through a quantized GQA attention block with a float32 or bf16 cache (gated: Qwen3.5's "
           "sigmoid output gate, q_proj giving each head's query then its gate)");
+    m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("eps"), nb::arg("w_offset") = 0.f,
+          "out = x / rms(x) * (w + w_offset) per row (float32)");
     m.def("deltanet_decode", &deltanet_decode, nb::arg("qkv"), nb::arg("conv_w"), nb::arg("conv"),
           nb::arg("conv_every").none(), nb::arg("a"), nb::arg("b"), nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("S"),
           nb::arg("S_every").none(), nb::arg("z"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("out"), nb::arg("hk"),

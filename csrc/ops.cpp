@@ -99,31 +99,44 @@ int get_threads() { return pool().size(); }
 void set_spin_us(int us) { pool().set_spin_us(us); }
 int get_spin_us() { return pool().spin_us(); }
 
-void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, const uint16_t* ws_, float* y) {
+void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const float* x, float* y) {
     const int nb = blocks_of(K);
-    const size_t wrow = row_bytes(fmt, nb);
     ActQ& xq = ws().x;
     quantize_rows(x, K, M, K, nb, xq);
+    std::vector<int> off(P + 1, 0);
+    for (int p = 0; p < P; ++p) off[p + 1] = off[p] + rows[p];
+    const int N = off[P];
     const int n_tt = (M + kTokTile - 1) / kTokTile;
     const int rt = row_tile(N, n_tt, pool().size());
-    const int n_rt = (N + rt - 1) / rt;
-    pool().parallel_for(n_rt * n_tt, [&](int task) {
-        int r0 = (task / n_tt) * rt, t0 = (task % n_tt) * kTokTile;
+    std::vector<Tile> tiles;  // e: which weight
+    for (int p = 0; p < P; ++p)
+        for (int r0 = 0; r0 < rows[p]; r0 += rt)
+            for (int t0 = 0; t0 < M; t0 += kTokTile)
+                tiles.push_back({p, r0, std::min(rt, rows[p] - r0), t0, std::min(kTokTile, M - t0)});
+    pool().parallel_for((int)tiles.size(), [&](int i) {
+        const Tile& t = tiles[i];
+        const QWeight& q = w[t.e];
+        const size_t rb = row_bytes(q.fmt, nb);
         GemmArgs a;
-        a.nrows = std::min(rt, N - r0);
+        a.nrows = t.nr;
         a.nb = nb;
-        a.w = w + r0 * wrow;
-        a.w_row = wrow;
-        a.ws = ws_ + (size_t)r0 * nb;
-        a.ntok = std::min(kTokTile, M - t0);
-        a.xq = xq.q.data() + (size_t)t0 * nb * QK;
-        a.xd = xq.d.data() + (size_t)t0 * nb;
-        a.xs = xq.s.data() + (size_t)t0 * nb;
+        a.w = q.w + (size_t)t.r0 * rb;
+        a.w_row = rb;
+        a.ws = q.s + (size_t)t.r0 * nb;
+        a.ntok = t.nt;
+        a.xq = xq.q.data() + (size_t)t.t0 * nb * QK;
+        a.xd = xq.d.data() + (size_t)t.t0 * nb;
+        a.xs = xq.s.data() + (size_t)t.t0 * nb;
         a.xidx = nullptr;
-        a.y = y + (size_t)t0 * N + r0;
+        a.y = y + (size_t)t.t0 * N + off[t.e] + t.r0;
         a.y_row = N;
-        gemm(fmt, a);
+        gemm(q.fmt, a);
     });
+}
+
+void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, const uint16_t* ws_, float* y) {
+    const QWeight q{fmt, w, ws_};
+    qlinear_multi(M, K, 1, &q, &N, x, y);
 }
 
 void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, const int64_t* ids,
@@ -349,76 +362,67 @@ void head_rope(float* x, const float* cos, const float* sin, int rd) {
 
 }  // namespace
 
+void rms_norm(int M, int D, const float* x, const float* w, float w_offset, float eps, float* y) {
+    for (int m = 0; m < M; ++m) {
+        const float* xm = x + (size_t)m * D;
+        float* ym = y + (size_t)m * D;
+        float ss = 0.f;
+        for (int d = 0; d < D; ++d) ss += xm[d] * xm[d];
+        const float r = 1.f / std::sqrt(ss / D + eps);
+        for (int d = 0; d < D; ++d) ym[d] = (xm[d] * r) * (w[d] + w_offset);
+    }
+}
+
 void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWeight& q, const QWeight& k,
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
-                       float scale, float* out, int kv_type, bool gated) {
+                       float scale, float* out, int kv_type, bool gated, int T) {
     Workspace& W = ws();
-    const int nb = blocks_of(H);
-    quantize_rows(x, H, 1, H, nb, W.x);
-    // q, k and v rows as one list of tiles, so the small k and v projections share the pool
-    const int nq = Hq * D, nk = Hkv * D, nqr = gated ? 2 * nq : nq;
-    W.qkv.resize((size_t)nqr + 2 * nk);
-    float* yq = W.qkv.data();
-    float* yk = yq + nqr;
-    float* yv = yk + nk;
-    struct Part {
-        const QWeight* w;
-        int rows;
-        float* y;
-    } parts[3] = {{&q, nqr, yq}, {&k, nk, yk}, {&v, nk, yv}};
-    const int rt = row_tile(nqr + 2 * nk, 1, pool().size());
-    std::vector<Tile> tiles;  // e: which part
-    for (int pi = 0; pi < 3; ++pi)
-        for (int r0 = 0; r0 < parts[pi].rows; r0 += rt) tiles.push_back({pi, r0, std::min(rt, parts[pi].rows - r0), 0, 1});
-    pool().parallel_for((int)tiles.size(), [&](int i) {
-        const Tile& t = tiles[i];
-        const Part& pt = parts[t.e];
-        const size_t rb = row_bytes(pt.w->fmt, nb);
-        GemmArgs a;
-        a.nrows = t.nr;
-        a.nb = nb;
-        a.w = pt.w->w + (size_t)t.r0 * rb;
-        a.w_row = rb;
-        a.ws = pt.w->s + (size_t)t.r0 * nb;
-        a.ntok = 1;
-        a.xq = W.x.q.data();
-        a.xd = W.x.d.data();
-        a.xs = W.x.s.data();
-        a.xidx = nullptr;
-        a.y = pt.y + t.r0;
-        a.y_row = pt.rows;
-        gemm(pt.w->fmt, a);
-    });
-    if (gated) {  // head h's rows are its query then its output gate: set the gates aside, close up the queries
-        W.gate.resize(nq);
+    // q, k and v in one job (the small k and v projections share the pool): row t of W.qkv is
+    // token t's q (and gate) | k | v
+    const int nq = Hq * D, nk = Hkv * D, nqr = gated ? 2 * nq : nq, ld = nqr + 2 * nk;
+    W.qkv.resize((size_t)T * ld);
+    const QWeight parts[3] = {q, k, v};
+    const int rows[3] = {nqr, nk, nk};
+    qlinear_multi(T, H, 3, parts, rows, x, W.qkv.data());
+    W.att.resize((size_t)T * nq);
+    if (gated) W.gate.resize((size_t)T * nq);
+    for (int t = 0; t < T; ++t) {  // token t at position pos + t sees positions 0..pos + t
+        float* qt = W.qkv.data() + (size_t)t * ld;
+        const float *ct = cos + (size_t)t * rd, *st = sin + (size_t)t * rd;
+        if (gated) {  // head h's rows are its query then its output gate: set the gates aside, close up the queries
+            float* gt = W.gate.data() + (size_t)t * nq;
+            for (int h = 0; h < Hq; ++h) {
+                std::copy(qt + (size_t)(2 * h + 1) * D, qt + (size_t)(2 * h + 2) * D, gt + (size_t)h * D);
+                std::copy(qt + (size_t)(2 * h) * D, qt + (size_t)(2 * h + 1) * D, qt + (size_t)h * D);
+            }
+        }
         for (int h = 0; h < Hq; ++h) {
-            std::copy(yq + (size_t)(2 * h + 1) * D, yq + (size_t)(2 * h + 2) * D, W.gate.data() + (size_t)h * D);
-            std::copy(yq + (size_t)(2 * h) * D, yq + (size_t)(2 * h + 1) * D, yq + (size_t)h * D);
+            if (qn) head_rms_norm(qt + (size_t)h * D, qn, D, eps);
+            head_rope(qt + (size_t)h * D, ct, st, rd);
+        }
+        for (int j = 0; j < Hkv; ++j) {
+            float* kj = qt + nqr + (size_t)j * D;
+            const float* vj = qt + nqr + nk + (size_t)j * D;
+            if (kn) head_rms_norm(kj, kn, D, eps);
+            head_rope(kj, ct, st, rd);
+            const long at = j * c_sh + (long)(pos + t) * D;
+            if (kv_type == KV_BF16) {
+                to_bf16(kj, D, (uint16_t*)kc + at);
+                to_bf16(vj, D, (uint16_t*)vc + at);
+            } else {
+                std::copy(kj, kj + D, (float*)kc + at);
+                std::copy(vj, vj + D, (float*)vc + at);
+            }
+        }
+        float* at = W.att.data() + (size_t)t * nq;
+        attn_decode(Hq, Hkv, pos + t + 1, D, D, qt, kc, c_sh, D, vc, c_sh, D, scale, at, kv_type);
+        if (gated) {
+            const float* gt = W.gate.data() + (size_t)t * nq;
+            for (int i = 0; i < nq; ++i) at[i] *= 1.f / (1.f + std::exp(-gt[i]));
         }
     }
-    for (int h = 0; h < Hq; ++h) {
-        if (qn) head_rms_norm(yq + (size_t)h * D, qn, D, eps);
-        head_rope(yq + (size_t)h * D, cos, sin, rd);
-    }
-    for (int j = 0; j < Hkv; ++j) {
-        float* kj = yk + (size_t)j * D;
-        if (kn) head_rms_norm(kj, kn, D, eps);
-        head_rope(kj, cos, sin, rd);
-        const long at = j * c_sh + (long)pos * D;
-        if (kv_type == KV_BF16) {
-            to_bf16(kj, D, (uint16_t*)kc + at);
-            to_bf16(yv + (size_t)j * D, D, (uint16_t*)vc + at);
-        } else {
-            std::copy(kj, kj + D, (float*)kc + at);
-            std::copy(yv + (size_t)j * D, yv + (size_t)(j + 1) * D, (float*)vc + at);
-        }
-    }
-    W.att.resize((size_t)Hq * D);
-    attn_decode(Hq, Hkv, pos + 1, D, D, yq, kc, c_sh, D, vc, c_sh, D, scale, W.att.data(), kv_type);
-    if (gated)
-        for (int i = 0; i < nq; ++i) W.att[i] *= 1.f / (1.f + std::exp(-W.gate[i]));
-    qlinear(o.fmt, 1, Hq * D, H, W.att.data(), o.w, o.s, out);
+    qlinear(o.fmt, T, Hq * D, H, W.att.data(), o.w, o.s, out);
 }
 
 }  // namespace moerun

@@ -36,6 +36,10 @@ void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const vo
                  const float* ks = nullptr, long ks_sh = 0, long ks_ss = 0, const float* vs = nullptr, long vs_sh = 0,
                  long vs_ss = 0);
 
+// y[m] = x[m] / sqrt(mean(x[m]^2) + eps) * (w + w_offset) for M rows of D (w_offset 1: the
+// zero-centred form). Single-threaded: meant for the few rows of a decode step.
+void rms_norm(int M, int D, const float* x, const float* w, float w_offset, float eps, float* y);
+
 // A quantized linear's weights: format, packed rows and fp16 scales (blocks_of(in) per row).
 struct QWeight {
     int fmt;
@@ -43,18 +47,24 @@ struct QWeight {
     const uint16_t* s;
 };
 
-// One token through a GQA attention block with a float32 or bf16 KV cache, in one call (decode):
+// P quantized linears of the same input x[M, K] at once (one activation quantization, one pool
+// job): y[M, sum of rows] holds their outputs side by side, weight p's in columns
+// [rows[0] + ... + rows[p - 1], + rows[p]).
+void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const float* x, float* y);
+
+// T tokens (one row: decode, or a speculative verification pass) through a GQA attention block
+// with a float32 or bf16 KV cache, in one call:
 // q, k, v = x W^T; optional per-head RMSNorm of q and k (weights qn, kn [D], nullptr for none);
-// rope on each head's first rd dims (rotate-half pairing, cos/sin [rd]); k, v written at
-// position pos of the cache (kv head j's position s at kc + j * c_sh + s * D; float32 or
-// bf16 by kv_type, rounded to nearest even); attention over positions 0..pos; out[H] =
-// o_proj of the result. Everything between the projections runs in float32. gated (Qwen3.5):
+// rope on each head's first rd dims (rotate-half pairing, cos/sin [T, rd]); token t's k, v
+// written at position pos + t of the cache (kv head j's position s at kc + j * c_sh + s * D;
+// float32 or bf16 by kv_type, rounded to nearest even); its attention over positions
+// 0..pos + t; out[T, H] = o_proj of the results; x is [T, H]. Everything between the projections runs in float32. gated (Qwen3.5):
 // q_proj yields 2D rows per head, its query then its output gate g, and the attention output
 // is multiplied by sigmoid(g) before o_proj.
 void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWeight& q, const QWeight& k,
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
-                       float scale, float* out, int kv_type = KV_F32, bool gated = false);
+                       float scale, float* out, int kv_type = KV_F32, bool gated = false, int T = 1);
 
 // Gated DeltaNet (Qwen3.5 linear attention) over T tokens per row, token after token (decode,
 // or a speculative verification pass): causal conv + SiLU over the in_proj_qkv outputs, L2

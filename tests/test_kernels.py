@@ -416,18 +416,26 @@ def test_attn_block_decode_refuses_bad_arguments():
     kc, vc = torch.zeros(Hkv, 8, D), torch.zeros(Hkv, 8, D)
     none = torch.empty(0)
 
-    def call(pos=3, hq=Hq, kc=kc, rd=D):
-        cos, sin = torch.ones(rd), torch.zeros(rd)
-        args = [torch.randn(H).numpy()]
+    def call(pos=3, hq=Hq, kc=kc, rd=D, T=1, gated=False, cos_rows=None):
+        cos, sin = torch.ones(cos_rows or T, rd), torch.zeros(cos_rows or T, rd)
+        args = [torch.randn(T, H).numpy()]
         for n in "qkvo":
             args += [lin[n][0].numpy(), lin[n][1].numpy(), 8]
         nat.attn_block_decode(*args, none.numpy(), none.numpy(), 1e-6, cos.numpy(), sin.numpy(), kc.numpy(),
-                              vc.numpy(), pos, hq, 0.25, torch.empty(H).numpy())
+                              vc.numpy(), pos, hq, 0.25, torch.empty(T, H).numpy(), gated)
 
     call()  # well-formed: runs
     assert kc[:, 3].abs().sum() > 0 and not kc[:, 4:].any()  # wrote its position only
+    call(pos=4, T=3)  # a few tokens: positions 4..6
+    assert kc[:, 6].abs().sum() > 0 and not kc[:, 7:].any()
     with pytest.raises(ValueError, match="position outside the cache"):
         call(pos=8)
+    with pytest.raises(ValueError, match="position outside the cache"):
+        call(pos=6, T=3)
+    with pytest.raises(ValueError, match=r"cos, sin must be \[T, rd\]"):
+        call(T=2, cos_rows=1)
+    with pytest.raises(ValueError, match="q_proj"):
+        call(gated=True)  # a gated block's q_proj has twice the rows
     with pytest.raises(ValueError, match="multiple of kv heads"):
         call(hq=3)
     with pytest.raises(ValueError, match="q_proj"):
@@ -457,11 +465,12 @@ def test_fused_decode_attention_gated(isa, tmp_path):
     quantize_model(net, "int4")
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
 
-    def run():
+    def run():  # a prefill, one-token steps, then a pass of three tokens (a verification pass)
         cache = Cache(net.cache_spec(), 1, 16, torch.float32)
         out = [net(ids[:, :6], cache)[:, -1]]
-        out += [net(ids[:, i : i + 1], cache)[:, -1] for i in range(6, 12)]
-        return torch.cat(out), cache
+        out += [net(ids[:, i : i + 1], cache)[:, -1] for i in range(6, 9)]
+        out += list(net(ids[:, 9:12], cache)[0])
+        return torch.stack([o.reshape(-1) for o in out]), cache
 
     with torch.inference_mode(), kernels.use_isa(isa):
         want, want_cache = run()
@@ -543,3 +552,69 @@ def test_deltanet_decode_falls_back_and_refuses_bad_arguments():
         call(z=inp["z"].double())
     with pytest.raises(ValueError, match="out: dimension 1"):
         call(out=torch.empty(1, 3, 4, 12))
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+def test_qlinear_multi_is_the_separate_calls(isa):
+    """Several packed weights of one input in one call (mixed formats, odd widths, 1 and 5
+    rows): each output equals that weight's own qlinear exactly."""
+    g = torch.Generator().manual_seed(7)
+    K = 100
+    ws = [formats.quantize(torch.randn(n, K, generator=g) * 0.1, f) + (f,)
+          for n, f in ((37, "int8"), (5, "int4"), (64, "int8"), (3, "int4"))]
+    for M in (1, 5):
+        x = torch.randn(M, K, generator=g)
+        with kernels.use_isa(isa):
+            got = kernels.qlinear_multi(x, ws)
+            want = [kernels.qlinear(x, w, sc, f, K) for w, sc, f in ws]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_project_runs_quantized_linears_together_and_others_one_by_one():
+    from moerun.layers.linear import project
+
+    g = torch.Generator().manual_seed(8)
+    lins = [torch.nn.Linear(64, n, bias=False) for n in (24, 8)]
+    x = torch.randn(2, 3, 64, generator=g)
+    with torch.no_grad():
+        for a, b in zip(project(x, *lins), [m(x) for m in lins]):
+            assert torch.equal(a, b)
+        qs = [QuantizedLinear.from_linear(m, "int8") for m in lins]
+        got = project(x, *qs)
+        assert [t.shape for t in got] == [(2, 3, 24), (2, 3, 8)]
+        for a, b in zip(got, [m(x) for m in qs]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+def test_qlinear_multi_refuses_bad_arguments():
+    nat = kernels._native()
+    w, sc = formats.quantize(torch.randn(8, 64), "int8")
+    x, out = torch.zeros(2, 64), torch.zeros(2, 16)
+    nat.qlinear_multi(x.numpy(), [w.numpy(), w.numpy()], [sc.numpy(), sc.numpy()], [8, 8], out.numpy())
+    with pytest.raises(ValueError, match="one scales tensor and one fmt per weight"):
+        nat.qlinear_multi(x.numpy(), [w.numpy(), w.numpy()], [sc.numpy()], [8, 8], out.numpy())
+    with pytest.raises(ValueError, match="out: dimension 1"):
+        nat.qlinear_multi(x.numpy(), [w.numpy()], [sc.numpy()], [8], out.numpy())
+    with pytest.raises(ValueError, match="weight"):
+        nat.qlinear_multi(torch.zeros(2, 96).numpy(), [w.numpy()], [sc.numpy()], [8], torch.zeros(2, 8).numpy())
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("shape", [(1, 1, 128), (3, 5, 20), (7, 2048)])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm(isa, shape, offset):
+    """The native RMSNorm of a few rows against torch's (float32, 1e-6: summation order)."""
+    g = torch.Generator().manual_seed(shape[-1])
+    x, w = torch.randn(*shape, generator=g), torch.randn(shape[-1], generator=g)
+    with kernels.use_isa(isa):
+        got = kernels.rms_norm(x, w, 1e-6, offset)
+    assert got.shape == x.shape and max_rel(got, kernels.rms_norm_ref(x, w, 1e-6, offset)) < 1e-6
+
+
+def test_rms_norm_falls_back_for_other_dtypes_and_large_inputs():
+    w = torch.randn(64)
+    xb = torch.randn(2, 64).bfloat16()
+    assert torch.equal(kernels.rms_norm(xb, w, 1e-6), kernels.rms_norm_ref(xb, w, 1e-6))
+    big = torch.randn(kernels.RMS_NORM_MAX // 64 + 1, 64)
+    assert torch.equal(kernels.rms_norm(big, w, 1e-6, 1.0), kernels.rms_norm_ref(big, w, 1e-6, 1.0))

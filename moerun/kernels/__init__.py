@@ -178,6 +178,24 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: s
     return out
 
 
+def qlinear_multi(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor, str]]) -> list[torch.Tensor]:
+    """x [..., K] through several packed weights (qweight, scales, fmt) of the same input width
+    in one native call -> [..., N_p] float32 each, column slices of one [..., sum N_p] buffer."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    sizes = [w.shape[0] for w, _, _ in weights]
+    nat = _native()
+    if nat is None:
+        out = torch.cat([qlinear_ref(x2, w, s, f, K) for w, s, f in weights], dim=-1)
+    else:
+        out = torch.empty(x2.shape[0], sum(sizes), dtype=torch.float32)
+        if x2.shape[0]:
+            _sync_threads(nat)
+            nat.qlinear_multi(_np(_f32(x2)), [_np(w) for w, _, _ in weights], [_np(s) for _, s, _ in weights],
+                              [formats.FORMATS[f] for _, _, f in weights], _np(out))
+    return list(out.view(*lead, out.shape[-1]).split(sizes, dim=-1))
+
+
 def qlinear_ref(x, qweight, scales, fmt, in_features) -> torch.Tensor:
     return formats.matmul_ref(x, qweight, scales, fmt, in_features, quantize_x=True)
 
@@ -268,6 +286,29 @@ def attn_decode_ref(q, k, v, scale, k_scale=None, v_scale=None) -> torch.Tensor:
     return torch.matmul(scores.softmax(-1), v.float()).reshape(Hq, v.shape[-1])
 
 
+# -- RMSNorm of a few rows ------------------------------------------------------------------
+
+RMS_NORM_MAX = 1 << 16  # elements: above this (prefill) torch's multi-threaded op runs
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """x / rms(x) * (weight + offset) over the last dim, float32 (offset 1: the zero-centred
+    form). Native for float32 inputs of at most RMS_NORM_MAX elements: one call instead of the
+    3-5 torch ops (25-40 us for a decode row) a norm costs; otherwise `rms_norm_ref`."""
+    nat = _native()
+    if nat is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.numel() > RMS_NORM_MAX:
+        return rms_norm_ref(x, weight, eps, offset)
+    x2 = _f32(x).view(-1, x.shape[-1])
+    out = torch.empty(x.shape)
+    nat.rms_norm(_np(x2), _np(weight), _np(out.view(x2.shape)), float(eps), float(offset))
+    return out
+
+
+def rms_norm_ref(x, weight, eps, offset=0.0) -> torch.Tensor:
+    y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return y * (weight.float() + offset) if offset else y * weight.float()
+
+
 # -- Gated DeltaNet, a few tokens ---------------------------------------------------------
 
 def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: float, key_heads: int,
@@ -310,12 +351,14 @@ def deltanet_decode_is_native(qkv, conv, S) -> bool:
 # -- fused decode attention ----------------------------------------------------------------
 
 def fuse_decode_attention(net: torch.nn.Module) -> int:
-    """Run one-token passes of each attention module that declares `fused_decode = True`
-    as one native call (`attn_block_decode`: q/k/v projections on one pool job, per-head
-    q/k norms, rope, the cache write, attention, o projection), instead of ~40 small torch
-    ops and five native calls. float32 or bf16 models and caches; between the projections it
-    computes in float32 (a bf16 model's own forward rounds q and k to bf16 on the way). The
-    module keeps its own forward for everything else (prefill, batches, int8 caches) and its
+    """Run the few-token passes of one row (a decode step, a speculative verification pass of
+    up to FUSED_MAX_TOKENS) of each attention module that declares `fused_decode = True` as
+    one native call (`attn_block_decode`: q/k/v projections on one pool job, per-head q/k
+    norms, rope, the cache writes, each token's attention, the output gate where the module
+    says `output_gate = True`, o projection), instead of ~40 small torch ops and five native
+    calls. float32 or bf16 models and caches; between the projections it computes in float32
+    (a bf16 model's own forward rounds q and k to bf16 on the way). The module keeps its own
+    forward for everything else (prefill, batches, int8 caches) and its
     weights and state_dict are untouched: only the instance's forward is wrapped. Applies
     where q/k/v/o are QuantizedLinear without bias and q_norm/k_norm (if any) are per-head
     RMSNorms; returns how many modules it wrapped."""
@@ -343,27 +386,28 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
     from ..engine.cache import KVCache
 
     B, T, H = x.shape
-    if (B != 1 or T != 1 or type(kv) is not KVCache or kv.k.dtype not in (torch.float32, torch.bfloat16)
+    if (B != 1 or T > FUSED_MAX_TOKENS or type(kv) is not KVCache or kv.k.dtype not in (torch.float32, torch.bfloat16)
             or _native() is None):
         return self._unfused_forward(x, cos_sin, kv, slots, pos0)
     s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
-    cos, sin = (t.reshape(-1).float() for t in cos_sin)
+    cos, sin = (t.reshape(T, -1).float() for t in cos_sin)
     qp, kp, vp, op = self.q_proj, self.k_proj, self.v_proj, self.o_proj
     qn, kn = (_norm_weight(getattr(self, name, None)) for name in ("q_norm", "k_norm"))
     eps = float(getattr(getattr(self, "q_norm", None), "eps", 1e-6))
-    out = torch.empty(H, dtype=torch.float32)
+    out = torch.empty(T, H, dtype=torch.float32)
     nat = _native()
     _sync_threads(nat)
     f = formats.FORMATS
     nat.attn_block_decode(
-        _np(_f32(x.reshape(H))), _np(qp.qweight), _np(qp.scales), f[qp.fmt], _np(kp.qweight), _np(kp.scales), f[kp.fmt],
+        _np(_f32(x.reshape(T, H))), _np(qp.qweight), _np(qp.scales), f[qp.fmt], _np(kp.qweight), _np(kp.scales), f[kp.fmt],
         _np(vp.qweight), _np(vp.scales), f[vp.fmt], _np(op.qweight), _np(op.scales), f[op.fmt], _np(qn), _np(kn), eps,
         _np(cos.contiguous()), _np(sin.contiguous()), _np(kv.k[s]), _np(kv.v[s]), p, self.n_heads, float(self.scale),
         _np(out), bool(getattr(self, "output_gate", False)))
-    return out.view(1, 1, H).to(x.dtype)
+    return out.view(1, T, H).to(x.dtype)
 
 
 _EMPTY = torch.empty(0)
+FUSED_MAX_TOKENS = 5  # a decode step, or a speculative verification pass of up to 4 drafts
 
 
 def _norm_weight(norm) -> torch.Tensor:
@@ -376,7 +420,7 @@ def _norm_weight(norm) -> torch.Tensor:
 
 __all__ = [
     "available_isas", "isa", "set_isa", "use_isa", "describe", "set_threads", "set_spin", "split_threads",
-    "qlinear", "qlinear_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
-    "deltanet_decode", "deltanet_decode_is_native",
+    "qlinear", "qlinear_multi", "qlinear_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
+    "deltanet_decode", "deltanet_decode_is_native", "rms_norm", "rms_norm_ref",
     "attn_decode_is_native", "fuse_decode_attention",
 ]

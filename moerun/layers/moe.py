@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import project
+
 # N tokens, H hidden, I expert width, E experts, K experts per token
 
 
@@ -90,4 +92,5 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(g) * u)

@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * w, or * (1 + w) when `zero_centered` (Qwen3.5 / Qwen3-Next).
@@ -22,9 +24,9 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
-    if x.dtype == weight.dtype == torch.float32 and not zero_centered:
-        # nothing to cast: one op with the weight (decode runs a few of these per layer)
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if x.dtype == weight.dtype == torch.float32:
+        # nothing to cast: one native call for a few rows (decode runs a few of these per layer)
+        return kernels.rms_norm(x, weight, eps, 1.0 if zero_centered else 0.0)
     x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one fused op instead of four
     if zero_centered:
         # the zero-centred form multiplies in fp32 before casting back

@@ -36,6 +36,7 @@ from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec, StateSpec
 from ..layers.attention import attend
 from ..layers.deltanet import FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm
+from ..layers.linear import project
 from ..layers.moe import Experts, GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, apply_rope
@@ -208,10 +209,11 @@ class GatedDeltaNet(nn.Module):
         token's state, so that a rejected speculative draft can be rolled back."""
         B, T, _ = x.shape
         every = T > 1
-        z = self.in_proj_z(x).view(B, T, self.n_v, self.dv)
+        qkv, z, a, b = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_a, self.in_proj_b)
         o, conv, rec = kernels.deltanet_decode(
-            self.in_proj_qkv(x), self.conv1d.weight, state.get("conv", slots), self.in_proj_a(x), self.in_proj_b(x),
-            self.A_log, self.dt_bias, state.get("recurrent", slots), z, self.norm.weight, self.norm.eps, self.n_k, every)
+            qkv, self.conv1d.weight, state.get("conv", slots), a, b, self.A_log, self.dt_bias,
+            state.get("recurrent", slots), z.reshape(B, T, self.n_v, self.dv), self.norm.weight, self.norm.eps,
+            self.n_k, every)
         if every:
             state.set_every(slots, conv=conv, recurrent=rec)
         else:
