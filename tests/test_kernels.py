@@ -519,6 +519,23 @@ def test_deltanet_decode(isa, shape, every):
         assert got[1] is conv and got[2] is S
 
 
+@pytest.mark.parametrize("isa", NATIVE)
+def test_deltanet_decode_bf16_inputs(isa):
+    """A bf16 model's projections with float32 states: native, the inputs widened exactly, so
+    the result is the float32 reference's on the same values (o comes back float32)."""
+    from moerun.layers.deltanet import few_tokens_ref
+
+    inp = _delta_inputs(2, 3, 2, 4, 16, 16, 4, seed=5)
+    bf = {k: (v.bfloat16() if k in ("qkv", "a", "b", "z") else v) for k, v in inp.items()}
+    want = few_tokens_ref(**{k: v.float().clone() for k, v in bf.items()}, eps=1e-6, key_heads=2, every=True)
+    with kernels.use_isa(isa):
+        assert kernels.deltanet_decode_is_native(bf["qkv"], bf["conv"], bf["S"])
+        got = kernels.deltanet_decode(**bf, eps=1e-6, key_heads=2, every=True)
+    assert got[0].dtype == torch.float32
+    for a, b in zip(got, want):
+        assert max_rel(a, b) < 1e-5
+
+
 def test_deltanet_decode_falls_back_and_refuses_bad_arguments():
     from moerun.layers.deltanet import few_tokens_ref
 

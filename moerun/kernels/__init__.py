@@ -318,11 +318,14 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
 
     qkv [B, T, C] (in_proj_qkv, before the conv), conv_w [C, 1, K], conv [B, C, K-1], a and b
     [B, T, Hv] (in_proj_a, in_proj_b), A_log and dt_bias [Hv], S [B, Hv, Dk, Dv], z [B, T, Hv,
-    Dv], norm_w [Dv]. Returns (o [B, T, Hv, Dv] float32, conv, S): the states after the last
-    token, `conv` and `S` themselves updated in place; with `every`, the states after each
-    token ([B, T, C, K-1], [B, T, Hv, Dk, Dv]) and `conv`, `S` untouched. Native when every
-    tensor is float32 and `conv`, `S` contiguous (`deltanet_decode_is_native`); otherwise
-    `moerun.layers.deltanet.few_tokens_ref`, the reference, which returns new tensors."""
+    Dv], norm_w [Dv]. Returns (o [B, T, Hv, Dv], conv, S): the states after the last token,
+    `conv` and `S` themselves updated in place; with `every`, the states after each token
+    ([B, T, C, K-1], [B, T, Hv, Dk, Dv]) and `conv`, `S` untouched.
+
+    Native when both states are contiguous float32 (`deltanet_decode_is_native`): the inputs
+    may be bf16 (a bf16 model), widened exactly, and everything between the projections then
+    runs in float32 (o is float32), where the bf16 reference rounds after each op. Otherwise
+    `moerun.layers.deltanet.few_tokens_ref` (o in qkv's dtype)."""
     from ..layers.deltanet import few_tokens_ref
 
     if not deltanet_decode_is_native(qkv, conv, S):
@@ -334,18 +337,18 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
     conv_every = torch.empty(B, T, C, conv.shape[-1]) if every else None
     S_every = torch.empty(B, T, Hv, Dk, Dv) if every else None
     _sync_threads(nat)
-    nat.deltanet_decode(*map(_np, (qkv.contiguous(), conv_w.reshape(C, -1), conv)),
+    nat.deltanet_decode(*map(_np, (_f32(qkv), _f32(conv_w.reshape(C, -1)), conv)),
                         None if conv_every is None else _np(conv_every),
-                        *map(_np, (a.contiguous(), b.contiguous(), A_log, dt_bias, S)),
+                        *map(_np, (_f32(a), _f32(b), _f32(A_log), _f32(dt_bias), S)),
                         None if S_every is None else _np(S_every),
-                        _np(z.contiguous()), _np(norm_w), float(eps), _np(out), key_heads)
+                        _np(_f32(z)), _np(_f32(norm_w)), float(eps), _np(out), key_heads)
     return (out, conv_every, S_every) if every else (out, conv, S)
 
 
 def deltanet_decode_is_native(qkv, conv, S) -> bool:
-    """Whether deltanet_decode runs natively: a float32 layer with contiguous float32 states."""
-    return (_native() is not None and qkv.dtype == conv.dtype == S.dtype == torch.float32 and conv.is_contiguous()
-            and S.is_contiguous())
+    """Whether deltanet_decode runs natively: float32 or bf16 inputs with contiguous float32 states."""
+    return (_native() is not None and qkv.dtype in (torch.float32, torch.bfloat16) and conv.dtype == S.dtype == torch.float32
+            and conv.is_contiguous() and S.is_contiguous())
 
 
 # -- fused decode attention ----------------------------------------------------------------

@@ -315,8 +315,9 @@ class Model(nn.Module):
                 ("recurrent", (a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim)),
             ),
             # the delta rule runs in fp32 (as transformers and FLA do); keeping its state in bf16
-            # would round it at every token
-            dtypes=(("recurrent", torch.float32),),
+            # would round it at every token. The conv state holds the last inputs, exactly, in
+            # fp32 so that decode's native step (kernels.deltanet_decode) updates it in place.
+            dtypes=(("recurrent", torch.float32), ("conv", torch.float32)),
         )
         return [self._kv_spec() if t == "full_attention" else state for t in a.layer_types]
 
