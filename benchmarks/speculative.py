@@ -1,7 +1,7 @@
 """MTP self-speculative decoding: decode tok/s without speculation and with N draft tokens.
 
     python benchmarks/speculative.py [-m PATH] [--threads 2] [--gen-tokens 64] [--drafts 0,1,2,3,auto]
-                                     [--rounds R] [--ram-budget 50%] [--prefetch both|on|off] [--json]
+                                     [--rounds R] [--ram-budget 50%] [--prefetch both|on|off] [--pass-times] [--json]
 
 Single stream (one prompt at a time), greedy. For every setting it prints decode tok/s (over
 all prompts, settings interleaved prompt by prompt so a shared machine's load falls on all
@@ -82,6 +82,46 @@ def run_one(llm, prompt: str, gen_tokens: int, draft, prefetch: bool = True, cho
     return out, fig
 
 
+def pass_times(llm, max_tokens: int = 4, repeats: int = 50) -> dict:
+    """Median wall time (ms) of a trunk pass of T = 1..max_tokens tokens after a prompt (a
+    decode step, then verification passes) and of one MTP head call on one token: what a
+    speculative step is made of."""
+    from moerun.engine.cache import Cache, RecurrentState
+
+    net = llm.net
+    ids = torch.tensor([llm.encode_prompt(PROMPTS[1])])
+    cache = Cache(net.cache_spec(), 1, ids.shape[1] + max_tokens + 8, llm.dtype, llm.kv_dtype)
+    mtp_cache = Cache(net.mtp_cache_spec(), 1, ids.shape[1] + max_tokens + 8, llm.dtype, llm.kv_dtype)
+    for layer in cache.layers:
+        if isinstance(layer, RecurrentState):
+            layer.positions = {}  # as speculative decoding runs them: every token's state kept
+    slots = torch.tensor([0])
+
+    times: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        _, hidden = net(ids, cache, slots, last_only=True, return_hidden=True)
+        n0 = int(cache.lengths[0])
+
+        def trunk(T):  # the recurrent state moves on each time; its cost does not depend on it
+            cache.lengths[0] = n0
+            net(ids[:, :T], cache, slots, return_hidden=True)
+
+        def mtp():
+            mtp_cache.lengths[0] = n0
+            net.mtp_logits(hidden[:, -1:], ids[:, :1], mtp_cache, slots, return_hidden=True)
+
+        jobs = {f"trunk_{T}_ms": (lambda T=T: trunk(T)) for T in range(1, max_tokens + 1)}
+        jobs["mtp_call_ms"] = mtp
+        for i in range(repeats + 1):  # interleaved, so that a drifting machine load falls on all alike
+            for key, f in jobs.items():
+                t = time.perf_counter()
+                f()
+                if i:  # the first round warms up
+                    times.setdefault(key, []).append(1e3 * (time.perf_counter() - t))
+    out = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", type=Path, default=None)
@@ -95,6 +135,8 @@ def main(argv=None):
     ap.add_argument("--ram-budget", default=None, help="experts in an expert store with this RAM budget (4GiB, 50%%)")
     ap.add_argument("--prefetch", default="both", choices=["both", "on", "off"],
                     help="with --ram-budget: speculative rows with the drafts' experts hinted to the store, without, or both")
+    ap.add_argument("--pass-times", action="store_true",
+                    help="also time a trunk pass of 1-4 tokens and one MTP call (medians), after the table")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -183,6 +225,8 @@ def main(argv=None):
     report = {"model": str(args.model), "note": note, "threads": args.threads, "dtype": args.dtype, "quant": args.quant, "gen_tokens": args.gen_tokens,
               "prompts": len(prompts), "rounds": args.rounds, "ram_budget": args.ram_budget,
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "results": results}
+    if args.pass_times:
+        report["pass_times"] = pass_times(llm)
     if args.json:
         print(json.dumps(report, indent=1))
         return
@@ -204,6 +248,12 @@ def main(argv=None):
               f"{r.get('extra_expert_bytes_per_token', 0):8.0f}{cols} {str(r.get('identical_to_plain', '')):>5}")
         if "draft_tokens_used" in r:
             print(f"{'':22} auto chose N: {r['draft_tokens_used']}")
+    if args.pass_times:
+        pt = report["pass_times"]
+        one = pt["trunk_1_ms"]
+        print("pass times (median ms): " + ", ".join(
+            f"trunk T={k.split('_')[1]} {v:.2f} ({v / one:.2f}x)" for k, v in pt.items() if k.startswith("trunk_"))
+            + f", MTP call {pt['mtp_call_ms']:.2f} ({pt['mtp_call_ms'] / one:.2f}x)")
 
 
 if __name__ == "__main__":
