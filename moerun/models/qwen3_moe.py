@@ -64,7 +64,8 @@ class ModelArgs(BaseModelArgs):
 
 
 class Attention(nn.Module):
-    # its one-token forward is what kernels.fuse_decode_attention's native block computes
+    # its forward over a few tokens of one row is what kernels.fuse_decode_attention's native
+    # block computes
     fused_decode = True
 
     def __init__(self, a: ModelArgs):
