@@ -308,8 +308,9 @@ def test_attn_decode_bad_shapes_and_fallbacks():
 @pytest.mark.parametrize("head_dim, dtype, tol, cache_tol", [(16, torch.float32, 1e-4, 1e-5), (20, torch.float32, 1e-4, 1e-5),
                                                              (16, torch.bfloat16, 6e-2, 0.1)])
 def test_fused_decode_attention_matches_the_module(isa, head_dim, dtype, tol, cache_tol):
-    """kernels.fuse_decode_attention: decode steps through the native attention block give
-    the module's own logits and leave the same keys and values in the cache (bf16: within
+    """kernels.fuse_decode_attention: decode steps and a few-token pass through the native
+    attention block give the module's own logits and leave the same keys and values in the
+    cache (bf16: within
     bf16 rounding: the block keeps q and k in float32 where the module rounds them after
     each op, a few bf16 steps apart for keys of magnitude 1-3);
     prefill and batches keep the module's forward."""
@@ -327,11 +328,12 @@ def test_fused_decode_attention_matches_the_module(isa, head_dim, dtype, tol, ca
     quantize_model(net, "int4")
     ids = torch.randint(0, 101, (1, 14), generator=g)
 
-    def run():
+    def run():  # prefill, one-token steps, then a pass of three tokens (a verification pass)
         cache = Cache(net.cache_spec(), 1, 16, dtype)
         out = [net(ids[:, :8], cache)[:, -1]]
-        out += [net(ids[:, i : i + 1], cache)[:, -1] for i in range(8, 14)]
-        return torch.cat(out), cache
+        out += [net(ids[:, i : i + 1], cache)[:, -1] for i in range(8, 11)]
+        out += list(net(ids[:, 11:14], cache)[0])
+        return torch.stack([o.reshape(-1) for o in out]), cache
 
     keys = list(net.state_dict())
     with torch.inference_mode(), kernels.use_isa(isa):
