@@ -8,6 +8,14 @@ products; written but untested, no CPU here has VNNI). `MOERUN_ISA=torch|generic
 forces a path (`torch` runs the references, which is also what happens when the extension
 is not built). Full 512-bit AVX-512 and AMX tiles are not written yet.
 
+Ops: quantized linears (`qlinear`, and `qlinear_multi` for several weights of one input),
+the fused routed experts of a layer (`moe_experts`), decode attention over a cache
+(`attn_decode`) and a whole attention block for a few tokens of one row
+(`fuse_decode_attention`), Gated DeltaNet's conv + delta rule + gated norm for a few tokens
+(`deltanet_decode`) and RMSNorm of a few rows (`rms_norm`). Decode on a small model is
+mostly per-call overhead (a native call with its tensor conversions costs ~20-40 us, a
+small torch op ~3-5 us), so the decode-side ops exist to make one call out of many.
+
 Threads: the native pool is resized to `torch.get_num_threads()` before each op, so
 `--threads N` (which sets torch's count) sizes both; the two pools take turns, never run
 at once, because each native op is a synchronous call inside the model's forward. Taking
