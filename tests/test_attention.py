@@ -50,3 +50,16 @@ def test_cache_update_writes_reads_and_refuses_overflow(batch):
     assert not k_all[:, :, :2].any()
     with pytest.raises(ValueError, match="exceeds the cache's 6"):
         kv.update(slots, torch.tensor([4] * batch), k, v)
+
+
+@pytest.mark.parametrize("slots", [[0, 1], [2, 0]])
+def test_recurrent_state_set_casts_to_its_dtype(slots):
+    """A state with its own dtype (fp32 in a bf16 model's cache) takes bf16 values at any
+    slots, contiguous or scattered."""
+    from moerun.engine.cache import RecurrentState, StateSpec
+
+    st = RecurrentState(StateSpec(shapes=(("conv", (4, 3)),), dtypes=(("conv", torch.float32),)), 3, torch.bfloat16)
+    value = torch.randn(2, 4, 3).bfloat16()
+    st.set("conv", torch.tensor(slots), value)
+    assert st.tensors["conv"].dtype == torch.float32
+    assert torch.equal(st.tensors["conv"][slots], value.float())

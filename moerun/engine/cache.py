@@ -165,11 +165,12 @@ class RecurrentState:
         return t[: len(slots)] if _is_range(slots, t.shape[0]) else t[slots]
 
     def set(self, name: str, slots: torch.Tensor, value: torch.Tensor) -> None:
+        """Write value (cast to the state's own dtype) into the given slots."""
         t = self.tensors[name]
         if _is_range(slots, t.shape[0]):
             t[: len(slots)] = value
         else:
-            t[slots] = value
+            t[slots] = value.to(t.dtype)
 
     def set_every(self, slots: torch.Tensor, **states: torch.Tensor) -> None:
         """After a pass of a few tokens: name -> [B, T, *shape], the state after each token. The
