@@ -6,13 +6,15 @@
 // Three phases, so each runs over independent work: (1) the causal conv + SiLU over every
 // channel and token (channels are independent), (2) the L2 norm of each token's q and k heads,
 // (3) the delta rule and gated RMSNorm per (row, value head), over the tokens in order — the
-// only sequential part. Phase 3 reads each head's [Dk, Dv] state once and writes it once per
-// token: pass 1 takes k S and q S from the old state, pass 2 writes decay * S + k^T delta
-// (torch's version passes over the state three times).
+// only sequential part, run by the kernel table's delta_head (csrc/delta_rule.inc, vectorized
+// for each ISA). It reads each head's [Dk, Dv] state once and writes it once per token: pass 1
+// takes k S and q S from the old state, pass 2 writes decay * S + k^T delta (torch's version
+// passes over the state three times).
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "kernels.h"
 #include "ops.h"
 #include "thread_pool.h"
 
@@ -24,7 +26,8 @@ inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }  // torch's threshold
 
 struct DeltaWork {
-    std::vector<float> y;  // [B, T, C] conv outputs; q and k heads L2-normalised in place (q scaled)
+    std::vector<float> y;      // [B, T, C] conv outputs; q and k heads L2-normalised in place (q scaled)
+    std::vector<float> gates;  // each (row, head, token)'s decay and beta
 };
 
 }  // namespace
@@ -76,55 +79,45 @@ void deltanet_decode(const DeltaArgs& a) {
     }
 
     // (3) per (row, value head): the delta rule over the tokens, then the gated RMSNorm
-    const int Dk = a.Dk, Dv = a.Dv, per_k = a.Hv / a.Hk;
-    const size_t SS = (size_t)Dk * Dv;
-    pool().parallel_for(B * a.Hv, [&](int task) {
-        const int b = task / a.Hv, h = task % a.Hv, hk = h / per_k;
-        std::vector<float> kS(Dv), qS(Dv), delta(Dv);
-        const float* S_old = a.S + ((size_t)b * a.Hv + h) * SS;
-        const float decay_base = -std::exp(a.A_log[h]);
-        for (int t = 0; t < T; ++t) {
-            const size_t bt = (size_t)b * T + t;
-            const float* row = y.data() + bt * C;
-            const float* q = row + (size_t)hk * Dk;
-            const float* k = row + kd + (size_t)hk * Dk;
-            const float* v = row + 2 * kd + (size_t)h * Dv;
-            const float decay = std::exp(decay_base * softplus(a.a[bt * a.Hv + h] + a.dt_bias[h]));
-            const float beta = sigmoid(a.b[bt * a.Hv + h]);
-            float* S_new = a.S_every ? a.S_every + ((bt * a.Hv) + h) * SS : const_cast<float*>(S_old);
-            // pass 1: k S and q S of the old state
-            std::fill(kS.begin(), kS.end(), 0.f);
-            std::fill(qS.begin(), qS.end(), 0.f);
-            float qk = 0.f;
-            for (int i = 0; i < Dk; ++i) {
-                const float* Si = S_old + (size_t)i * Dv;
-                const float ki = k[i], qi = q[i];
-                for (int j = 0; j < Dv; ++j) {
-                    kS[j] += ki * Si[j];
-                    qS[j] += qi * Si[j];
-                }
-                qk += qi * ki;
+    // (the kernel table's delta_head); decay and beta of every (row, token, head) first
+    const int Hv = a.Hv, per_k = a.Hv / a.Hk;
+    const size_t SS = (size_t)a.Dk * a.Dv;
+    std::vector<float>& gates = work->gates;  // [B, Hv, T] decay, then [B, Hv, T] beta
+    gates.resize((size_t)2 * B * Hv * T);
+    for (int b = 0; b < B; ++b)
+        for (int h = 0; h < Hv; ++h)
+            for (int t = 0; t < T; ++t) {
+                const size_t bth = ((size_t)b * T + t) * Hv + h, i = ((size_t)b * Hv + h) * T + t;
+                gates[i] = std::exp(-std::exp(a.A_log[h]) * softplus(a.a[bth] + a.dt_bias[h]));
+                gates[(size_t)B * Hv * T + i] = sigmoid(a.b[bth]);
             }
-            float* o = a.out + (bt * a.Hv + h) * Dv;
-            for (int j = 0; j < Dv; ++j) {
-                delta[j] = (v[j] - kS[j] * decay) * beta;
-                o[j] = qS[j] * decay + qk * delta[j];
-            }
-            // pass 2: S <- decay * S + k^T delta
-            for (int i = 0; i < Dk; ++i) {
-                const float* Si = S_old + (size_t)i * Dv;
-                float* Ni = S_new + (size_t)i * Dv;
-                const float ki = k[i];
-                for (int j = 0; j < Dv; ++j) Ni[j] = Si[j] * decay + ki * delta[j];
-            }
-            S_old = S_new;
-            // gated RMSNorm: o * rsqrt(mean o^2 + eps) * w * silu(z)
-            float ss = 0.f;
-            for (int j = 0; j < Dv; ++j) ss += o[j] * o[j];
-            const float r = 1.f / std::sqrt(ss / Dv + a.eps);
-            const float* z = a.z + (bt * a.Hv + h) * Dv;
-            for (int j = 0; j < Dv; ++j) o[j] = a.norm_w[j] * (o[j] * r) * silu(z[j]);
-        }
+    const KernelTable& kt = kern();
+    pool().parallel_for(B * Hv, [&](int task) {
+        const int b = task / Hv, h = task % Hv, hk = h / per_k;
+        std::vector<float> scratch(2 * (size_t)a.Dv);
+        const float* row = y.data() + (size_t)b * T * C;
+        DeltaHeadArgs d;
+        d.T = T;
+        d.Dk = a.Dk;
+        d.Dv = a.Dv;
+        d.q = row + (size_t)hk * a.Dk;
+        d.k = row + kd + (size_t)hk * a.Dk;
+        d.v = row + 2 * kd + (size_t)h * a.Dv;
+        d.x_st = C;
+        d.decay = gates.data() + (size_t)task * T;
+        d.beta = gates.data() + (size_t)B * Hv * T + (size_t)task * T;
+        d.S = a.S + (size_t)task * SS;
+        // every token's state ([B, T, Hv, Dk, Dv]), or the state itself, in place
+        d.S_out = a.S_every ? a.S_every + ((size_t)b * T * Hv + h) * SS : a.S + (size_t)task * SS;
+        d.s_st = a.S_every ? (long)(Hv * SS) : 0;
+        d.z = a.z + ((size_t)b * T * Hv + h) * a.Dv;
+        d.z_st = (long)Hv * a.Dv;
+        d.norm_w = a.norm_w;
+        d.eps = a.eps;
+        d.o = a.out + ((size_t)b * T * Hv + h) * a.Dv;
+        d.o_st = (long)Hv * a.Dv;
+        d.scratch = scratch.data();
+        kt.delta_head(d);
     });
 }
 

@@ -62,6 +62,27 @@ struct AttnArgs {
     float* o;             // [G, Dv]
 };
 
+// One (row, value head) of Gated DeltaNet over T tokens (moerun/layers/deltanet.py is the
+// reference): per token, with the state S_t-1 ([Dk, Dv], row-major), kS = k S, qS = q S,
+// delta = (v - decay * kS) * beta, o = decay * qS + (q . k) delta,
+// S_t = decay * S_t-1 + k^T delta, then o <- RMSNorm(o) * norm_w * silu(z).
+struct DeltaHeadArgs {
+    int T, Dk, Dv;
+    const float *q, *k, *v;      // token t's at + t * x_st (q and k already L2-normalised, q scaled)
+    long x_st;
+    const float *decay, *beta;   // [T]
+    const float* S;              // the state before the first token
+    float* S_out;                // token t's state at S_out + t * s_st; s_st 0 and S_out == S: in place
+    long s_st;
+    const float* z;              // token t's output gate at z + t * z_st
+    long z_st;
+    const float* norm_w;         // [Dv]
+    float eps;
+    float* o;                    // token t's output at o + t * o_st
+    long o_st;
+    float* scratch;              // 2 * Dv floats
+};
+
 struct KernelTable {
     const char* name;
     // Quantize n floats (padded with zeros to nb * QK) into q, d, s (s[b] = d[b] * sum q).
@@ -69,6 +90,7 @@ struct KernelTable {
     void (*gemm_q4)(const GemmArgs& a);
     void (*gemm_q8)(const GemmArgs& a);
     void (*attn_chunk)(const AttnArgs& a);
+    void (*delta_head)(const DeltaHeadArgs& a);
 };
 
 extern const KernelTable generic_kernels;

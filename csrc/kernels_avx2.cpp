@@ -4,6 +4,7 @@
 // choice of one copy of an inline function. Only reached through kernels_for() /
 // best_kernels() after the CPU was checked.
 #include <immintrin.h>
+#include <math.h>
 
 #include "kernels.h"
 
@@ -19,6 +20,6 @@ namespace {
 #include "kernels_x86.inc"
 }  // namespace
 
-const KernelTable avx2_kernels = {"avx2", quantize_row, gemm_q4, gemm_q8, attn_chunk};
+const KernelTable avx2_kernels = {"avx2", quantize_row, gemm_q4, gemm_q8, attn_chunk, delta_head};
 
 }  // namespace moerun

@@ -136,10 +136,14 @@ void attn_chunk_generic(const AttnArgs& a) {
     }
 }
 
+#define MOERUN_TARGET
+#include "delta_rule.inc"
+#undef MOERUN_TARGET
+
 }  // namespace
 
 const KernelTable generic_kernels = {"generic", quantize_row_generic, gemm_q4_generic, gemm_q8_generic,
-                                     attn_chunk_generic};
+                                     attn_chunk_generic, delta_head};
 
 bool cpu_has_avx2() {
     __builtin_cpu_init();

@@ -4,6 +4,7 @@
 // UNTESTED on real hardware: the machines this was written on have AVX2 only. They run only
 // where the CPU reports the feature; tests/test_kernels.py checks every path the CPU has.
 #include <immintrin.h>
+#include <math.h>
 
 #include "kernels.h"
 
@@ -33,8 +34,8 @@ namespace {
 }  // namespace avxvnni
 
 const KernelTable avx512vnni_kernels = {"avx512vnni", avx512vnni::quantize_row, avx512vnni::gemm_q4, avx512vnni::gemm_q8,
-                                        avx512vnni::attn_chunk};
+                                        avx512vnni::attn_chunk, avx512vnni::delta_head};
 const KernelTable avxvnni_kernels = {"avxvnni", avxvnni::quantize_row, avxvnni::gemm_q4, avxvnni::gemm_q8,
-                                     avxvnni::attn_chunk};
+                                     avxvnni::attn_chunk, avxvnni::delta_head};
 
 }  // namespace moerun

@@ -19,13 +19,16 @@ ThreadPool& pool() {
 }
 
 namespace {
-
 const KernelTable* g_kernels = nullptr;
+}  // namespace
 
 const KernelTable& kern() {
     if (!g_kernels) g_kernels = best_kernels();
     return *g_kernels;
 }
+
+namespace {
+
 
 constexpr int kTokTile = 64;  // activation rows per tile: 64 x 2 KiB stays in L2
 

@@ -11,6 +11,7 @@ namespace moerun {
 // its idle workers spin before they sleep.
 bool set_isa(const char* name);
 const char* current_isa();
+const KernelTable& kern();  // the kernel table in use
 void set_threads(int n);
 int get_threads();
 void set_spin_us(int us);
