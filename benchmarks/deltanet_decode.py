@@ -2,6 +2,7 @@
 reference (`layers.deltanet.few_tokens_ref`), side by side in one process.
 
     python benchmarks/deltanet_decode.py [-m PATH] [--threads 2] [--context 64] [--steps 10] [--rounds 5]
+    python benchmarks/deltanet_decode.py [-m PATH] --op-only   # the native op alone, 1-5 tokens
 
 PATH is a Qwen3.5/3.6-MoE checkpoint (default: the bundled demo model); for Qwen3.6-35B-A3B
 layer shapes make one with `moerun random-model qwen3.6-35b-a3b --layers 4 -o DIR` (and
@@ -37,6 +38,9 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--op-only", action="store_true",
+                    help="time the native op alone at the model's shapes: one token in place, and passes of 2-5 "
+                         "tokens that keep every token's state (a speculative verification pass)")
     args = ap.parse_args(argv)
 
     llm = moerun.load(args.model, dtype=args.dtype, threads=args.threads)
@@ -45,6 +49,8 @@ def main(argv=None):
     n_delta = sum(t == "linear_attention" for t in types)
     if not n_delta:
         raise SystemExit(f"{args.model} has no Gated DeltaNet layers")
+    if args.op_only:
+        return op_only(net, args.threads, args.rounds)
     native = kernels.deltanet_decode_is_native
     # time inside the DeltaNet layers too (projections included): less noisy than whole steps
     layer_s, started = [0.0], {}
@@ -83,6 +89,31 @@ def main(argv=None):
               f"rounds (per token): {' '.join('%.2f' % x for x in v)}")
     print(f"one DeltaNet layer's decode step: native {lay['native']:.2f} ms, torch {lay['torch']:.2f} ms "
           f"({lay['torch'] / lay['native']:.2f}x); whole step {med['torch'] / med['native']:.2f}x")
+
+
+def op_only(net, threads: int, rounds: int) -> None:
+    """kernels.deltanet_decode alone on random inputs of one DeltaNet layer's shapes."""
+    layer = next(layer.linear_attn for layer in net.model.layers if hasattr(layer, "linear_attn"))
+    C, Hv, Dk, Dv = layer.in_proj_qkv.out_features, layer.n_v, layer.dk, layer.dv
+    K = layer.conv1d.weight.shape[-1]
+    g = torch.Generator().manual_seed(0)
+    times: dict[int, list[float]] = {}
+    with torch.inference_mode():
+        for _ in range(rounds * 20):
+            for T in range(1, 6):  # interleaved
+                r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+                conv, S, qkv, a, b, z = r(1, C, K - 1), 0.1 * r(1, Hv, Dk, Dv), r(1, T, C), r(1, T, Hv), r(1, T, Hv), r(1, T, Hv, Dv)
+                t = time.perf_counter()
+                kernels.deltanet_decode(qkv, layer.conv1d.weight, conv, a, b, layer.A_log, layer.dt_bias, S, z,
+                                        layer.norm.weight, 1e-6, layer.n_k, T > 1)
+                times.setdefault(T, []).append(time.perf_counter() - t)
+    state_mb = Hv * Dk * Dv * 4 / 2**20
+    print(f"kernels.deltanet_decode alone, {threads} threads, kernels {kernels.isa()}: C={C}, {Hv} value heads of "
+          f"{Dk}x{Dv} ({state_mb:.1f} MiB of state per row)")
+    one = statistics.median(times[1])
+    for T, v in times.items():
+        med = statistics.median(v)
+        print(f"  T={T}{' (in place)' if T == 1 else ' (every state kept)'}: {1e6 * med:8.0f} us  ({med / one:.2f}x one token)")
 
 
 if __name__ == "__main__":
