@@ -63,3 +63,13 @@ def test_recurrent_state_set_casts_to_its_dtype(slots):
     st.set("conv", torch.tensor(slots), value)
     assert st.tensors["conv"].dtype == torch.float32
     assert torch.equal(st.tensors["conv"][slots], value.float())
+
+
+def test_recurrent_state_scratch_is_kept_until_the_shape_changes():
+    from moerun.engine.cache import RecurrentState, StateSpec
+
+    st = RecurrentState(StateSpec(shapes=(("conv", (4, 3)),)), 2, torch.float32)
+    a = st.scratch("conv", (2, 3, 4, 3))
+    assert st.scratch("conv", (2, 3, 4, 3)) is a and a.dtype == torch.float32
+    assert st.scratch("conv", (2, 5, 4, 3)).shape == (2, 5, 4, 3)
+    assert st.scratch("recurrent", (1,)) is not a

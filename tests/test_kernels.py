@@ -517,6 +517,12 @@ def test_deltanet_decode(isa, shape, every):
     if every:
         assert torch.equal(conv, inp["conv"]) and torch.equal(S, inp["S"])
         assert got[1].shape[:2] == got[2].shape[:2] == shape[:2]
+        bufs = (torch.full_like(got[1], float("nan")), torch.full_like(got[2], float("nan")))
+        with kernels.use_isa(isa):
+            again = kernels.deltanet_decode(**{**inp, "conv": conv, "S": S}, eps=1e-6, key_heads=Hk, every=True,
+                                            every_out=bufs)
+        assert again[1] is bufs[0] and again[2] is bufs[1]  # written where asked
+        assert all(torch.equal(a, b) for a, b in zip(again, got))
     else:
         assert got[1] is conv and got[2] is S
 

@@ -172,6 +172,17 @@ class RecurrentState:
         else:
             t[slots] = value.to(t.dtype)
 
+    def scratch(self, name: str, shape: tuple, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A buffer kept from one call to the next (reallocated when the shape changes): where a
+        pass of a few tokens writes every token's state, instead of fresh memory each pass (a
+        fresh buffer of megabytes is page-faulted in on every write: ~4x the time of reuse).
+        Its contents live until the next pass asks for it again."""
+        bufs = self.__dict__.setdefault("_scratch", {})
+        t = bufs.get(name)
+        if t is None or t.shape != shape or t.dtype != dtype:
+            t = bufs[name] = torch.empty(shape, dtype=dtype)
+        return t
+
     def set_every(self, slots: torch.Tensor, **states: torch.Tensor) -> None:
         """After a pass of a few tokens: name -> [B, T, *shape], the state after each token. The
         last becomes the state; all are kept in `positions` when it is a dict (speculative

@@ -320,7 +320,7 @@ def rms_norm_ref(x, weight, eps, offset=0.0) -> torch.Tensor:
 # -- Gated DeltaNet, a few tokens ---------------------------------------------------------
 
 def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: float, key_heads: int,
-                    every: bool = False):
+                    every: bool = False, every_out: tuple | None = None):
     """A few tokens per row through a Gated DeltaNet layer between its projections, token
     after token: conv + SiLU, q/k L2 norms, the gated delta rule, RMSNorm(o) * norm_w * silu(z).
 
@@ -328,7 +328,8 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
     [B, T, Hv] (in_proj_a, in_proj_b), A_log and dt_bias [Hv], S [B, Hv, Dk, Dv], z [B, T, Hv,
     Dv], norm_w [Dv]. Returns (o [B, T, Hv, Dv], conv, S): the states after the last token,
     `conv` and `S` themselves updated in place; with `every`, the states after each token
-    ([B, T, C, K-1], [B, T, Hv, Dk, Dv]) and `conv`, `S` untouched.
+    ([B, T, C, K-1], [B, T, Hv, Dk, Dv]) and `conv`, `S` untouched; `every_out` may give two
+    float32 buffers of those shapes to write them into (the native path uses them).
 
     Native when both states are contiguous float32 (`deltanet_decode_is_native`): the inputs
     may be bf16 (a bf16 model), widened exactly, and everything between the projections then
@@ -342,8 +343,9 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
     B, T, C = qkv.shape
     Hv, Dk, Dv = S.shape[1:]
     out = torch.empty(B, T, Hv, Dv)
-    conv_every = torch.empty(B, T, C, conv.shape[-1]) if every else None
-    S_every = torch.empty(B, T, Hv, Dk, Dv) if every else None
+    conv_every = S_every = None
+    if every:
+        conv_every, S_every = every_out or (torch.empty(B, T, C, conv.shape[-1]), torch.empty(B, T, Hv, Dk, Dv))
     _sync_threads(nat)
     nat.deltanet_decode(*map(_np, (_f32(qkv), _f32(conv_w.reshape(C, -1)), conv)),
                         None if conv_every is None else _np(conv_every),

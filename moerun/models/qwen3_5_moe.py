@@ -210,10 +210,11 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         every = T > 1
         qkv, z, a, b = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_a, self.in_proj_b)
+        conv, rec = state.get("conv", slots), state.get("recurrent", slots)
+        bufs = (state.scratch("conv", (B, T, *conv.shape[1:])), state.scratch("recurrent", (B, T, *rec.shape[1:]))) if every else None
         o, conv, rec = kernels.deltanet_decode(
-            qkv, self.conv1d.weight, state.get("conv", slots), a, b, self.A_log, self.dt_bias,
-            state.get("recurrent", slots), z.reshape(B, T, self.n_v, self.dv), self.norm.weight, self.norm.eps,
-            self.n_k, every)
+            qkv, self.conv1d.weight, conv, a, b, self.A_log, self.dt_bias, rec, z.reshape(B, T, self.n_v, self.dv),
+            self.norm.weight, self.norm.eps, self.n_k, every, bufs)
         if every:
             state.set_every(slots, conv=conv, recurrent=rec)
         else:
