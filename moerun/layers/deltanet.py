@@ -164,21 +164,28 @@ def recurrent_gated_delta_steps(q, k, v, g, beta, state):
     return o, states.view(T, B, Hv, Dk, Dv).transpose(0, 1)
 
 
+def split_heads(y, a, b, A_log, dt_bias, key_heads: int, Dk: int, Hv: int, Dv: int):
+    """The conv outputs y [B, T, C] as q, k [B, T, Hk, Dk] and v [B, T, Hv, Dv], with each value
+    head's gates from in_proj_a/b's outputs a, b [B, T, Hv]: beta = sigmoid(b) and the log decay
+    g = -exp(A_log) * softplus(a + dt_bias)."""
+    B, T, _ = y.shape
+    kd = key_heads * Dk
+    q = y[..., :kd].reshape(B, T, key_heads, Dk)
+    k = y[..., kd : 2 * kd].reshape(B, T, key_heads, Dk)
+    v = y[..., 2 * kd :].reshape(B, T, Hv, Dv)
+    return q, k, v, b.sigmoid(), -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+
+
 def few_tokens_ref(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: float, key_heads: int,
                    every: bool = False):
     """A few tokens of a Gated DeltaNet layer between its projections, in torch: the reference
     of (and fallback for) `moerun.kernels.deltanet_decode`, same arguments and results (the
     conv state comes back as a new tensor; S is updated in place where it is contiguous fp32,
     as `recurrent_gated_delta_step` does)."""
-    B, T, C = qkv.shape
+    T = qkv.shape[1]
     Hv, Dk, Dv = S.shape[1:]
     y, conv = causal_conv1d(qkv, conv_w, conv, every_state=every)
-    kd = key_heads * Dk
-    q = y[..., :kd].reshape(B, T, key_heads, Dk)
-    k = y[..., kd : 2 * kd].reshape(B, T, key_heads, Dk)
-    v = y[..., 2 * kd :].reshape(B, T, Hv, Dv)
-    beta = b.sigmoid()
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # log decay
+    q, k, v, beta, g = split_heads(y, a, b, A_log, dt_bias, key_heads, Dk, Hv, Dv)
     if every or T > 1:
         o, states = recurrent_gated_delta_steps(q, k, v, g, beta, S)  # [B, T, Hv, Dk, Dv]
         S = states if every else states[:, -1]

@@ -28,14 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
 from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec, StateSpec
 from ..layers.attention import attend
-from ..layers.deltanet import FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm
+from ..layers.deltanet import FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, split_heads
 from ..layers.linear import project
 from ..layers.moe import Experts, GatedMLP
 from ..layers.norm import RMSNorm
@@ -189,12 +188,8 @@ class GatedDeltaNet(nn.Module):
             return self._few_tokens(x, state, slots)
         conv_state = state.get("conv", slots) if state is not None else None
         qkv, conv_state = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight, conv_state)  # [B, T, C]
-        kd = self.n_k * self.dk
-        q = qkv[..., :kd].reshape(B, T, self.n_k, self.dk)
-        k = qkv[..., kd : 2 * kd].reshape(B, T, self.n_k, self.dk)
-        v = qkv[..., 2 * kd :].reshape(B, T, self.n_v, self.dv)
-        beta = self.in_proj_b(x).sigmoid()  # [B, T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # log decay
+        q, k, v, beta, g = split_heads(qkv, self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias, self.n_k,
+                                       self.dk, self.n_v, self.dv)
         rec = state.get("recurrent", slots) if state is not None else None
         o, rec = chunk_gated_delta_rule(q, k, v, g, beta, rec)  # [B, T, Hv, Dv]
         if state is not None:
