@@ -29,7 +29,6 @@ const KernelTable& kern() {
 
 namespace {
 
-
 constexpr int kTokTile = 64;  // activation rows per tile: 64 x 2 KiB stays in L2
 
 struct Tile {
@@ -332,13 +331,6 @@ void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const vo
 
 namespace {
 
-void head_rms_norm(float* x, const float* w, int D, float eps) {
-    float ss = 0.f;
-    for (int d = 0; d < D; ++d) ss += x[d] * x[d];
-    const float r = 1.f / std::sqrt(ss / D + eps);
-    for (int d = 0; d < D; ++d) x[d] = x[d] * r * w[d];
-}
-
 // float32 -> bf16, rounded to nearest even (as torch's .to(torch.bfloat16) for finite values)
 void to_bf16(const float* x, int n, uint16_t* y) {
     for (int i = 0; i < n; ++i) {
@@ -401,13 +393,13 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
             }
         }
         for (int h = 0; h < Hq; ++h) {
-            if (qn) head_rms_norm(qt + (size_t)h * D, qn, D, eps);
+            if (qn) rms_norm(1, D, qt + (size_t)h * D, qn, 0.f, eps, qt + (size_t)h * D);
             head_rope(qt + (size_t)h * D, ct, st, rd);
         }
         for (int j = 0; j < Hkv; ++j) {
             float* kj = qt + nqr + (size_t)j * D;
             const float* vj = qt + nqr + nk + (size_t)j * D;
-            if (kn) head_rms_norm(kj, kn, D, eps);
+            if (kn) rms_norm(1, D, kj, kn, 0.f, eps, kj);
             head_rope(kj, ct, st, rd);
             const long at = j * c_sh + (long)(pos + t) * D;
             if (kv_type == KV_BF16) {

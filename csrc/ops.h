@@ -38,7 +38,7 @@ void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const vo
                  long vs_ss = 0);
 
 // y[m] = x[m] / sqrt(mean(x[m]^2) + eps) * (w + w_offset) for M rows of D (w_offset 1: the
-// zero-centred form). Single-threaded: meant for the few rows of a decode step.
+// zero-centred form; y may be x). Single-threaded: meant for the few rows of a decode step.
 void rms_norm(int M, int D, const float* x, const float* w, float w_offset, float eps, float* y);
 
 // A quantized linear's weights: format, packed rows and fp16 scales (blocks_of(in) per row).
@@ -59,9 +59,9 @@ void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const
 // rope on each head's first rd dims (rotate-half pairing, cos/sin [T, rd]); token t's k, v
 // written at position pos + t of the cache (kv head j's position s at kc + j * c_sh + s * D;
 // float32 or bf16 by kv_type, rounded to nearest even); its attention over positions
-// 0..pos + t; out[T, H] = o_proj of the results; x is [T, H]. Everything between the projections runs in float32. gated (Qwen3.5):
-// q_proj yields 2D rows per head, its query then its output gate g, and the attention output
-// is multiplied by sigmoid(g) before o_proj.
+// 0..pos + t; out[T, H] = o_proj of the results; x is [T, H]. Everything between the
+// projections runs in float32. gated (Qwen3.5): q_proj yields 2D rows per head, its query then
+// its output gate g, and the attention output is multiplied by sigmoid(g) before o_proj.
 void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWeight& q, const QWeight& k,
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
