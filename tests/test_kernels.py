@@ -643,3 +643,18 @@ def test_rms_norm_falls_back_for_other_dtypes_and_large_inputs():
     assert torch.equal(kernels.rms_norm(xb, w, 1e-6), kernels.rms_norm_ref(xb, w, 1e-6))
     big = torch.randn(kernels.RMS_NORM_MAX // 64 + 1, 64)
     assert torch.equal(kernels.rms_norm(big, w, 1e-6, 1.0), kernels.rms_norm_ref(big, w, 1e-6, 1.0))
+
+
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+def test_rms_norm_refuses_bad_arguments():
+    nat = kernels._native()
+    x, w, out = torch.zeros(2, 8), torch.ones(8), torch.zeros(2, 8)
+    nat.rms_norm(x.numpy(), w.numpy(), out.numpy(), 1e-6)  # well-formed: runs
+    with pytest.raises(ValueError, match="w: dimension 0"):
+        nat.rms_norm(x.numpy(), torch.ones(9).numpy(), out.numpy(), 1e-6)
+    with pytest.raises(ValueError, match="out: dimension 0"):
+        nat.rms_norm(x.numpy(), w.numpy(), torch.zeros(3, 8).numpy(), 1e-6)
+    with pytest.raises(ValueError, match="x: wrong dtype"):
+        nat.rms_norm(x.double().numpy(), w.numpy(), out.numpy(), 1e-6)
+    with pytest.raises(ValueError, match=r"x must be \[M, D\]"):
+        nat.rms_norm(torch.zeros(8).numpy(), w.numpy(), out.numpy(), 1e-6)
