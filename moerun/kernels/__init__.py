@@ -152,8 +152,8 @@ def split_threads(net: torch.nn.Module, threads: int | None = None, max_tokens: 
     """For a net with native quantized modules (those with `native_kernels = True`): native
     ops on `threads` (default: torch's current count), torch's own ops on one thread in
     forward passes of at most `max_tokens` tokens (decode, short drafts), on `threads`
-    otherwise (prefill, where attention is big enough to share). Returns False (and changes nothing) for a net
-    without native modules, or when the native extension is not in use."""
+    otherwise (prefill, where attention is big enough to share). Returns False (and changes
+    nothing) for a net without native modules, or when the native extension is not in use."""
     if _native() is None or not any(getattr(m, "native_kernels", False) for m in net.modules()):
         return False
     n = threads or torch.get_num_threads()
