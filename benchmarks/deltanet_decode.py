@@ -55,9 +55,16 @@ def main(argv=None):
     # time inside the DeltaNet layers too (projections included): less noisy than whole steps
     layer_s, started = [0.0], {}
     deltas = [layer.linear_attn for layer in net.model.layers if hasattr(layer, "linear_attn")]
+
+    def enter(mod, args):
+        started[id(mod)] = time.perf_counter()
+
+    def leave(mod, args, out):
+        layer_s[0] += time.perf_counter() - started[id(mod)]
+
     for m in deltas:
-        m.register_forward_pre_hook(lambda mod, a: started.__setitem__(id(mod), time.perf_counter()))
-        m.register_forward_hook(lambda mod, a, o: layer_s.__setitem__(0, layer_s[0] + time.perf_counter() - started[id(mod)]))
+        m.register_forward_pre_hook(enter)
+        m.register_forward_hook(leave)
     in_layers: dict[str, list[float]] = {"native": [], "torch": []}
     ids = torch.randint(0, net.args.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
     times: dict[str, list[float]] = {"native": [], "torch": []}
@@ -102,7 +109,8 @@ def op_only(net, threads: int, rounds: int) -> None:
         for _ in range(rounds * 20):
             for T in range(1, 6):  # interleaved
                 r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-                conv, S, qkv, a, b, z = r(1, C, K - 1), 0.1 * r(1, Hv, Dk, Dv), r(1, T, C), r(1, T, Hv), r(1, T, Hv), r(1, T, Hv, Dv)
+                conv, S, qkv = r(1, C, K - 1), 0.1 * r(1, Hv, Dk, Dv), r(1, T, C)
+                a, b, z = r(1, T, Hv), r(1, T, Hv), r(1, T, Hv, Dv)
                 t = time.perf_counter()
                 kernels.deltanet_decode(qkv, layer.conv1d.weight, conv, a, b, layer.A_log, layer.dt_bias, S, z,
                                         layer.norm.weight, 1e-6, layer.n_k, T > 1)
@@ -113,7 +121,8 @@ def op_only(net, threads: int, rounds: int) -> None:
     one = statistics.median(times[1])
     for T, v in times.items():
         med = statistics.median(v)
-        print(f"  T={T}{' (in place)' if T == 1 else ' (every state kept)'}: {1e6 * med:8.0f} us  ({med / one:.2f}x one token)")
+        mode = "in place" if T == 1 else "every state kept"
+        print(f"  T={T} ({mode}): {1e6 * med:8.0f} us  ({med / one:.2f}x one token)")
 
 
 if __name__ == "__main__":
