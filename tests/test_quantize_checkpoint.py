@@ -90,13 +90,13 @@ def test_qwen3_saved_equals_quantized_at_load(qwen3, tmp_path, monkeypatch, poli
     out = tmp_path / "q"
     checkpoint.quantize_checkpoint(qwen3, out, policy, dtype=dtype)
     ref = moerun.load(qwen3, dtype=dtype, quant=policy, threads=1)
-    got = load_without_quantizing(out, monkeypatch)  # dtype auto: the config says what was written
-    assert got.dtype == ref.dtype
+    got = load_without_quantizing(out, monkeypatch, dtype=dtype)
+    assert got.dtype == ref.dtype == (torch.float32 if dtype == "auto" else getattr(torch, dtype))
     assert_same_model(ref, got)
     assert isinstance(got.net.model.layers[0].mlp.experts, QuantizedExperts)
     assert isinstance(got.net.model.layers[1].mlp.down_proj, QuantizedLinear)  # the dense MLP layer
     # --quant with the policy it was written with is a no-op
-    assert_same_model(ref, load_without_quantizing(out, monkeypatch, quant=policy))
+    assert_same_model(ref, load_without_quantizing(out, monkeypatch, quant=policy, dtype=dtype))
 
 
 def test_demo_model_saved_equals_quantized_at_load(demo_int4, monkeypatch):
@@ -299,3 +299,23 @@ def test_cli_component_flags_are_the_policy_components():
     from moerun.quant import QuantPolicy
 
     assert QUANT_COMPONENTS == tuple(f.name for f in fields(QuantPolicy))
+
+
+def test_quantized_net_computes_in_float32():
+    # dtype auto on a quantized net: float32 activations, the embedding table and the KV cache
+    # kept in the checkpoint's bf16; the logits are those of a float32 load (bf16 values
+    # widen exactly, so the quantized weights are the same) with a float32 KV cache
+    auto = moerun.load(DEMO_MODEL, quant="int4", threads=1, kv_cache="float32")
+    f32 = moerun.load(DEMO_MODEL, quant="int4", threads=1, dtype="float32")
+    assert auto.dtype == torch.float32 and auto.kv_dtype == torch.float32
+    assert auto.net.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert auto.net.model.layers[0].mlp.gate.weight.dtype == torch.float32  # the router
+    assert auto.net.mtp.fc.weight.dtype == torch.float32
+    assert moerun.load(DEMO_MODEL, quant="int4", threads=1).kv_dtype == torch.bfloat16
+    ids = ids_for(auto.net.args.vocab_size)
+    with torch.inference_mode():
+        got, ref = auto.net(ids), f32.net(ids)
+    assert got.dtype == torch.float32 and torch.equal(got, ref)
+    # an explicit dtype is kept, and a float net is left alone
+    assert moerun.load(DEMO_MODEL, quant="int4", threads=1, dtype="bfloat16").dtype == torch.bfloat16
+    assert moerun.load(DEMO_MODEL, threads=1).dtype == torch.bfloat16

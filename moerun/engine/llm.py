@@ -52,9 +52,12 @@ class LLM:
              kv_cache: str = "auto") -> "LLM":
         """quant: None/"none" keeps the checkpoint's weights; "int4" (routed experts int4,
         attention/shared experts/head int8), "int8", "int4-all" quantize at load, unless the
-        checkpoint was already written quantized by `moerun quantize`. kv_cache: "auto" (the
-        model's dtype), "int8" (per-token, per-head scales) or a float dtype name."""
+        checkpoint was already written quantized by `moerun quantize`. dtype "auto": the
+        checkpoint's, except that a quantized net computes in float32 (`compute_in_float32`).
+        kv_cache: "auto" (the checkpoint's dtype), "int8" (per-token, per-head scales) or a
+        float dtype name."""
         from ..loaders.hf import build
+        from ..quant import compute_in_float32
         from ..tokenizer import Tokenizer
         from .cache import kv_cache_dtype
 
@@ -62,11 +65,17 @@ class LLM:
 
         path = default_model_path() if path is None else Path(path)
         set_threads(threads)
+        auto = dtype == "auto"
         arch, args, net, dtype = build(path, dtype)
         if quant not in (None, "none"):
             from ..quant.checkpoint import quantize_at_load
 
             quantize_at_load(net, path, quant)
+        if auto and dtype != torch.float32 and compute_in_float32(net):
+            # a quantized net computes in float32 (the native kernels' dtype); its KV cache
+            # stays in the checkpoint's dtype unless --kv-cache says otherwise
+            kv_dtype = kv_dtype or dtype
+            dtype = torch.float32
         tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}

@@ -128,3 +128,43 @@ def policy_name(policy: QuantPolicy | None) -> str:
 
 __all__ = ["QuantPolicy", "POLICIES", "quantize_model", "resolve_policy", "component_of", "formats_in_use",
            "policy_name", "replace_module"]
+
+
+def compute_in_float32(net: nn.Module) -> bool:
+    """Make a quantized net run its activations in float32: the float weights left beside
+    the quantized ones (norms, routers, gates, convolutions, MTP projections) become float32,
+    and the token embeddings keep their dtype (they are big and read a row at a time) but
+    hand float32 rows on. The native kernels take and return float32, so a bf16 net pays a
+    cast at every call, and torch's bf16 ops on a CPU without bf16 arithmetic are slower
+    than its float32 ones. Returns False (and changes nothing) when the net has no
+    quantized module."""
+    import torch
+
+    from .modules import QuantizedExperts, QuantizedLinear
+
+    quantized = (QuantizedExperts, QuantizedLinear)
+    if not any(isinstance(m, quantized) for m in net.modules()):
+        return False
+    floats = [m for m in net.modules() if not isinstance(m, quantized)]
+    embeddings = [m for m in floats if isinstance(m, nn.Embedding)]
+    kept = {m.weight.data_ptr() for m in embeddings}
+    if any(isinstance(m, nn.Linear) and m.weight.data_ptr() in kept for m in floats):
+        kept = set()  # a float linear reads an embedding table (a tied LM head): both float32
+    # by storage, so that tied weights stay tied; the old tensors are held until the end, so
+    # that no new one can take an address seen here
+    cast: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for m in floats:
+        for p in m.parameters(recurse=False):
+            if p.is_floating_point() and p.data_ptr() not in kept:
+                p.data = cast.setdefault(p.data_ptr(), (p.data, p.data.float()))[1]
+        for name, b in list(m.named_buffers(recurse=False)):
+            if b is not None and b.is_floating_point():
+                setattr(m, name, b.float())
+    for m in embeddings:
+        if m.weight.dtype != torch.float32:
+            m.register_forward_hook(_rows_in_float32)
+    return True
+
+
+def _rows_in_float32(module, args, out):
+    return out.float()
