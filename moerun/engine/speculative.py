@@ -83,7 +83,7 @@ from ..errors import MoerunError
 from ..layers.moe import Experts
 from .cache import Cache, RecurrentState
 from .generate import GenerationStats, Sequence
-from .sampling import SamplingParams, apply_repetition_penalty, filter_logits, sample
+from .sampling import SamplingParams, apply_repetition_penalty, argmax, filter_logits, sample
 
 # B batch (active rows), N draft tokens, T tokens per pass, H hidden, V vocab
 
@@ -349,7 +349,7 @@ def _probs(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> torch
 
 
 def _greedy(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> int:
-    return int(apply_repetition_penalty(logits.float()[None], [history], p.repetition_penalty)[0].argmax())
+    return int(argmax(apply_repetition_penalty(logits.float()[None], [history], p.repetition_penalty))[0])
 
 
 class SpeculativeDecoder:
@@ -572,7 +572,7 @@ class SpeculativeDecoder:
         if p_.greedy:  # every position's argmax at once; position j's history ends with drafts[:j]
             penalized = apply_repetition_penalty(logits[: n + 1].float(), [history + drafts[:j] for j in range(n + 1)],
                                                  p_.repetition_penalty)
-            targets = penalized.argmax(-1).tolist()
+            targets = argmax(penalized).tolist()
             k = next((j for j, d in enumerate(drafts) if targets[j] != d), n)
             return drafts[:k] + [targets[k]], k
         out: list[int] = []
