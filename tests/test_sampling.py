@@ -33,6 +33,27 @@ def test_repetition_penalty_sign_aware():
     assert out.tolist() == [[1.0, -4.0, 1.0]]
 
 
+def test_repetition_penalty_rows_match_torch_arithmetic():
+    # several rows, repeated tokens, an empty history; the input is left as it was
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4096, generator=g) * 5
+    history = [[7, 7, 4095, 0, 12], [], torch.randint(0, 4096, (300,), generator=g).tolist()]
+    before = logits.clone()
+    out = apply_repetition_penalty(logits, history, 1.3)
+    assert torch.equal(logits, before)
+    ref = logits.clone()
+    for b, seen in enumerate(history):
+        for i in set(seen):
+            v = ref[b, i]
+            ref[b, i] = v / 1.3 if v > 0 else v * 1.3
+    assert torch.equal(out, ref)
+
+
+def test_greedy_picks_the_first_of_tied_maxima():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]])
+    assert sample(logits, SamplingParams(), [[], []], None).tolist() == [1, 0]
+
+
 def test_greedy_is_argmax_and_seed_reproduces():
     logits = torch.randn(3, 50)
     assert sample(logits, SamplingParams(), [[], [], []], None).tolist() == logits.argmax(-1).tolist()
