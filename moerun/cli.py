@@ -74,7 +74,8 @@ def _load(a):
     from .experts.store import StoreOptions
 
     llm = load_with_store(a.model, dtype=a.dtype, threads=a.threads, options=StoreOptions(**store_opts), quant=a.quant)
-    llm.kv_dtype = kv_dtype
+    if kv_dtype is not None:  # auto: what the loader chose (a quantized net's checkpoint dtype)
+        llm.kv_dtype = kv_dtype
     if a.predictor:
         from .experts.predict import attach_predictor
 

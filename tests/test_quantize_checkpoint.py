@@ -301,6 +301,18 @@ def test_cli_component_flags_are_the_policy_components():
     assert QUANT_COMPONENTS == tuple(f.name for f in fields(QuantPolicy))
 
 
+def test_quantized_net_computes_in_float32_with_an_expert_store(demo_int4):
+    from moerun.experts.attach import load as load_with_store
+    from moerun.experts.store import StoreOptions
+
+    llm = load_with_store(demo_int4, threads=1, options=StoreOptions(ram_budget="50%"))
+    assert llm.dtype == torch.float32 and llm.kv_dtype == torch.bfloat16
+    plain = moerun.load(demo_int4, threads=1)
+    ids = ids_for(plain.net.args.vocab_size)
+    with torch.inference_mode():
+        assert torch.equal(llm.net(ids), plain.net(ids))
+
+
 def test_quantized_net_computes_in_float32():
     # dtype auto on a quantized net: float32 activations, the embedding table and the KV cache
     # kept in the checkpoint's bf16; the logits are those of a float32 load (bf16 values

@@ -32,6 +32,17 @@ def set_threads(threads: int | None) -> int:
     return n
 
 
+def compute_dtype(net, asked, dtype: torch.dtype, kv_dtype: torch.dtype | None) -> tuple[torch.dtype, torch.dtype | None]:
+    """(compute dtype, KV cache dtype) of a loaded net: with dtype "auto" a quantized net
+    computes in float32, the native kernels' dtype (`quant.compute_in_float32`), and its KV
+    cache stays in the checkpoint's dtype unless --kv-cache says otherwise."""
+    from ..quant import compute_in_float32
+
+    if asked == "auto" and dtype != torch.float32 and compute_in_float32(net):
+        return torch.float32, kv_dtype or dtype
+    return dtype, kv_dtype
+
+
 class LLM:
     kv_dtype: torch.dtype | None = None  # KV cache storage (`Cache`): None = the model's dtype, torch.int8, ...
 
@@ -57,7 +68,6 @@ class LLM:
         kv_cache: "auto" (the checkpoint's dtype), "int8" (per-token, per-head scales) or a
         float dtype name."""
         from ..loaders.hf import build
-        from ..quant import compute_in_float32
         from ..tokenizer import Tokenizer
         from .cache import kv_cache_dtype
 
@@ -65,17 +75,13 @@ class LLM:
 
         path = default_model_path() if path is None else Path(path)
         set_threads(threads)
-        auto = dtype == "auto"
+        asked = dtype
         arch, args, net, dtype = build(path, dtype)
         if quant not in (None, "none"):
             from ..quant.checkpoint import quantize_at_load
 
             quantize_at_load(net, path, quant)
-        if auto and dtype != torch.float32 and compute_in_float32(net):
-            # a quantized net computes in float32 (the native kernels' dtype); its KV cache
-            # stays in the checkpoint's dtype unless --kv-cache says otherwise
-            kv_dtype = kv_dtype or dtype
-            dtype = torch.float32
+        dtype, kv_dtype = compute_dtype(net, asked, dtype, kv_dtype)
         tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}

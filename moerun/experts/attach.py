@@ -216,7 +216,7 @@ def load(path=None, dtype="auto", threads: int | None = None, options: StoreOpti
     """`moerun.load` with an expert store: returns an `LLM` whose `.store` is the ExpertStore.
     A checkpoint written by `moerun quantize` keeps its experts packed in the store; `quant`
     may name its policy (a no-op) but cannot quantize a float checkpoint's experts here."""
-    from ..engine.llm import LLM, default_model_path, set_threads
+    from ..engine.llm import LLM, compute_dtype, default_model_path, set_threads
     from ..quant.checkpoint import quantize_at_load, stored_policy
     from ..tokenizer import Tokenizer
 
@@ -227,10 +227,13 @@ def load(path=None, dtype="auto", threads: int | None = None, options: StoreOpti
                               f"`moerun quantize -m {path} -o OUT --policy {quant}`, then pass -m OUT")
         quantize_at_load(None, path, quant)  # the stored policy: nothing to do; another: an error
     set_threads(threads)
+    asked = dtype
     arch, args, net, dtype, store = build(path, dtype, options)
+    dtype, kv_dtype = compute_dtype(net, asked, dtype, None)
     tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     llm = LLM(net, args, arch, tokenizer, path, dtype, gen)
+    llm.kv_dtype = kv_dtype
     llm.store = store
     return llm
