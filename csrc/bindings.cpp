@@ -220,6 +220,23 @@ void qlinear_multi(Array x, std::vector<Array> weights, std::vector<Array> scale
     moerun::qlinear_multi((int)M, (int)K, (int)P, qw.data(), rows.data(), (const float*)x.data(), (float*)out.data());
 }
 
+// x [M, H]; gate/up [I, bytes] + scales, down [H, bytes] + scales; out [M, H]
+void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf, Array dw, Array ds, int df, Array out) {
+    check_dtype(x, dtype_code::Float, 32, "x");
+    check(x.ndim() == 2, "x must be [M, H]");
+    check(gw.ndim() == 2, "gate must be [I, bytes per row]");
+    const size_t M = x.shape(0), H = x.shape(1), I = gw.shape(0);
+    const int nbH = moerun::blocks_of((int)H), nbI = moerun::blocks_of((int)I);
+    auto g = qweight_of(gw, gs, gf, I, nbH, "gate");
+    auto u = qweight_of(uw, us, uf, I, nbH, "up");
+    auto d = qweight_of(dw, ds, df, H, nbI, "down");
+    check_dtype(out, dtype_code::Float, 32, "out");
+    check_shape(out, {M, H}, "out");
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::swiglu_mlp((int)M, (int)H, (int)I, g, u, d, (const float*)x.data(), (float*)out.data());
+}
+
 // x [T, H]; q/k/v/o quantized [rows, bytes] + scales (q: Hq * D rows, 2 * Hq * D when gated);
 // qn, kn [D] or empty; cos, sin [T, rd]; kc, vc [Hkv, max_len, D] (one slot of the cache:
 // float32, or bf16 as uint16); out [T, H]. Token t sits at position pos + t.
@@ -342,6 +359,9 @@ NB_MODULE(_native, m) {
           "out[M, N] = x[M, K] @ W^T with W quantized (fmt 4 or 8, blocks of 32)");
     m.def("qlinear_multi", &qlinear_multi, nb::arg("x"), nb::arg("weights"), nb::arg("scales"), nb::arg("fmts"),
           nb::arg("out"), "several quantized linears of one input in one call: out = [x W_0^T | x W_1^T | ...]");
+    m.def("swiglu_mlp", &swiglu_mlp, nb::arg("x"), nb::arg("gw"), nb::arg("gs"), nb::arg("gf"), nb::arg("uw"),
+          nb::arg("us"), nb::arg("uf"), nb::arg("dw"), nb::arg("ds"), nb::arg("df"), nb::arg("out"),
+          "out[M, H] = down(silu(gate x) * up x) with quantized gate, up, down");
     m.def("attn_decode", &attn_decode, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("scale"),
           nb::arg("k_scale") = nb::none(), nb::arg("v_scale") = nb::none(),
           "one query token's attention over cached keys/values (grouped query heads)");

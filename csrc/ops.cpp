@@ -136,6 +136,27 @@ void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const
     });
 }
 
+void swiglu_mlp(int M, int H, int I, const QWeight& gate, const QWeight& up, const QWeight& down, const float* x,
+                float* y) {
+    Workspace& W = ws();
+    W.g.resize((size_t)M * 2 * I);  // [M, gate | up]
+    W.u.resize((size_t)M * I);
+    const QWeight gu[2] = {gate, up};
+    const int rows[2] = {I, I};
+    qlinear_multi(M, H, 2, gu, rows, x, W.g.data());
+    auto act = [&](int m) {
+        const float* g = W.g.data() + (size_t)m * 2 * I;
+        float* h = W.u.data() + (size_t)m * I;
+        for (int j = 0; j < I; ++j) h[j] = g[j] / (1.f + std::exp(-g[j])) * g[I + j];
+    };
+    if (M < 16) {
+        for (int m = 0; m < M; ++m) act(m);
+    } else {
+        pool().parallel_for(M, act);
+    }
+    qlinear_multi(M, I, 1, &down, &H, W.u.data(), y);
+}
+
 void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, const uint16_t* ws_, float* y) {
     const QWeight q{fmt, w, ws_};
     qlinear_multi(M, K, 1, &q, &N, x, y);

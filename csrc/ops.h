@@ -53,6 +53,13 @@ struct QWeight {
 // [rows[0] + ... + rows[p - 1], + rows[p]).
 void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const float* x, float* y);
 
+// A SwiGLU MLP of quantized linears (a dense layer, a shared expert): y[M, H] =
+// down(silu(gate x) * up x), gate/up [I, blocks_of(H)], down [H, blocks_of(I)]; x [M, H].
+// gate and up run as one qlinear_multi job, SiLU * up in float32, then down: one call for what
+// takes two native calls and two torch ops otherwise.
+void swiglu_mlp(int M, int H, int I, const QWeight& gate, const QWeight& up, const QWeight& down, const float* x,
+                float* y);
+
 // T tokens (one row: decode, or a speculative verification pass) through a GQA attention block
 // with a float32 or bf16 KV cache, in one call:
 // q, k, v = x W^T; optional per-head RMSNorm of q and k (weights qn, kn [D], nullptr for none);

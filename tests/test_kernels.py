@@ -626,6 +626,76 @@ def test_qlinear_multi_refuses_bad_arguments():
 
 
 @pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("fmts", [("int8", "int8", "int8"), ("int4", "int4", "int8")])
+def test_swiglu_mlp_against_reference(isa, fmts):
+    """The one-call SwiGLU MLP against the torch reference (odd widths padded to blocks of 32;
+    1, 3 and 40 rows: the last splits SiLU * up over the pool). The int8-quantized input of
+    the down projection may round one step apart where SiLU's float rounding differs."""
+    g = torch.Generator().manual_seed(11)
+    H, I = 72, 40
+    gate, up = (formats.quantize(torch.randn(I, H, generator=g) * 0.2, f) + (f,) for f in fmts[:2])
+    down = formats.quantize(torch.randn(H, I, generator=g) * 0.2, fmts[2]) + (fmts[2],)
+    for M in (1, 3, 40):
+        x = torch.randn(M, H, generator=g)
+        with kernels.use_isa(isa):
+            got = kernels.swiglu_mlp(x, gate, up, down)
+            views = kernels.swiglu_mlp(x, *(kernels.packed(*w) for w in (gate, up, down)))
+        assert torch.equal(got, views)
+        assert got.shape == (M, H) and max_rel(got, kernels.swiglu_mlp_ref(x, gate, up, down)) < 2e-2
+
+
+def test_gated_mlp_of_quantized_linears_is_one_call(monkeypatch):
+    from moerun.layers.moe import GatedMLP
+
+    g = torch.Generator().manual_seed(12)
+    mlp = GatedMLP(64, 96)
+    for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        lin.weight.data = torch.randn(lin.weight.shape, generator=g) * 0.1
+    x = torch.randn(2, 3, 64, generator=g)
+    with torch.no_grad():
+        ref = mlp(x)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(mlp, name, QuantizedLinear.from_linear(getattr(mlp, name), "int8"))
+        calls = []
+        real = kernels.swiglu_mlp
+        monkeypatch.setattr(kernels, "swiglu_mlp", lambda *a: calls.append(1) or real(*a))
+        got = mlp(x)
+    assert got.shape == x.shape and max_rel(got, ref) < 5e-2
+    assert calls == ([1] if kernels.isa() != "torch" else [])
+
+
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+def test_swiglu_mlp_refuses_bad_arguments():
+    nat = kernels._native()
+    gw, gs = formats.quantize(torch.randn(40, 64), "int8")
+    dw, ds = formats.quantize(torch.randn(64, 40), "int8")
+    x, out = torch.zeros(2, 64).numpy(), torch.zeros(2, 64).numpy()
+    nat.swiglu_mlp(x, gw.numpy(), gs.numpy(), 8, gw.numpy(), gs.numpy(), 8, dw.numpy(), ds.numpy(), 8, out)
+    with pytest.raises(ValueError, match="down"):  # down's rows must be H
+        nat.swiglu_mlp(x, gw.numpy(), gs.numpy(), 8, gw.numpy(), gs.numpy(), 8, gw.numpy(), gs.numpy(), 8, out)
+    with pytest.raises(ValueError, match="out"):
+        nat.swiglu_mlp(x, gw.numpy(), gs.numpy(), 8, gw.numpy(), gs.numpy(), 8, dw.numpy(), ds.numpy(), 8,
+                       torch.zeros(3, 64).numpy())
+    with pytest.raises(ValueError, match="x"):
+        nat.swiglu_mlp(torch.zeros(2, 64).double().numpy(), gw.numpy(), gs.numpy(), 8, gw.numpy(), gs.numpy(), 8,
+                       dw.numpy(), ds.numpy(), 8, out)
+
+
+def test_native_views_follow_replaced_buffers():
+    # a module's cached numpy views are rebuilt when a buffer is replaced
+    g = torch.Generator().manual_seed(13)
+    lin = torch.nn.Linear(64, 16, bias=False)
+    q = QuantizedLinear.from_linear(lin, "int8")
+    first = q.views()
+    assert q.views() is first
+    x = torch.randn(1, 64, generator=g)
+    before = q(x)
+    q.qweight = q.qweight.clone().neg_()  # a new tensor: the old views would read the old weight
+    assert q.views() is not first
+    assert torch.equal(q(x), -before) or kernels.isa() == "torch" and torch.allclose(q(x), -before)
+
+
+@pytest.mark.parametrize("isa", NATIVE)
 @pytest.mark.parametrize("shape", [(1, 1, 128), (3, 5, 20), (7, 2048)])
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_rms_norm(isa, shape, offset):

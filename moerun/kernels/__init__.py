@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +149,36 @@ def _np(t: torch.Tensor):
     return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
+class Packed(NamedTuple):
+    """One packed quantized weight as the native ops take it: the tensors, and numpy views of
+    them with the format's code (made once per module: `native_views`)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    fmt: str
+    w: Any
+    s: Any
+    code: int
+
+
+def packed(qweight: torch.Tensor, scales: torch.Tensor, fmt: str) -> Packed:
+    return Packed(qweight, scales, fmt, _np(qweight), _np(scales), formats.FORMATS[fmt])
+
+
+def native_views(module: torch.nn.Module, names: tuple[str, ...], make):
+    """`make(*buffers)` for a module's named buffers, kept on the module until one of them is
+    replaced or moved (`.to()`, a new tensor): a decode step would otherwise rebuild the numpy
+    views of every weight it touches, a few microseconds each, hundreds of times."""
+    bufs = tuple(module._buffers[n] for n in names)
+    key = tuple((id(b), b.data_ptr()) for b in bufs)
+    cached = module.__dict__.get("_native_views")
+    if cached is None or cached[0] != key:
+        # the key's ids stay unique while the cache holds the tensors themselves
+        cached = (key, make(*bufs), bufs)
+        module.__dict__["_native_views"] = cached
+    return cached[1]
+
+
 def split_threads(net: torch.nn.Module, threads: int | None = None, max_tokens: int = 32) -> bool:
     """For a net with native quantized modules (those with `native_kernels = True`): native
     ops on `threads` (default: torch's current count), torch's own ops on one thread in
@@ -174,33 +205,37 @@ def split_threads(net: torch.nn.Module, threads: int | None = None, max_tokens: 
 
 # -- quantized linear ----------------------------------------------------------------------
 
-def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] float32, W packed by `moerun.quant.formats.quantize`."""
+def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: str, in_features: int,
+            views: Packed | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] float32, W packed by `moerun.quant.formats.quantize`
+    (`views`: the same weight's `Packed`, when the caller keeps one)."""
     nat = _native()
     if nat is None:
         return qlinear_ref(x, qweight, scales, fmt, in_features)
     out = torch.empty(x.shape[0], qweight.shape[0], dtype=torch.float32)
     if x.shape[0]:
         _sync_threads(nat)
-        nat.qlinear(_np(_f32(x)), _np(qweight), _np(scales), _np(out), formats.FORMATS[fmt])
+        v = views or packed(qweight, scales, fmt)
+        nat.qlinear(_np(_f32(x)), v.w, v.s, _np(out), v.code)
     return out
 
 
-def qlinear_multi(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor, str]]) -> list[torch.Tensor]:
-    """x [..., K] through several packed weights (qweight, scales, fmt) of the same input width
-    in one native call -> [..., N_p] float32 each, column slices of one [..., sum N_p] buffer."""
+def qlinear_multi(x: torch.Tensor, weights: list) -> list[torch.Tensor]:
+    """x [..., K] through several packed weights (qweight, scales, fmt), or their `Packed`, of
+    the same input width in one native call -> [..., N_p] float32 each, column slices of one
+    [..., sum N_p] buffer."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
-    sizes = [w.shape[0] for w, _, _ in weights]
+    sizes = [w[0].shape[0] for w in weights]
     nat = _native()
     if nat is None:
-        out = torch.cat([qlinear_ref(x2, w, s, f, K) for w, s, f in weights], dim=-1)
+        out = torch.cat([qlinear_ref(x2, w[0], w[1], w[2], K) for w in weights], dim=-1)
     else:
         out = torch.empty(x2.shape[0], sum(sizes), dtype=torch.float32)
         if x2.shape[0]:
             _sync_threads(nat)
-            nat.qlinear_multi(_np(_f32(x2)), [_np(w) for w, _, _ in weights], [_np(s) for _, s, _ in weights],
-                              [formats.FORMATS[f] for _, _, f in weights], _np(out))
+            v = [w if isinstance(w, Packed) else packed(*w) for w in weights]
+            nat.qlinear_multi(_np(_f32(x2)), [p.w for p in v], [p.s for p in v], [p.code for p in v], _np(out))
     return list(out.view(*lead, out.shape[-1]).split(sizes, dim=-1))
 
 
@@ -208,15 +243,36 @@ def qlinear_ref(x, qweight, scales, fmt, in_features) -> torch.Tensor:
     return formats.matmul_ref(x, qweight, scales, fmt, in_features, quantize_x=True)
 
 
+def swiglu_mlp(x: torch.Tensor, gate, up, down) -> torch.Tensor:
+    """x [M, H] -> down(silu(gate x) * up x) [M, H] float32 in one native call; gate, up and
+    down are packed weights [I, .], [I, .], [H, .] as (qweight, scales, fmt) or `Packed`."""
+    nat = _native()
+    if nat is None:
+        return swiglu_mlp_ref(x, gate, up, down)
+    out = torch.empty(x.shape[0], down[0].shape[0], dtype=torch.float32)
+    if x.shape[0]:
+        _sync_threads(nat)
+        g, u, d = (w if isinstance(w, Packed) else packed(*w) for w in (gate, up, down))
+        nat.swiglu_mlp(_np(_f32(x)), g.w, g.s, g.code, u.w, u.s, u.code, d.w, d.s, d.code, _np(out))
+    return out
+
+
+def swiglu_mlp_ref(x, gate, up, down) -> torch.Tensor:
+    g = qlinear_ref(x, *gate[:3], x.shape[-1])
+    u = qlinear_ref(x, *up[:3], x.shape[-1])
+    return qlinear_ref(F.silu(g) * u, *down[:3], g.shape[-1])
+
+
 # -- fused routed experts ------------------------------------------------------------------
 
 def moe_experts(x, ids, weights, gate, gate_scales, up, up_scales, down, down_scales, fmt: str,
-                intermediate: int) -> torch.Tensor:
+                intermediate: int, views: tuple | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, k] -> [T, H] float32.
 
     x [T, H]; ids [T, K] long; weights [T, K]; gate/up [E, I, bytes] with scales [E, I, nb];
     down [E, H, bytes] with scales [E, H, nb]. One call per layer: the native kernel groups
-    the tokens per expert, runs gate/up, SiLU*up, down and the weighted sum itself.
+    the tokens per expert, runs gate/up, SiLU*up, down and the weighted sum itself. `views`:
+    numpy views of the six weight tensors, when the caller keeps them.
     """
     nat = _native()
     if nat is None:
@@ -224,8 +280,9 @@ def moe_experts(x, ids, weights, gate, gate_scales, up, up_scales, down, down_sc
     out = torch.empty(x.shape, dtype=torch.float32)
     if x.shape[0]:
         _sync_threads(nat)
-        nat.moe_experts(*map(_np, (_f32(x), ids.to(torch.int64).contiguous(), _f32(weights), gate, gate_scales, up,
-                                   up_scales, down, down_scales, out)), formats.FORMATS[fmt], intermediate)
+        w = views or tuple(map(_np, (gate, gate_scales, up, up_scales, down, down_scales)))
+        nat.moe_experts(_np(_f32(x)), _np(ids.to(torch.int64).contiguous()), _np(_f32(weights)), *w, _np(out),
+                        formats.FORMATS[fmt], intermediate)
     return out
 
 
@@ -410,10 +467,10 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
     out = torch.empty(T, H, dtype=torch.float32)
     nat = _native()
     _sync_threads(nat)
-    f = formats.FORMATS
+    q, k, v, o = qp.views(), kp.views(), vp.views(), op.views()
     nat.attn_block_decode(
-        _np(_f32(x.reshape(T, H))), _np(qp.qweight), _np(qp.scales), f[qp.fmt], _np(kp.qweight), _np(kp.scales), f[kp.fmt],
-        _np(vp.qweight), _np(vp.scales), f[vp.fmt], _np(op.qweight), _np(op.scales), f[op.fmt], _np(qn), _np(kn), eps,
+        _np(_f32(x.reshape(T, H))), q.w, q.s, q.code, k.w, k.s, k.code, v.w, v.s, v.code, o.w, o.s, o.code,
+        _np(qn), _np(kn), eps,
         _np(cos.contiguous()), _np(sin.contiguous()), _np(kv.k[s]), _np(kv.v[s]), p, self.n_heads, float(self.scale),
         _np(out), bool(getattr(self, "output_gate", False)))
     return out.view(1, T, H).to(x.dtype)

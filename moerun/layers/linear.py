@@ -18,6 +18,6 @@ def project(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
 
     if (len(mods) > 1 and kernels.isa() != "torch"
             and all(type(m) is QuantizedLinear and m.bias is None for m in mods)):
-        outs = kernels.qlinear_multi(x, [(m.qweight, m.scales, m.fmt) for m in mods])
+        outs = kernels.qlinear_multi(x, [m.views() for m in mods])
         return outs if x.dtype == torch.float32 else [o.to(x.dtype) for o in outs]
     return [m(x) for m in mods]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from .linear import project
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
@@ -92,5 +93,10 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mods = (self.gate_proj, self.up_proj, self.down_proj)
+        if kernels.isa() != "torch" and all(hasattr(m, "views") and m.bias is None for m in mods):
+            # packed quantized linears: the whole MLP is one native call
+            y = kernels.swiglu_mlp(x.reshape(-1, x.shape[-1]), *(m.views() for m in mods))
+            return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
         g, u = project(x, self.gate_proj, self.up_proj)
         return self.down_proj(F.silu(g) * u)

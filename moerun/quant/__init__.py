@@ -162,9 +162,12 @@ def compute_in_float32(net: nn.Module) -> bool:
                 setattr(m, name, b.float())
     for m in embeddings:
         if m.weight.dtype != torch.float32:
-            m.register_forward_hook(_rows_in_float32)
+            m.__class__ = Float32RowsEmbedding  # same state, a forward that widens the rows
     return True
 
 
-def _rows_in_float32(module, args, out):
-    return out.float()
+class Float32RowsEmbedding(nn.Embedding):
+    """An embedding table kept in its dtype whose looked-up rows come out float32."""
+
+    def forward(self, input):
+        return super().forward(input).float()

@@ -42,9 +42,14 @@ class QuantizedLinear(nn.Module):
             m.bias = lin.bias.detach().float().clone()
         return m
 
+    def views(self) -> kernels.Packed:
+        """The weight as the native ops take it (kept until a buffer is replaced)."""
+        return kernels.native_views(self, ("qweight", "scales"), lambda q, s: kernels.packed(q, s, self.fmt))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = kernels.qlinear(x.reshape(-1, self.in_features), self.qweight, self.scales, self.fmt, self.in_features)
+        views = self.views() if kernels.isa() != "torch" else None
+        y = kernels.qlinear(x.reshape(-1, self.in_features), self.qweight, self.scales, self.fmt, self.in_features, views)
         if self.bias is not None:
             y = y + self.bias
         if x.dtype != torch.float32:
@@ -53,6 +58,9 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+BUFFERS = ("gate_q", "gate_scales", "up_q", "up_scales", "down_q", "down_scales")  # QuantizedExperts' packed weights
 
 
 class QuantizedExperts(nn.Module):
@@ -89,8 +97,9 @@ class QuantizedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]."""
+        views = kernels.native_views(self, BUFFERS, lambda *b: tuple(map(kernels._np, b))) if kernels.isa() != "torch" else None
         y = kernels.moe_experts(x, ids, weights, self.gate_q, self.gate_scales, self.up_q, self.up_scales,
-                                self.down_q, self.down_scales, self.fmt, self.intermediate_size)
+                                self.down_q, self.down_scales, self.fmt, self.intermediate_size, views)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
