@@ -220,8 +220,29 @@ void qlinear_multi(Array x, std::vector<Array> weights, std::vector<Array> scale
     moerun::qlinear_multi((int)M, (int)K, (int)P, qw.data(), rows.data(), (const float*)x.data(), (float*)out.data());
 }
 
-// x [M, H]; gate/up [I, bytes] + scales, down [H, bytes] + scales; out [M, H]
-void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf, Array dw, Array ds, int df, Array out) {
+// x [T, H]; router [E, H] float32; ids [T, K] int64 and weights [T, K] float32 are written
+void route_softmax_topk(Array x, Array router, Array ids, Array weights, bool renorm) {
+    check_dtype(x, dtype_code::Float, 32, "x");
+    check(x.ndim() == 2, "x must be [T, H]");
+    const size_t T = x.shape(0), H = x.shape(1);
+    check_dtype(router, dtype_code::Float, 32, "router");
+    check(router.ndim() == 2 && router.shape(1) == H && router.shape(0) >= 1, "router must be [E, H]");
+    const size_t E = router.shape(0);
+    check_dtype(ids, dtype_code::Int, 64, "ids");
+    check(ids.ndim() == 2 && ids.shape(0) == T && ids.shape(1) >= 1 && ids.shape(1) <= E,
+          "ids must be [T, K] with 1 <= K <= experts");
+    const size_t K = ids.shape(1);
+    check_dtype(weights, dtype_code::Float, 32, "weights");
+    check_shape(weights, {T, K}, "weights");
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::route_softmax_topk((int)T, (int)H, (int)E, (int)K, renorm, (const float*)x.data(),
+                               (const float*)router.data(), (int64_t*)ids.data(), (float*)weights.data());
+}
+
+// x [M, H]; gate/up [I, bytes] + scales, down [H, bytes] + scales; out [M, H]; gate_vec [H] or empty
+void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf, Array dw, Array ds, int df, Array out,
+                Array gate_vec) {
     check_dtype(x, dtype_code::Float, 32, "x");
     check(x.ndim() == 2, "x must be [M, H]");
     check(gw.ndim() == 2, "gate must be [I, bytes per row]");
@@ -232,9 +253,12 @@ void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf,
     auto d = qweight_of(dw, ds, df, H, nbI, "down");
     check_dtype(out, dtype_code::Float, 32, "out");
     check_shape(out, {M, H}, "out");
+    check_dtype(gate_vec, dtype_code::Float, 32, "gate_vec");
+    check(gate_vec.ndim() == 1 && (gate_vec.shape(0) == 0 || gate_vec.shape(0) == H), "gate_vec must be [H] or empty");
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::swiglu_mlp((int)M, (int)H, (int)I, g, u, d, (const float*)x.data(), (float*)out.data());
+    moerun::swiglu_mlp((int)M, (int)H, (int)I, g, u, d, (const float*)x.data(), (float*)out.data(),
+                       gate_vec.shape(0) ? (const float*)gate_vec.data() : nullptr);
 }
 
 // x [T, H]; q/k/v/o quantized [rows, bytes] + scales (q: Hq * D rows, 2 * Hq * D when gated);
@@ -360,8 +384,11 @@ NB_MODULE(_native, m) {
     m.def("qlinear_multi", &qlinear_multi, nb::arg("x"), nb::arg("weights"), nb::arg("scales"), nb::arg("fmts"),
           nb::arg("out"), "several quantized linears of one input in one call: out = [x W_0^T | x W_1^T | ...]");
     m.def("swiglu_mlp", &swiglu_mlp, nb::arg("x"), nb::arg("gw"), nb::arg("gs"), nb::arg("gf"), nb::arg("uw"),
-          nb::arg("us"), nb::arg("uf"), nb::arg("dw"), nb::arg("ds"), nb::arg("df"), nb::arg("out"),
-          "out[M, H] = down(silu(gate x) * up x) with quantized gate, up, down");
+          nb::arg("us"), nb::arg("uf"), nb::arg("dw"), nb::arg("ds"), nb::arg("df"), nb::arg("out"), nb::arg("gate_vec"),
+          "out[M, H] = down(silu(gate x) * up x) with quantized gate, up, down; each row times sigmoid(x . gate_vec) "
+          "when gate_vec is not empty");
+    m.def("route_softmax_topk", &route_softmax_topk, nb::arg("x"), nb::arg("router"), nb::arg("ids"), nb::arg("weights"),
+          nb::arg("renorm"), "softmax top-k routing of a few tokens: ids, weights [T, K] of the most probable experts");
     m.def("attn_decode", &attn_decode, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("scale"),
           nb::arg("k_scale") = nb::none(), nb::arg("v_scale") = nb::none(),
           "one query token's attention over cached keys/values (grouped query heads)");

@@ -136,8 +136,63 @@ void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const
     });
 }
 
+namespace {
+// x . r in a fixed order (8 partial sums, then the tail), so that a token's result does not
+// depend on how many tokens share the call
+float dot8(const float* x, const float* r, int n) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += x[i + j] * r[i + j];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; ++i) s += x[i] * r[i];
+    return s;
+}
+}  // namespace
+
+void route_softmax_topk(int T, int H, int E, int K, bool renorm, const float* x, const float* R, int64_t* ids,
+                        float* w) {
+    Workspace& W = ws();
+    W.att.resize((size_t)T * E);
+    float* lg = W.att.data();
+    // experts split over the pool: each router row is read once for all T tokens
+    auto rows = [&](int e0, int e1) {
+        for (int e = e0; e < e1; ++e)
+            for (int t = 0; t < T; ++t) lg[(size_t)t * E + e] = dot8(x + (size_t)t * H, R + (size_t)e * H, H);
+    };
+    const int nt = (size_t)E * H < 65536 ? 1 : std::min(pool().size(), E);
+    if (nt == 1) {
+        rows(0, E);
+    } else {
+        const int per = (E + nt - 1) / nt;
+        pool().parallel_for(nt, [&](int i) { rows(i * per, std::min(E, (i + 1) * per)); });
+    }
+    for (int t = 0; t < T; ++t) {
+        float* l = lg + (size_t)t * E;
+        float m = l[0];
+        for (int e = 1; e < E; ++e) m = std::max(m, l[e]);
+        float sum = 0.f;
+        for (int e = 0; e < E; ++e) sum += (l[e] = std::exp(l[e] - m));
+        int64_t* id = ids + (size_t)t * K;
+        float* wt = w + (size_t)t * K;
+        float picked = 0.f;
+        for (int k = 0; k < K; ++k) {  // K passes: K is small, E at most a few hundred
+            int best = -1;
+            for (int e = 0; e < E; ++e)
+                if (l[e] >= 0.f && (best < 0 || l[e] > l[best])) best = e;
+            if (best < 0) best = 0;  // NaN logits: nothing compares; keep the ids in range
+            id[k] = best;
+            wt[k] = l[best] / sum;
+            picked += wt[k];
+            l[best] = -1.f;  // taken
+        }
+        if (renorm)
+            for (int k = 0; k < K; ++k) wt[k] /= picked;
+    }
+}
+
 void swiglu_mlp(int M, int H, int I, const QWeight& gate, const QWeight& up, const QWeight& down, const float* x,
-                float* y) {
+                float* y, const float* gate_vec) {
     Workspace& W = ws();
     W.g.resize((size_t)M * 2 * I);  // [M, gate | up]
     W.u.resize((size_t)M * I);
@@ -155,6 +210,11 @@ void swiglu_mlp(int M, int H, int I, const QWeight& gate, const QWeight& up, con
         pool().parallel_for(M, act);
     }
     qlinear_multi(M, I, 1, &down, &H, W.u.data(), y);
+    if (gate_vec)
+        for (int m = 0; m < M; ++m) {
+            const float gm = 1.f / (1.f + std::exp(-dot8(x + (size_t)m * H, gate_vec, H)));
+            for (int j = 0; j < H; ++j) y[(size_t)m * H + j] *= gm;
+        }
 }
 
 void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, const uint16_t* ws_, float* y) {

@@ -53,12 +53,20 @@ struct QWeight {
 // [rows[0] + ... + rows[p - 1], + rows[p]).
 void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const float* x, float* y);
 
+// The routing of a softmax top-k MoE block for T tokens (decode-sized): logits = x R^T with
+// R [E, H] float32, softmax over the E logits, the K most probable experts (largest first,
+// ties to the lower expert), their probabilities renormalised to sum 1 when renorm. ids [T, K],
+// w [T, K]. Each token's logits are summed in the same order whatever T is.
+void route_softmax_topk(int T, int H, int E, int K, bool renorm, const float* x, const float* R, int64_t* ids,
+                        float* w);
+
 // A SwiGLU MLP of quantized linears (a dense layer, a shared expert): y[M, H] =
 // down(silu(gate x) * up x), gate/up [I, blocks_of(H)], down [H, blocks_of(I)]; x [M, H].
 // gate and up run as one qlinear_multi job, SiLU * up in float32, then down: one call for what
 // takes two native calls and two torch ops otherwise.
+// With gate_vec [H] (a shared expert's gate), row m of y is scaled by sigmoid(x_m . gate_vec).
 void swiglu_mlp(int M, int H, int I, const QWeight& gate, const QWeight& up, const QWeight& down, const float* x,
-                float* y);
+                float* y, const float* gate_vec = nullptr);
 
 // T tokens (one row: decode, or a speculative verification pass) through a GQA attention block
 // with a float32 or bf16 KV cache, in one call:

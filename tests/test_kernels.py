@@ -644,6 +644,71 @@ def test_swiglu_mlp_against_reference(isa, fmts):
         assert got.shape == (M, H) and max_rel(got, kernels.swiglu_mlp_ref(x, gate, up, down)) < 2e-2
 
 
+@pytest.mark.parametrize("isa", NATIVE)
+def test_swiglu_mlp_with_a_shared_expert_gate(isa):
+    g = torch.Generator().manual_seed(14)
+    H, I = 96, 64
+    gate, up = (formats.quantize(torch.randn(I, H, generator=g) * 0.2, "int8") + ("int8",) for _ in range(2))
+    down = formats.quantize(torch.randn(H, I, generator=g) * 0.2, "int8") + ("int8",)
+    gv = torch.randn(H, generator=g) * 0.3
+    x = torch.randn(5, H, generator=g)
+    with kernels.use_isa(isa):
+        got = kernels.swiglu_mlp(x, gate, up, down, gate_vec=gv)
+        plain = kernels.swiglu_mlp(x, gate, up, down)
+    scale = torch.sigmoid(x @ gv)[:, None]
+    assert max_rel(got, plain * scale) < 1e-5  # the gate only scales the rows
+    assert max_rel(got, kernels.swiglu_mlp_ref(x, gate, up, down, gv)) < 2e-2
+
+
+@pytest.mark.parametrize("T,E,K,renorm", [(1, 8, 2, True), (3, 128, 8, False), (16, 60, 4, True), (2, 1, 1, True)])
+def test_route_softmax_topk_against_reference(T, E, K, renorm):
+    g = torch.Generator().manual_seed(T * E)
+    H = 200  # not a multiple of 8: the dot product's tail
+    x, R = torch.randn(T, H, generator=g), torch.randn(E, H, generator=g) * 0.1
+    w, ids = kernels.route_softmax_topk(x, R, K, renorm)
+    rw, rids = kernels.route_softmax_topk_ref(x, R, K, renorm)
+    assert ids.dtype == torch.long and torch.equal(ids, rids)
+    assert w.shape == (T, K) and max_rel(w, rw) < 1e-5
+    if renorm:
+        assert torch.allclose(w.sum(-1), torch.ones(T))
+    # a token's routing does not depend on the other tokens of the call
+    w1, ids1 = kernels.route_softmax_topk(x[-1:], R, K, renorm)
+    assert torch.equal(ids1, ids[-1:]) and torch.equal(w1, w[-1:])
+
+
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+def test_route_softmax_topk_refuses_bad_arguments():
+    nat = kernels._native()
+    x, R = torch.zeros(2, 16).numpy(), torch.zeros(4, 16).numpy()
+    ids, w = torch.zeros(2, 2, dtype=torch.long).numpy(), torch.zeros(2, 2).numpy()
+    nat.route_softmax_topk(x, R, ids, w, True)
+    with pytest.raises(ValueError, match="router"):
+        nat.route_softmax_topk(x, torch.zeros(4, 8).numpy(), ids, w, True)
+    with pytest.raises(ValueError, match="K <= experts"):
+        nat.route_softmax_topk(x, R, torch.zeros(2, 5, dtype=torch.long).numpy(), torch.zeros(2, 5).numpy(), True)
+    with pytest.raises(ValueError, match="ids"):
+        nat.route_softmax_topk(x, R, torch.zeros(2, 2, dtype=torch.int32).numpy(), w, True)
+    with pytest.raises(ValueError, match="weights"):
+        nat.route_softmax_topk(x, R, ids, torch.zeros(3, 2).numpy(), True)
+
+
+def test_softmax_topk_runs_router_hooks_through_torch():
+    from moerun.layers.moe import softmax_topk
+
+    g = torch.Generator().manual_seed(15)
+    gate = torch.nn.Linear(64, 16, bias=False)
+    gate.weight.data = torch.randn(16, 64, generator=g)
+    h = torch.randn(2, 64, generator=g)
+    with torch.no_grad():
+        w, ids = softmax_topk(gate, h, 4, True)  # native when the extension runs
+        seen = []
+        handle = gate.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape))
+        hw, hids = softmax_topk(gate, h, 4, True)
+        handle.remove()
+    assert seen == [(2, 64)]  # a predictor's hook on the router still sees its input
+    assert torch.equal(ids, hids) and max_rel(w, hw) < 1e-5
+
+
 def test_gated_mlp_of_quantized_linears_is_one_call(monkeypatch):
     from moerun.layers.moe import GatedMLP
 
@@ -667,18 +732,23 @@ def test_gated_mlp_of_quantized_linears_is_one_call(monkeypatch):
 @pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
 def test_swiglu_mlp_refuses_bad_arguments():
     nat = kernels._native()
-    gw, gs = formats.quantize(torch.randn(40, 64), "int8")
-    dw, ds = formats.quantize(torch.randn(64, 40), "int8")
-    x, out = torch.zeros(2, 64).numpy(), torch.zeros(2, 64).numpy()
-    nat.swiglu_mlp(x, gw.numpy(), gs.numpy(), 8, gw.numpy(), gs.numpy(), 8, dw.numpy(), ds.numpy(), 8, out)
+    gw, gs = (t.numpy() for t in formats.quantize(torch.randn(40, 64), "int8"))
+    dw, ds = (t.numpy() for t in formats.quantize(torch.randn(64, 40), "int8"))
+    x, out, none = torch.zeros(2, 64).numpy(), torch.zeros(2, 64).numpy(), torch.zeros(0).numpy()
+
+    def call(x=x, down=(dw, ds), out=out, gv=none):
+        nat.swiglu_mlp(x, gw, gs, 8, gw, gs, 8, *down, 8, out, gv)
+
+    call()
+    call(gv=torch.zeros(64).numpy())
     with pytest.raises(ValueError, match="down"):  # down's rows must be H
-        nat.swiglu_mlp(x, gw.numpy(), gs.numpy(), 8, gw.numpy(), gs.numpy(), 8, gw.numpy(), gs.numpy(), 8, out)
+        call(down=(gw, gs))
     with pytest.raises(ValueError, match="out"):
-        nat.swiglu_mlp(x, gw.numpy(), gs.numpy(), 8, gw.numpy(), gs.numpy(), 8, dw.numpy(), ds.numpy(), 8,
-                       torch.zeros(3, 64).numpy())
+        call(out=torch.zeros(3, 64).numpy())
     with pytest.raises(ValueError, match="x"):
-        nat.swiglu_mlp(torch.zeros(2, 64).double().numpy(), gw.numpy(), gs.numpy(), 8, gw.numpy(), gs.numpy(), 8,
-                       dw.numpy(), ds.numpy(), 8, out)
+        call(x=torch.zeros(2, 64).double().numpy())
+    with pytest.raises(ValueError, match="gate_vec"):
+        call(gv=torch.zeros(63).numpy())
 
 
 def test_native_views_follow_replaced_buffers():

@@ -166,10 +166,10 @@ def packed(qweight: torch.Tensor, scales: torch.Tensor, fmt: str) -> Packed:
 
 
 def native_views(module: torch.nn.Module, names: tuple[str, ...], make):
-    """`make(*buffers)` for a module's named buffers, kept on the module until one of them is
+    """`make(*tensors)` for a module's named buffers or parameters, kept on the module until one is
     replaced or moved (`.to()`, a new tensor): a decode step would otherwise rebuild the numpy
     views of every weight it touches, a few microseconds each, hundreds of times."""
-    bufs = tuple(module._buffers[n] for n in names)
+    bufs = tuple(module._buffers[n] if n in module._buffers else module._parameters[n] for n in names)
     key = tuple((id(b), b.data_ptr()) for b in bufs)
     cached = module.__dict__.get("_native_views")
     if cached is None or cached[0] != key:
@@ -243,24 +243,54 @@ def qlinear_ref(x, qweight, scales, fmt, in_features) -> torch.Tensor:
     return formats.matmul_ref(x, qweight, scales, fmt, in_features, quantize_x=True)
 
 
-def swiglu_mlp(x: torch.Tensor, gate, up, down) -> torch.Tensor:
+def swiglu_mlp(x: torch.Tensor, gate, up, down, gate_vec: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, H] -> down(silu(gate x) * up x) [M, H] float32 in one native call; gate, up and
-    down are packed weights [I, .], [I, .], [H, .] as (qweight, scales, fmt) or `Packed`."""
+    down are packed weights [I, .], [I, .], [H, .] as (qweight, scales, fmt) or `Packed`. With
+    gate_vec (float32, H values: a shared expert's gate) each row is scaled by sigmoid(x . gate_vec)."""
     nat = _native()
     if nat is None:
-        return swiglu_mlp_ref(x, gate, up, down)
+        return swiglu_mlp_ref(x, gate, up, down, gate_vec)
     out = torch.empty(x.shape[0], down[0].shape[0], dtype=torch.float32)
     if x.shape[0]:
         _sync_threads(nat)
         g, u, d = (w if isinstance(w, Packed) else packed(*w) for w in (gate, up, down))
-        nat.swiglu_mlp(_np(_f32(x)), g.w, g.s, g.code, u.w, u.s, u.code, d.w, d.s, d.code, _np(out))
+        gv = _EMPTY if gate_vec is None else gate_vec.reshape(-1)
+        nat.swiglu_mlp(_np(_f32(x)), g.w, g.s, g.code, u.w, u.s, u.code, d.w, d.s, d.code, _np(out), _np(gv))
     return out
 
 
-def swiglu_mlp_ref(x, gate, up, down) -> torch.Tensor:
+def swiglu_mlp_ref(x, gate, up, down, gate_vec=None) -> torch.Tensor:
     g = qlinear_ref(x, *gate[:3], x.shape[-1])
     u = qlinear_ref(x, *up[:3], x.shape[-1])
-    return qlinear_ref(F.silu(g) * u, *down[:3], g.shape[-1])
+    y = qlinear_ref(F.silu(g) * u, *down[:3], g.shape[-1])
+    return y if gate_vec is None else y * torch.sigmoid(x.float() @ gate_vec.reshape(-1, 1).float())
+
+
+# -- softmax top-k routing ----------------------------------------------------------------
+
+ROUTE_MAX_TOKENS = 16  # native routing for decode-sized passes; prefill's torch GEMM is better
+
+
+def route_softmax_topk(x: torch.Tensor, router: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] float32, router [E, H] float32 -> (weights [T, k] float32, ids [T, k] long):
+    the k most probable experts of softmax(x router^T), largest first, renormalised to sum 1
+    when `renorm`. One native call for the seven torch ops of the reference."""
+    nat = _native()
+    if nat is None:
+        return route_softmax_topk_ref(x, router, k, renorm)
+    T = x.shape[0]
+    ids = torch.empty(T, k, dtype=torch.long)
+    w = torch.empty(T, k, dtype=torch.float32)
+    if T:
+        _sync_threads(nat)
+        nat.route_softmax_topk(_np(_f32(x)), _np(router), _np(ids), _np(w), bool(renorm))
+    return w, ids
+
+
+def route_softmax_topk_ref(x, router, k, renorm):
+    probs = F.linear(x.float(), router.float()).softmax(-1)
+    w, ids = probs.topk(k, dim=-1)
+    return (w / w.sum(-1, keepdim=True) if renorm else w), ids
 
 
 # -- fused routed experts ------------------------------------------------------------------
@@ -490,7 +520,8 @@ def _norm_weight(norm) -> torch.Tensor:
 
 __all__ = [
     "available_isas", "isa", "set_isa", "use_isa", "describe", "set_threads", "set_spin", "split_threads",
-    "qlinear", "qlinear_multi", "qlinear_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
+    "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "swiglu_mlp", "swiglu_mlp_ref",
+    "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
     "deltanet_decode", "deltanet_decode_is_native", "rms_norm", "rms_norm_ref",
     "attn_decode_is_native", "fuse_decode_attention",
 ]

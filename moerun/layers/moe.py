@@ -83,6 +83,27 @@ def expert_mlp(
     return dispatch(x, ids, weights, order, counts, lambda e, xs: swiglu(xs, gate[e], up[e], down[e]))
 
 
+def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax top-k routing of Qwen-MoE, Mixtral and OLMoE: probabilities over all experts
+    in fp32, the k largest, renormalised over them when `renorm` -> (weights [N, k] in h's
+    dtype, ids [N, k]). Decode-sized float32 passes through a float32 router without hooks
+    run as one native call (`kernels.route_softmax_topk`); hooks on the router (predictors,
+    profilers) see it called as before."""
+    if (h.shape[0] <= kernels.ROUTE_MAX_TOKENS and h.dtype == gate.weight.dtype == torch.float32
+            and gate.bias is None and not (gate._forward_pre_hooks or gate._forward_hooks) and kernels.isa() != "torch"):
+        return kernels.route_softmax_topk(h, native_weight(gate), k, renorm)
+    probs = gate(h).float().softmax(-1)  # [N, E]
+    weights, ids = probs.topk(k, dim=-1)  # [N, k]
+    if renorm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(h.dtype), ids
+
+
+def native_weight(lin: nn.Linear) -> torch.Tensor:
+    """A float linear's weight, fetched without nn.Module's attribute lookup (decode hot path)."""
+    return lin._parameters["weight"]
+
+
 class GatedMLP(nn.Module):
     """Dense SwiGLU MLP (dense layers and shared experts)."""
 
@@ -100,3 +121,12 @@ class GatedMLP(nn.Module):
             return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
         g, u = project(x, self.gate_proj, self.up_proj)
         return self.down_proj(F.silu(g) * u)
+
+    def gated(self, x: torch.Tensor, gate: nn.Linear) -> torch.Tensor:
+        """sigmoid(gate(x)) * self(x), x [N, H]: a shared expert with its scalar gate
+        (Qwen2-MoE, Qwen3.5), one native call when the MLP is packed and the gate float32."""
+        mods = (self.gate_proj, self.up_proj, self.down_proj)
+        if (kernels.isa() != "torch" and x.dtype == gate.weight.dtype == torch.float32 and gate.bias is None
+                and all(hasattr(m, "views") and m.bias is None for m in mods)):
+            return kernels.swiglu_mlp(x, *(m.views() for m in mods), gate_vec=native_weight(gate))
+        return torch.sigmoid(gate(x)) * self(x)

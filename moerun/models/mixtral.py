@@ -13,7 +13,7 @@ from torch import nn
 from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec
 from ..layers.attention import attend
-from ..layers.moe import Experts
+from ..layers.moe import Experts, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, apply_rope
 
@@ -108,10 +108,8 @@ class SparseMoeBlock(nn.Module):
         h = x.reshape(-1, x.shape[-1])  # [B*T, H]
         # transformers' order: softmax over all E, top-k, renormalise; the same as a softmax
         # over the K chosen logits, but this order keeps the fp32 rounding identical
-        probs = self.gate(h).float().softmax(-1)  # [B*T, E]
-        weights, ids = probs.topk(self.top_k, dim=-1)  # [B*T, K]
-        weights = weights / weights.sum(-1, keepdim=True)
-        return self.experts(h, ids, weights.to(h.dtype)).view_as(x)
+        weights, ids = softmax_topk(self.gate, h, self.top_k, renorm=True)  # [B*T, K]
+        return self.experts(h, ids, weights).view_as(x)
 
 
 class DecoderLayer(nn.Module):

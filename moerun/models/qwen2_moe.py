@@ -14,7 +14,7 @@ from torch import nn
 from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec
 from ..layers.attention import attend
-from ..layers.moe import Experts, GatedMLP
+from ..layers.moe import Experts, GatedMLP, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, apply_rope
 
@@ -139,12 +139,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x):
         h = x.reshape(-1, x.shape[-1])  # [B*T, H]
-        probs = self.gate(h).float().softmax(-1)  # [B*T, E]
-        weights, ids = probs.topk(self.top_k, dim=-1)  # [B*T, K]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        routed = self.experts(h, ids, weights.to(h.dtype))  # [B*T, H]
-        shared = torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)  # [B*T, 1] * [B*T, H]
+        weights, ids = softmax_topk(self.gate, h, self.top_k, self.norm_topk_prob)  # [B*T, K]
+        routed = self.experts(h, ids, weights)  # [B*T, H]
+        shared = self.shared_expert.gated(h, self.shared_expert_gate)  # sigmoid([B*T, 1]) * [B*T, H]
         return (routed + shared).view_as(x)
 
 

@@ -36,7 +36,7 @@ from ..engine.cache import KVSpec, StateSpec
 from ..layers.attention import attend
 from ..layers.deltanet import FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, split_heads
 from ..layers.linear import project
-from ..layers.moe import Experts, GatedMLP
+from ..layers.moe import Experts, GatedMLP, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, apply_rope
 
@@ -229,12 +229,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x):
         h = x.reshape(-1, x.shape[-1])  # [B*T, H]
-        probs = self.gate(h).float().softmax(-1)  # [B*T, E]
-        weights, ids = probs.topk(self.top_k, dim=-1)  # [B*T, K]
-        weights = weights / weights.sum(-1, keepdim=True)
-        out = self.experts(h, ids, weights.to(h.dtype))
-        out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
-        return out.view_as(x)
+        weights, ids = softmax_topk(self.gate, h, self.top_k, renorm=True)  # [B*T, K]
+        out = self.experts(h, ids, weights)
+        return (out + self.shared_expert.gated(h, self.shared_expert_gate)).view_as(x)
 
 
 class DecoderLayer(nn.Module):

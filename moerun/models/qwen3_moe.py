@@ -12,7 +12,7 @@ from torch import nn
 from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec
 from ..layers.attention import attend
-from ..layers.moe import Experts, GatedMLP
+from ..layers.moe import Experts, GatedMLP, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, apply_rope
 
@@ -98,11 +98,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x):
         h = x.reshape(-1, x.shape[-1])  # [B*T, H]
-        probs = self.gate(h).float().softmax(-1)  # [B*T, E]
-        weights, ids = probs.topk(self.top_k, dim=-1)  # [B*T, K]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return self.experts(h, ids, weights.to(h.dtype)).view_as(x)
+        weights, ids = softmax_topk(self.gate, h, self.top_k, self.norm_topk_prob)  # [B*T, K]
+        return self.experts(h, ids, weights).view_as(x)
 
 
 class DecoderLayer(nn.Module):
