@@ -169,7 +169,7 @@ def native_views(module: torch.nn.Module, names: tuple[str, ...], make):
     """`make(*tensors)` for a module's named buffers or parameters, kept on the module until one is
     replaced or moved (`.to()`, a new tensor): a decode step would otherwise rebuild the numpy
     views of every weight it touches, a few microseconds each, hundreds of times."""
-    bufs = tuple(module._buffers[n] if n in module._buffers else module._parameters[n] for n in names)
+    bufs = tuple(_own_tensor(module, n) for n in names)
     key = tuple((id(b), b.data_ptr()) for b in bufs)
     cached = module.__dict__.get("_native_views")
     if cached is None or cached[0] != key:
@@ -177,6 +177,14 @@ def native_views(module: torch.nn.Module, names: tuple[str, ...], make):
         cached = (key, make(*bufs), bufs)
         module.__dict__["_native_views"] = cached
     return cached[1]
+
+
+def _own_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """A buffer or parameter by (dotted) name, without nn.Module's attribute lookup."""
+    if "." in name:
+        path, _, name = name.rpartition(".")
+        module = module.get_submodule(path)
+    return module._buffers[name] if name in module._buffers else module._parameters[name]
 
 
 def split_threads(net: torch.nn.Module, threads: int | None = None, max_tokens: int = 32) -> bool:
@@ -407,7 +415,7 @@ def rms_norm_ref(x, weight, eps, offset=0.0) -> torch.Tensor:
 # -- Gated DeltaNet, a few tokens ---------------------------------------------------------
 
 def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: float, key_heads: int,
-                    every: bool = False, every_out: tuple | None = None):
+                    every: bool = False, every_out: tuple | None = None, views: tuple | None = None):
     """A few tokens per row through a Gated DeltaNet layer between its projections, token
     after token: conv + SiLU, q/k L2 norms, the gated delta rule, RMSNorm(o) * norm_w * silu(z).
 
@@ -416,7 +424,8 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
     Dv], norm_w [Dv]. Returns (o [B, T, Hv, Dv], conv, S): the states after the last token,
     `conv` and `S` themselves updated in place; with `every`, the states after each token
     ([B, T, C, K-1], [B, T, Hv, Dk, Dv]) and `conv`, `S` untouched; `every_out` may give two
-    float32 buffers of those shapes to write them into (the native path uses them).
+    float32 buffers of those shapes to write them into (the native path uses them). `views`:
+    the layer's weights as `deltanet_weight_views` makes them, when the caller keeps them.
 
     Native when both states are contiguous float32 (`deltanet_decode_is_native`): the inputs
     may be bf16 (a bf16 model), widened exactly, and everything between the projections then
@@ -434,12 +443,17 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
     if every:
         conv_every, S_every = every_out or (torch.empty(B, T, C, conv.shape[-1]), torch.empty(B, T, Hv, Dk, Dv))
     _sync_threads(nat)
-    nat.deltanet_decode(*map(_np, (_f32(qkv), _f32(conv_w.reshape(C, -1)), conv)),
-                        None if conv_every is None else _np(conv_every),
-                        *map(_np, (_f32(a), _f32(b), _f32(A_log), _f32(dt_bias), S)),
-                        None if S_every is None else _np(S_every),
-                        _np(_f32(z)), _np(_f32(norm_w)), float(eps), _np(out), key_heads)
+    cw, al, dt, nw = views or deltanet_weight_views(conv_w, A_log, dt_bias, norm_w)
+    nat.deltanet_decode(_np(_f32(qkv)), cw, _np(conv), None if conv_every is None else _np(conv_every),
+                        _np(_f32(a)), _np(_f32(b)), al, dt, _np(S), None if S_every is None else _np(S_every),
+                        _np(_f32(z)), nw, float(eps), _np(out), key_heads)
     return (out, conv_every, S_every) if every else (out, conv, S)
+
+
+def deltanet_weight_views(conv_w, A_log, dt_bias, norm_w) -> tuple:
+    """Numpy views of a Gated DeltaNet layer's float32 copies of conv_w [C, K], A_log, dt_bias,
+    norm_w, as `deltanet_decode` passes them (keep them with `native_views`)."""
+    return tuple(_np(_f32(t)) for t in (conv_w.reshape(conv_w.shape[0], -1), A_log, dt_bias, norm_w))
 
 
 def deltanet_decode_is_native(qkv, conv, S) -> bool:

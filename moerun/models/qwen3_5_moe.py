@@ -164,6 +164,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
 
+DELTA_WEIGHTS = ("conv1d.weight", "A_log", "dt_bias", "norm.weight")  # what kernels.deltanet_decode reads
+
+
 class GatedDeltaNet(nn.Module):
     """Linear attention: causal conv over q,k,v, then the gated delta rule (layers/deltanet.py)."""
 
@@ -207,9 +210,10 @@ class GatedDeltaNet(nn.Module):
         qkv, z, a, b = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_a, self.in_proj_b)
         conv, rec = state.get("conv", slots), state.get("recurrent", slots)
         bufs = (state.scratch("conv", (B, T, *conv.shape[1:])), state.scratch("recurrent", (B, T, *rec.shape[1:]))) if every else None
+        views = kernels.native_views(self, DELTA_WEIGHTS, kernels.deltanet_weight_views)
         o, conv, rec = kernels.deltanet_decode(
             qkv, self.conv1d.weight, conv, a, b, self.A_log, self.dt_bias, rec, z.reshape(B, T, self.n_v, self.dv),
-            self.norm.weight, self.norm.eps, self.n_k, every, bufs)
+            self.norm.weight, self.norm.eps, self.n_k, every, bufs, views)
         if every:
             state.set_every(slots, conv=conv, recurrent=rec)
         else:
