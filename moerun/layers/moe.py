@@ -89,9 +89,8 @@ def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tupl
     dtype, ids [N, k]). Decode-sized float32 passes through a float32 router without hooks
     run as one native call (`kernels.route_softmax_topk`); hooks on the router (predictors,
     profilers) see it called as before."""
-    if (h.shape[0] <= kernels.ROUTE_MAX_TOKENS and h.dtype == gate.weight.dtype == torch.float32
-            and gate.bias is None and not (gate._forward_pre_hooks or gate._forward_hooks) and kernels.isa() != "torch"):
-        return kernels.route_softmax_topk(h, native_weight(gate), k, renorm)
+    if h.shape[0] <= kernels.ROUTE_MAX_TOKENS and native_float_linear(gate, h) and kernels.isa() != "torch":
+        return kernels.route_softmax_topk(h, gate._parameters["weight"], k, renorm)
     probs = gate(h).float().softmax(-1)  # [N, E]
     weights, ids = probs.topk(k, dim=-1)  # [N, k]
     if renorm:
@@ -99,9 +98,12 @@ def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tupl
     return weights.to(h.dtype), ids
 
 
-def native_weight(lin: nn.Linear) -> torch.Tensor:
-    """A float linear's weight, fetched without nn.Module's attribute lookup (decode hot path)."""
-    return lin._parameters["weight"]
+def native_float_linear(lin: nn.Linear, x: torch.Tensor) -> bool:
+    """Whether a native op may read this float linear's weight directly in place of calling it
+    on x: float32 weight and input, no bias, no hooks (a predictor's or a profiler's hook
+    must see the call)."""
+    return (x.dtype == lin.weight.dtype == torch.float32 and lin.bias is None
+            and not (lin._forward_pre_hooks or lin._forward_hooks))
 
 
 class GatedMLP(nn.Module):
@@ -114,10 +116,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mods = (self.gate_proj, self.up_proj, self.down_proj)
-        if kernels.isa() != "torch" and all(hasattr(m, "views") and m.bias is None for m in mods):
-            # packed quantized linears: the whole MLP is one native call
-            y = kernels.swiglu_mlp(x.reshape(-1, x.shape[-1]), *(m.views() for m in mods))
+        views = self._packed_views()
+        if views is not None:  # packed quantized linears: the whole MLP is one native call
+            y = kernels.swiglu_mlp(x.reshape(-1, x.shape[-1]), *views)
             return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
         g, u = project(x, self.gate_proj, self.up_proj)
         return self.down_proj(F.silu(g) * u)
@@ -125,8 +126,15 @@ class GatedMLP(nn.Module):
     def gated(self, x: torch.Tensor, gate: nn.Linear) -> torch.Tensor:
         """sigmoid(gate(x)) * self(x), x [N, H]: a shared expert with its scalar gate
         (Qwen2-MoE, Qwen3.5), one native call when the MLP is packed and the gate float32."""
-        mods = (self.gate_proj, self.up_proj, self.down_proj)
-        if (kernels.isa() != "torch" and x.dtype == gate.weight.dtype == torch.float32 and gate.bias is None
-                and all(hasattr(m, "views") and m.bias is None for m in mods)):
-            return kernels.swiglu_mlp(x, *(m.views() for m in mods), gate_vec=native_weight(gate))
+        views = self._packed_views()
+        if views is not None and native_float_linear(gate, x):
+            return kernels.swiglu_mlp(x, *views, gate_vec=gate._parameters["weight"])
         return torch.sigmoid(gate(x)) * self(x)
+
+    def _packed_views(self) -> tuple | None:
+        """The three projections' `kernels.Packed` when all are packed quantized linears
+        without bias and the native kernels run; None otherwise."""
+        mods = (self.gate_proj, self.up_proj, self.down_proj)
+        if kernels.isa() == "torch" or not all(hasattr(m, "views") and m.bias is None for m in mods):
+            return None
+        return tuple(m.views() for m in mods)

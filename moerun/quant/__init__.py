@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import torch
 from torch import nn
 
 from .formats import FORMATS
@@ -126,8 +127,6 @@ def policy_name(policy: QuantPolicy | None) -> str:
     return " ".join(f"{f.name}={getattr(policy, f.name) or 'none'}" for f in fields(policy))
 
 
-__all__ = ["QuantPolicy", "POLICIES", "quantize_model", "resolve_policy", "component_of", "formats_in_use",
-           "policy_name", "replace_module"]
 
 
 def compute_in_float32(net: nn.Module) -> bool:
@@ -138,8 +137,6 @@ def compute_in_float32(net: nn.Module) -> bool:
     cast at every call, and torch's bf16 ops on a CPU without bf16 arithmetic are slower
     than its float32 ones. Returns False (and changes nothing) when the net has no
     quantized module."""
-    import torch
-
     from .modules import QuantizedExperts, QuantizedLinear
 
     quantized = (QuantizedExperts, QuantizedLinear)
@@ -171,3 +168,7 @@ class Float32RowsEmbedding(nn.Embedding):
 
     def forward(self, input):
         return super().forward(input).float()
+
+
+__all__ = ["QuantPolicy", "POLICIES", "quantize_model", "resolve_policy", "component_of", "formats_in_use",
+           "policy_name", "replace_module", "compute_in_float32", "Float32RowsEmbedding"]
