@@ -40,7 +40,9 @@ def main() -> None:
     windows, _ = heldout_windows(Path(a.model), Path(a.corpus), 256, a.chunks)
     rows = []
     for quant in ("none", "int4", "int8", "int4-all"):
-        llm = moerun.load(a.model, dtype="bfloat16", threads=a.threads, quant=quant)
+        # dtype auto: the bf16 checkpoint as it is, and each quantized policy as moerun runs
+        # it by default (float32 activations beside the packed weights)
+        llm = moerun.load(a.model, threads=a.threads, quant=quant)
         rows.append((quant, perplexity(llm, windows)))
     base = rows[0][1]
     print(f"held-out windows: {len(windows)} x 256 tokens, model {a.model}")
