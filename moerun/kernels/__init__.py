@@ -73,6 +73,11 @@ def available_isas() -> list[str]:
     return ["torch"] + (list(nat.available_isas()) if nat is not None else [])
 
 
+def native() -> bool:
+    """Whether the native kernels run (`isa() != "torch"`, in one call: hot paths ask per op)."""
+    return _native() is not None
+
+
 def isa() -> str:
     """The kernel path in use: 'torch', 'generic', 'avx2', 'avxvnni' or 'avx512vnni'."""
     nat = _native()
@@ -166,16 +171,19 @@ def packed(qweight: torch.Tensor, scales: torch.Tensor, fmt: str) -> Packed:
 
 
 def native_views(module: torch.nn.Module, names: tuple[str, ...], make):
-    """`make(*tensors)` for a module's named buffers or parameters, kept on the module until one is
-    replaced or moved (`.to()`, a new tensor): a decode step would otherwise rebuild the numpy
-    views of every weight it touches, a few microseconds each, hundreds of times."""
-    bufs = tuple(_own_tensor(module, n) for n in names)
-    key = tuple((id(b), b.data_ptr()) for b in bufs)
+    """`make(*tensors)` for a module's named buffers or parameters, kept on the module until one
+    of them moves to other memory (`.to()`, a new tensor, `.data` replaced): a decode step
+    would otherwise rebuild the numpy views of every weight it touches, a few microseconds
+    each, hundreds of times. The cache holds the tensors, so no other can take their address."""
     cached = module.__dict__.get("_native_views")
-    if cached is None or cached[0] != key:
-        # the key's ids stay unique while the cache holds the tensors themselves
-        cached = (key, make(*bufs), bufs)
-        module.__dict__["_native_views"] = cached
+    if cached is not None:
+        for name, ptr in zip(names, cached[0]):
+            if _own_tensor(module, name).data_ptr() != ptr:
+                break
+        else:
+            return cached[1]
+    tensors = tuple(_own_tensor(module, n) for n in names)
+    cached = module.__dict__["_native_views"] = (tuple(t.data_ptr() for t in tensors), make(*tensors), tensors)
     return cached[1]
 
 
@@ -184,7 +192,8 @@ def _own_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     if "." in name:
         path, _, name = name.rpartition(".")
         module = module.get_submodule(path)
-    return module._buffers[name] if name in module._buffers else module._parameters[name]
+    t = module._buffers.get(name)
+    return module._parameters[name] if t is None else t
 
 
 def split_threads(net: torch.nn.Module, threads: int | None = None, max_tokens: int = 32) -> bool:
@@ -533,7 +542,7 @@ def _norm_weight(norm) -> torch.Tensor:
 
 
 __all__ = [
-    "available_isas", "isa", "set_isa", "use_isa", "describe", "set_threads", "set_spin", "split_threads",
+    "available_isas", "native", "isa", "set_isa", "use_isa", "describe", "set_threads", "set_spin", "split_threads",
     "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "swiglu_mlp", "swiglu_mlp_ref",
     "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
     "deltanet_decode", "deltanet_decode_is_native", "rms_norm", "rms_norm_ref",

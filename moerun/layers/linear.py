@@ -16,7 +16,7 @@ def project(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
     small projection's call costs tens of microseconds of overhead, this is the difference."""
     from ..quant.modules import QuantizedLinear
 
-    if (len(mods) > 1 and kernels.isa() != "torch"
+    if (len(mods) > 1 and kernels.native()
             and all(type(m) is QuantizedLinear and m.bias is None for m in mods)):
         outs = kernels.qlinear_multi(x, [m.views() for m in mods])
         return outs if x.dtype == torch.float32 else [o.to(x.dtype) for o in outs]

@@ -89,7 +89,7 @@ def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tupl
     dtype, ids [N, k]). Decode-sized float32 passes through a float32 router without hooks
     run as one native call (`kernels.route_softmax_topk`); hooks on the router (predictors,
     profilers) see it called as before."""
-    if h.shape[0] <= kernels.ROUTE_MAX_TOKENS and native_float_linear(gate, h) and kernels.isa() != "torch":
+    if h.shape[0] <= kernels.ROUTE_MAX_TOKENS and native_float_linear(gate, h) and kernels.native():
         return kernels.route_softmax_topk(h, gate._parameters["weight"], k, renorm)
     probs = gate(h).float().softmax(-1)  # [N, E]
     weights, ids = probs.topk(k, dim=-1)  # [N, k]
@@ -135,6 +135,7 @@ class GatedMLP(nn.Module):
         """The three projections' `kernels.Packed` when all are packed quantized linears
         without bias and the native kernels run; None otherwise."""
         mods = (self.gate_proj, self.up_proj, self.down_proj)
-        if kernels.isa() == "torch" or not all(hasattr(m, "views") and m.bias is None for m in mods):
+        # (looked up on the class: a plain Linear would raise and catch inside nn.Module)
+        if not kernels.native() or not all(hasattr(type(m), "views") and m.bias is None for m in mods):
             return None
         return tuple(m.views() for m in mods)
