@@ -21,8 +21,6 @@
 namespace moerun {
 namespace {
 
-inline float silu(float x) { return x / (1.f + std::exp(-x)); }
-inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }  // torch's threshold
 
 struct DeltaWork {

@@ -202,7 +202,7 @@ void swiglu_mlp(int M, int H, int I, const QWeight& gate, const QWeight& up, con
     auto act = [&](int m) {
         const float* g = W.g.data() + (size_t)m * 2 * I;
         float* h = W.u.data() + (size_t)m * I;
-        for (int j = 0; j < I; ++j) h[j] = g[j] / (1.f + std::exp(-g[j])) * g[I + j];
+        for (int j = 0; j < I; ++j) h[j] = silu(g[j]) * g[I + j];
     };
     if (M < 16) {
         for (int m = 0; m < M; ++m) act(m);
@@ -212,7 +212,7 @@ void swiglu_mlp(int M, int H, int I, const QWeight& gate, const QWeight& up, con
     qlinear_multi(M, I, 1, &down, &H, W.u.data(), y);
     if (gate_vec)
         for (int m = 0; m < M; ++m) {
-            const float gm = 1.f / (1.f + std::exp(-dot8(x + (size_t)m * H, gate_vec, H)));
+            const float gm = sigmoid(dot8(x + (size_t)m * H, gate_vec, H));
             for (int j = 0; j < H; ++j) y[(size_t)m * H + j] *= gm;
         }
 }
@@ -303,7 +303,7 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
             for (int p = ti * per; p < std::min(P, (ti + 1) * per); ++p) {
                 const float* g = W.g.data() + (size_t)p * I;
                 const float* u = W.u.data() + (size_t)p * I;
-                for (int j = 0; j < I; ++j) hrow[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+                for (int j = 0; j < I; ++j) hrow[j] = silu(g[j]) * u[j];
                 k.quantize_row(hrow.data(), I, nbI, W.h.q.data() + (size_t)p * nbI * QK,
                                W.h.d.data() + (size_t)p * nbI, W.h.s.data() + (size_t)p * nbI);
             }
@@ -495,7 +495,7 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
         attn_decode(Hq, Hkv, pos + t + 1, D, D, qt, kc, c_sh, D, vc, c_sh, D, scale, at, kv_type);
         if (gated) {
             const float* gt = W.gate.data() + (size_t)t * nq;
-            for (int i = 0; i < nq; ++i) at[i] *= 1.f / (1.f + std::exp(-gt[i]));
+            for (int i = 0; i < nq; ++i) at[i] *= sigmoid(gt[i]);
         }
     }
     qlinear(o.fmt, T, Hq * D, H, W.att.data(), o.w, o.s, out);

@@ -1,11 +1,15 @@
 // Native ops over raw buffers; bindings.cpp checks shapes and dtypes and calls these.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "kernels.h"
 
 namespace moerun {
+
+inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
 // Process-wide settings: which kernel table runs, how many threads the pool has and how long
 // its idle workers spin before they sleep.
