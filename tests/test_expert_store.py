@@ -332,6 +332,28 @@ def test_threads_stop_on_close(tmp_path):
         s.get(0, [1])
 
 
+def test_an_interrupted_link_transfer_frees_the_link(monkeypatch):
+    # Ctrl-C (any exception) in a transfer must leave the link free: a caller that catches it
+    # (chat, the server) would otherwise wait forever on its next transfer
+    from moerun.experts.emulated import EmulatedLink, parse_link
+
+    link = EmulatedLink(parse_link("1000,1"))
+    real = link.spec.__class__.seconds
+
+    def interrupted(self, nbytes):
+        monkeypatch.setattr(link.spec.__class__, "seconds", real)  # only the first transfer
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(link.spec.__class__, "seconds", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        link.fetch((), 1000, demand=True)
+    done = []
+    t = threading.Thread(target=lambda: done.append(link.fetch((), 1000, demand=True)), daemon=True)
+    t.start()
+    t.join(5)
+    assert done == [()] and link.transfers == 2
+
+
 def _run(code: str, timeout=120, **kw):
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, **kw)
@@ -357,7 +379,10 @@ def test_interpreter_exit_and_ctrl_c_do_not_hang(tmp_path):
     r = _run(CHILD.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), tail="sys.exit(0)"), timeout=120)
     assert r.returncode == 0, r.stderr
     # 2. Ctrl-C while the main thread waits on a demand transfer behind a slow link
+    # (a child still alive after 40 s writes every thread's stack to stderr, shown on failure)
     code = CHILD.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), tail="""
+    import faulthandler
+    faulthandler.dump_traceback_later(40)
     while True:
         s.get(1, [0, 1, 2]); s.release(1, [0, 1, 2])
     """)
@@ -367,7 +392,12 @@ def test_interpreter_exit_and_ctrl_c_do_not_hang(tmp_path):
     time.sleep(1.0)
     t1 = time.time()
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
+    try:
+        out, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        pytest.fail(f"the child did not exit within 60 s of Ctrl-C; its stderr:\n{err[-6000:]}")
     assert "KeyboardInterrupt" in err
     assert time.time() - t1 < 30
     assert p.returncode != 0

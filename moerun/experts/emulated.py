@@ -85,31 +85,35 @@ class EmulatedLink:
         return self.spec.describe()
 
     def fetch(self, weights: tuple, nbytes: int, demand: bool, tag=None) -> tuple:
-        with self._cv:
-            if demand:
-                self._demand_waiting += 1
-            try:
-                while self._busy or (not demand and self._demand_waiting):
-                    self._cv.wait(0.05)
-                self._busy = True
-            finally:
-                if demand:
-                    self._demand_waiting -= 1
-        t0 = time.perf_counter()
-        dt = self.spec.seconds(nbytes)
-        self.current, self.busy_until = tag, t0 + dt
+        held = False  # set before the link is taken: whatever interrupts (Ctrl-C), finally frees it
+        t0, dt = time.perf_counter(), 0.0
         try:
+            with self._cv:
+                if demand:
+                    self._demand_waiting += 1
+                try:
+                    while self._busy or (not demand and self._demand_waiting):
+                        self._cv.wait(0.05)
+                    held = True
+                    self._busy = True
+                finally:
+                    if demand:
+                        self._demand_waiting -= 1
+            t0 = time.perf_counter()
+            dt = self.spec.seconds(nbytes)
+            self.current, self.busy_until = tag, t0 + dt
             # a demand caller is blocked anyway: spin, since a sleeping thread on a busy machine
             # wakes milliseconds late and would charge the link for the scheduler's delay
             _sleep_until(t0 + dt, spin=demand)
         finally:
-            with self._cv:
-                self._busy = False
-                self.current = None
-                self.modeled_s += dt
-                self.busy_s += time.perf_counter() - t0
-                self.transfers += 1
-                self._cv.notify_all()
+            if held:
+                with self._cv:
+                    self._busy = False
+                    self.current = None
+                    self.modeled_s += dt
+                    self.busy_s += time.perf_counter() - t0
+                    self.transfers += 1
+                    self._cv.notify_all()
         return weights
 
 
