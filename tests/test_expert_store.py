@@ -379,9 +379,12 @@ def test_interpreter_exit_and_ctrl_c_do_not_hang(tmp_path):
     r = _run(CHILD.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), tail="sys.exit(0)"), timeout=120)
     assert r.returncode == 0, r.stderr
     # 2. Ctrl-C while the main thread waits on a demand transfer behind a slow link
-    # (a child still alive after 40 s writes every thread's stack to stderr, shown on failure)
+    # (a child still alive after 40 s writes every thread's stack to stderr, shown on failure).
+    # The child turns Ctrl-C into KeyboardInterrupt as an interactive Python does: started from
+    # a background shell job, it would inherit SIGINT ignored, and Python keeps it so.
     code = CHILD.format(tests=str(ROOT / "tests"), tmp=str(tmp_path), tail="""
-    import faulthandler
+    import faulthandler, signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     faulthandler.dump_traceback_later(40)
     while True:
         s.get(1, [0, 1, 2]); s.release(1, [0, 1, 2])
