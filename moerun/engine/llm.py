@@ -32,7 +32,8 @@ def set_threads(threads: int | None) -> int:
     return n
 
 
-def compute_dtype(net, asked, dtype: torch.dtype, kv_dtype: torch.dtype | None) -> tuple[torch.dtype, torch.dtype | None]:
+def compute_dtype(net, asked, dtype: torch.dtype,
+                  kv_dtype: torch.dtype | None) -> tuple[torch.dtype, torch.dtype | None]:
     """(compute dtype, KV cache dtype) of a loaded net: with dtype "auto" a quantized net
     computes in float32, the native kernels' dtype (`quant.compute_in_float32`), and its KV
     cache stays in the checkpoint's dtype unless --kv-cache says otherwise."""

@@ -170,6 +170,11 @@ def packed(qweight: torch.Tensor, scales: torch.Tensor, fmt: str) -> Packed:
     return Packed(qweight, scales, fmt, _np(qweight), _np(scales), formats.FORMATS[fmt])
 
 
+def numpy_views(*tensors: torch.Tensor) -> tuple:
+    """The tensors as the native ops take them (numpy views of their memory)."""
+    return tuple(map(_np, tensors))
+
+
 def native_views(module: torch.nn.Module, names: tuple[str, ...], make):
     """`make(*tensors)` for a module's named buffers or parameters, kept on the module until one
     of them moves to other memory (`.to()`, a new tensor, `.data` replaced): a decode step
@@ -288,7 +293,8 @@ def swiglu_mlp_ref(x, gate, up, down, gate_vec=None) -> torch.Tensor:
 ROUTE_MAX_TOKENS = 16  # native routing for decode-sized passes; prefill's torch GEMM is better
 
 
-def route_softmax_topk(x: torch.Tensor, router: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_softmax_topk(x: torch.Tensor, router: torch.Tensor, k: int,
+                       renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] float32, router [E, H] float32 -> (weights [T, k] float32, ids [T, k] long):
     the k most probable experts of softmax(x router^T), largest first, renormalised to sum 1
     when `renorm`. One native call for the seven torch ops of the reference."""
@@ -543,7 +549,8 @@ def _norm_weight(norm) -> torch.Tensor:
 
 __all__ = [
     "available_isas", "native", "isa", "set_isa", "use_isa", "describe", "set_threads", "set_spin", "split_threads",
-    "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "swiglu_mlp", "swiglu_mlp_ref",
+    "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "numpy_views", "swiglu_mlp",
+    "swiglu_mlp_ref",
     "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
     "deltanet_decode", "deltanet_decode_is_native", "rms_norm", "rms_norm_ref",
     "attn_decode_is_native", "fuse_decode_attention",

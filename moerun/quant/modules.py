@@ -49,7 +49,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         views = self.views() if kernels.native() else None
-        y = kernels.qlinear(x.reshape(-1, self.in_features), self.qweight, self.scales, self.fmt, self.in_features, views)
+        y = kernels.qlinear(x.reshape(-1, self.in_features), self.qweight, self.scales, self.fmt, self.in_features,
+                            views)
         if self.bias is not None:
             y = y + self.bias
         if x.dtype != torch.float32:
@@ -97,7 +98,7 @@ class QuantizedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]."""
-        views = kernels.native_views(self, BUFFERS, lambda *b: tuple(map(kernels._np, b))) if kernels.native() else None
+        views = kernels.native_views(self, BUFFERS, kernels.numpy_views) if kernels.native() else None
         y = kernels.moe_experts(x, ids, weights, self.gate_q, self.gate_scales, self.up_q, self.up_scales,
                                 self.down_q, self.down_scales, self.fmt, self.intermediate_size, views)
         return y.to(x.dtype)
