@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from .linear import project
+from .linear import packed_views, project
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
 
@@ -132,10 +132,4 @@ class GatedMLP(nn.Module):
         return torch.sigmoid(gate(x)) * self(x)
 
     def _packed_views(self) -> tuple | None:
-        """The three projections' `kernels.Packed` when all are packed quantized linears
-        without bias and the native kernels run; None otherwise."""
-        mods = (self.gate_proj, self.up_proj, self.down_proj)
-        # (looked up on the class: a plain Linear would raise and catch inside nn.Module)
-        if not kernels.native() or not all(hasattr(type(m), "views") and m.bias is None for m in mods):
-            return None
-        return tuple(m.views() for m in mods)
+        return packed_views(self.gate_proj, self.up_proj, self.down_proj)

@@ -209,7 +209,9 @@ class GatedDeltaNet(nn.Module):
         every = T > 1
         qkv, z, a, b = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_a, self.in_proj_b)
         conv, rec = state.get("conv", slots), state.get("recurrent", slots)
-        bufs = (state.scratch("conv", (B, T, *conv.shape[1:])), state.scratch("recurrent", (B, T, *rec.shape[1:]))) if every else None
+        bufs = None
+        if every:
+            bufs = (state.scratch("conv", (B, T, *conv.shape[1:])), state.scratch("recurrent", (B, T, *rec.shape[1:])))
         views = kernels.native_views(self, DELTA_WEIGHTS, kernels.deltanet_weight_views)
         o, conv, rec = kernels.deltanet_decode(
             qkv, self.conv1d.weight, conv, a, b, self.A_log, self.dt_bias, rec, z.reshape(B, T, self.n_v, self.dv),
