@@ -88,8 +88,7 @@ def random_experts(args, fmt: str, g) -> QuantizedExperts:
 
 def ggml_blocks(qweight: torch.Tensor, scales: torch.Tensor, fmt: str) -> np.ndarray:
     """moerun blocks -> llama.cpp Q4_0 / Q8_0 blocks: [..., N, nb * (2 + bytes)] uint8."""
-    per = formats.GROUP // 2 if fmt == "int4" else formats.GROUP
-    q = qweight.view(torch.uint8).reshape(*scales.shape, per)
+    q = formats.natural_blocks(qweight, fmt).view(torch.uint8)
     d = scales.contiguous().view(torch.uint8).reshape(*scales.shape, 2)
     return torch.cat([d, q], dim=-1).reshape(*scales.shape[:-1], -1).numpy()
 

@@ -6,8 +6,13 @@
 //   int4: 16 bytes per block; byte j holds element j in its low nibble and element j + 16 in
 //         its high nibble, stored as q + 8 (q in [-8, 7]); w = d * q.
 //   int8: 32 signed bytes per block, q in [-127, 127]; w = d * q.
+// That is each block's natural layout. Each whole group of 8 blocks of a row is stored with
+// its 4-byte words interleaved: word k of block j of the group at word k * 8 + j. The last
+// nb % 8 blocks of a row stay natural. (Format version 2; the scales are not interleaved.)
 // Activations are quantized to int8 once per row in the same blocks of 32 (d = absmax / 127)
-// so each block's dot product is an integer dot product scaled by d_w * d_x.
+// so each block's dot product is an integer dot product scaled by d_w * d_x. Each kernel
+// table's quantize_row lays them out as its gemm reads them (x86: interleaved like the
+// weights; generic: natural).
 #pragma once
 
 #include <cstddef>

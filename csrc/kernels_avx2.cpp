@@ -9,11 +9,14 @@
 #include "kernels.h"
 
 #define MOERUN_TARGET __attribute__((target("avx2,fma,f16c")))
-// |pair sums| <= 2 * 127 * 127 fit int16 for int8 weights; int4's two blocks add to at most
-// 2 * 2 * 15 * 127, so they are summed in int16 before the widening madd
+// maddubs sums byte pairs into int16: |pair sum| <= 2 * 127 * 127 fits for int8 weights, which
+// are widened at once by madd; int4's are at most 2 * 15 * 127, so a group's 8 loads x 2
+// nibble halves add up in int16 (<= 30480) before one widening madd
 #define MOERUN_DOT(u, x) _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones)
-#define MOERUN_DOT2(ulo, xlo, uhi, xhi) \
-    _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(ulo, xlo), _mm256_maddubs_epi16(uhi, xhi)), ones)
+#define MOERUN_ACC4(acc, ulo, xlo, uhi, xhi) \
+    _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(ulo, xlo), _mm256_maddubs_epi16(uhi, xhi)))
+#define MOERUN_ACC4_I32(acc) _mm256_madd_epi16(acc, ones)
+#define MOERUN_ACC8(acc, u, x) _mm256_add_epi32(acc, MOERUN_DOT(u, x))
 
 namespace moerun {
 namespace {

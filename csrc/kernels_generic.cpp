@@ -55,7 +55,16 @@ inline const float* xrow_d(const GemmArgs& a, int i, const int8_t** xq, const fl
     return a.xd + j * a.nb;
 }
 
+// Byte j of block b of a weight row of nb blocks of `bytes` bytes: blocks in the row's whole
+// groups of 8 have their 4-byte words interleaved (word k of block b % 8 at word k * 8 + b % 8
+// of the group), the last nb % 8 blocks are natural. This path's activations stay natural.
+inline size_t wbyte(int b, int j, int nb, int bytes) {
+    if (b >= nb / 8 * 8) return (size_t)b * bytes + j;
+    return (size_t)(b / 8) * 8 * bytes + ((j / 4) * 8 + b % 8) * 4 + j % 4;
+}
+
 void gemm_q4_generic(const GemmArgs& a) {
+    constexpr int kBytes = QK / 2;
     for (int i = 0; i < a.ntok; ++i) {
         const int8_t* xq;
         const float* xs;
@@ -65,11 +74,12 @@ void gemm_q4_generic(const GemmArgs& a) {
             const uint16_t* ws = a.ws + (size_t)r * a.nb;
             float acc = 0.f;
             for (int b = 0; b < a.nb; ++b) {
-                const uint8_t* wb = w + b * (QK / 2);
                 const int8_t* xb = xq + b * QK;
                 int isum = 0;
-                for (int j = 0; j < QK / 2; ++j)
-                    isum += (wb[j] & 0xf) * xb[j] + (wb[j] >> 4) * xb[j + QK / 2];
+                for (int j = 0; j < kBytes; ++j) {
+                    const uint8_t v = w[wbyte(b, j, a.nb, kBytes)];
+                    isum += (v & 0xf) * xb[j] + (v >> 4) * xb[j + kBytes];
+                }
                 // stored nibbles are q + 8: subtract 8 * sum(x) through the precomputed s
                 acc += fp16_to_fp32(ws[b]) * (xd[b] * (float)isum - 8.f * xs[b]);
             }
@@ -88,10 +98,9 @@ void gemm_q8_generic(const GemmArgs& a) {
             const uint16_t* ws = a.ws + (size_t)r * a.nb;
             float acc = 0.f;
             for (int b = 0; b < a.nb; ++b) {
-                const int8_t* wb = w + b * QK;
                 const int8_t* xb = xq + b * QK;
                 int isum = 0;
-                for (int j = 0; j < QK; ++j) isum += wb[j] * xb[j];
+                for (int j = 0; j < QK; ++j) isum += w[wbyte(b, j, a.nb, QK)] * xb[j];
                 acc += fp16_to_fp32(ws[b]) * xd[b] * (float)isum;
             }
             a.y[i * a.y_row + r] = acc;

@@ -9,7 +9,9 @@
 #include "kernels.h"
 
 #define MOERUN_DOT(u, x) MOERUN_DPBUSD(_mm256_setzero_si256(), u, x)
-#define MOERUN_DOT2(ulo, xlo, uhi, xhi) MOERUN_DPBUSD(MOERUN_DPBUSD(_mm256_setzero_si256(), ulo, xlo), uhi, xhi)
+#define MOERUN_ACC4(acc, ulo, xlo, uhi, xhi) MOERUN_DPBUSD(MOERUN_DPBUSD(acc, ulo, xlo), uhi, xhi)
+#define MOERUN_ACC4_I32(acc) (acc)
+#define MOERUN_ACC8(acc, u, x) MOERUN_DPBUSD(acc, u, x)
 
 namespace moerun {
 

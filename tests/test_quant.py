@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,6 +26,49 @@ def test_int4_layout_and_exact_values():
     assert int(packed[0, 0]) == (0 + 8 - 8) | ((0 + 8 - 8) << 4)
     assert int(packed[0, 1]) == 1 | (1 << 4)
     assert torch.equal(formats.dequantize(packed, scales, "int4", 32), w)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_whole_groups_are_word_interleaved(fmt):
+    # 9 blocks: one group of 8 interleaved by 4-byte words, then one natural block
+    per = 16 if fmt == "int4" else 32
+    w = torch.randn(2, 9 * 32, generator=torch.Generator().manual_seed(0))
+    packed, scales = formats.quantize(w, fmt)
+    assert packed.shape == (2, 9 * per) and scales.shape == (2, 9)
+    natural = formats.natural_blocks(packed, fmt)  # [2, 9, per]
+    rows = packed.view(torch.uint8)
+    for j in range(8):
+        for k in range(per // 4):
+            assert torch.equal(rows[:, (k * 8 + j) * 4:(k * 8 + j + 1) * 4], natural[:, j, 4 * k:4 * k + 4].view(torch.uint8))
+    assert torch.equal(rows[:, 8 * per:], natural[:, 8].view(torch.uint8))
+    # the natural blocks hold the values: int4 byte j is elements j (low nibble) and j + 16
+    q = torch.round(w.reshape(2, 9, 32) * (1.0 / scales.float()[..., None])).clamp(-8 if fmt == "int4" else -127, 7 if fmt == "int4" else 127)
+    if fmt == "int4":
+        nat = natural.to(torch.int16)
+        got = torch.cat([nat & 0xF, nat >> 4], -1) - 8
+    else:
+        got = natural.to(torch.int16)
+    assert torch.equal(got, q.to(torch.int16))
+
+
+def test_llamacpp_blocks_for_the_benchmark():
+    # benchmarks/vs_llamacpp.py hands llama.cpp the same weights as Q4_0 / Q8_0 blocks: the fp16
+    # scale, then the block's natural bytes (Q4_0: low nibbles elements 0-15, high 16-31, q + 8)
+    spec = importlib.util.spec_from_file_location("vs_llamacpp", Path(__file__).parents[1] / "benchmarks" / "vs_llamacpp.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    w = torch.randn(3, 300, generator=torch.Generator().manual_seed(1))
+    for fmt, per in (("int4", 16), ("int8", 32)):
+        packed, scales = formats.quantize(w, fmt)
+        blocks = torch.from_numpy(bench.ggml_blocks(packed, scales, fmt)).reshape(3, 10, 2 + per)
+        d = blocks[..., :2].contiguous().view(torch.float16).float()  # [3, 10, 1]
+        if fmt == "int4":
+            b = blocks[..., 2:].to(torch.int16)
+            q = torch.cat([b & 0xF, b >> 4], -1) - 8
+        else:
+            q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16)
+        values = (q.float() * d).reshape(3, -1)[:, :300]
+        assert torch.equal(values, formats.dequantize(packed, scales, fmt, 300))
 
 
 def test_int8_exact_values_and_padding():

@@ -109,7 +109,7 @@ def test_demo_model_saved_equals_quantized_at_load(demo_int4, monkeypatch):
 def test_config_entry_and_tensor_names(demo_int4):
     cfg = json.loads((demo_int4 / "config.json").read_text())
     entry = cfg["quantization"]
-    assert entry["format_version"] == 1 and entry["group_size"] == 32
+    assert entry["format_version"] == 2 and entry["group_size"] == 32
     assert entry["components"] == asdict(POLICIES["int4"])
     assert cfg["dtype"] == "bfloat16"
     llm = moerun.load(demo_int4, threads=1)
@@ -242,6 +242,7 @@ def test_corrupt_quantized_checkpoint(qwen3, tmp_path, capsys):
         (bad_header, ("corrupt",)),
         (drop_scales, ("missing tensor", "down_scales")),
         (edit_entry(format_version=7), ("format_version 7",)),
+        (edit_entry(format_version=1), ("format_version 1", "re-run `moerun quantize`")),
         (edit_entry(modules={"model.layers.9.mlp.experts": "int4"}), ("model.layers.9.mlp.experts", "does not have")),
         (edit_entry(modules={"model.layers.0.mlp.experts": "int5"}), ("modules",)),
     ]

@@ -37,7 +37,9 @@ from ..errors import MoerunError
 from . import QuantPolicy, component_of, policy_name, quantize_model, replace_module, resolve_policy
 from .formats import FORMATS, GROUP
 
-FORMAT_VERSION = 1
+# 2: whole groups of 8 blocks stored word-interleaved (formats.py); version 1 files, whose
+# blocks were all natural, are refused with the advice to re-run `moerun quantize`
+FORMAT_VERSION = 2
 SHARD_BYTES = 2 << 30
 # besides the weights and config.json, the files a model directory needs to be used
 COPIED = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.tiktoken",
