@@ -7,13 +7,15 @@ A random model with Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts, top-8,
 768, 32/4 heads of 128, vocab 151936) is built in memory, already quantized by moerun's
 policy (row int4: routed experts int4, attention and LM head int8; row int8: all int8).
 The GGUF file for llama.cpp is written from those very blocks: moerun's int4 and int8 blocks
-are bit-for-bit llama.cpp's Q4_0 and Q8_0 blocks (fp16 scale + the same packed values), so
-both engines read identical weights; router, norms stay fp32 in both, the embedding is Q8_0
-for llama.cpp and fp32 for moerun (one row per token: no effect on speed).
+are bit-for-bit llama.cpp's Q4_0 and Q8_0 blocks (fp16 scale + the same packed values, once
+moerun's interleaved groups are put back in block order), so both engines read identical
+weights; router, norms stay fp32 in both, the embedding is Q8_0 for llama.cpp and fp32 for
+moerun (one row per token: no effect on speed). Both keep 16-bit keys and values (llama.cpp
+f16, moerun bf16).
 
 Prints prefill tok/s (one prompt of --prompt-tokens), decode tok/s (--gen-tokens steps with
-a KV cache), the ratio, and the decode roofline: bytes read per decoded token / measured
-memory read bandwidth. A sanity line compares the two engines' last-token logits after the
+a KV cache), the ratio, and the decode roofline: bytes read per decoded token / memory read
+bandwidth (`torch.sum` over 1 GiB, measured before each round; the median). A sanity line compares the two engines' last-token logits after the
 prompt (same weights -> nearly the same logits). Both engines stay loaded and take turns for
 --rounds rounds; the table shows medians, and each ratio is the median of the rounds' own
 ratios (measured side by side, so drifting machine bandwidth cancels) with its range.
@@ -257,7 +259,9 @@ def run_moerun(net, args, prompt: list[int], gen: int, threads: int, split: bool
     if split:  # what moerun.load does: torch's small decode ops on one thread (kernels.split_threads)
         kernels.split_threads(net, threads)
         kernels.fuse_decode_attention(net)  # ... and each attention block's decode step one native call
-    cache = Cache(net.cache_spec(), 1, len(prompt) + gen + 1, torch.float32)
+    # 16-bit keys and values, like llama.cpp's default f16 cache (and moerun's default for a
+    # bf16 checkpoint: the checkpoint's dtype); the weights compute in float32
+    cache = Cache(net.cache_spec(), 1, len(prompt) + gen + 1, torch.bfloat16)
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         with CpuClock() as pre:
@@ -336,7 +340,7 @@ def main(argv=None) -> int:
         print(f"[{row}] built in {time.perf_counter() - t0:.0f} s; {nbytes / 1e6:.0f} MB read per decoded token", file=sys.stderr)
         res = dict(row=row, llama_type={"int4": "Q4_0 experts + Q8_0", "int8": "Q8_0"}[row],
                    layers=a.layers, threads=a.threads, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens,
-                   bytes_per_token=nbytes, read_bw=bw, roofline_tok_s=bw / nbytes)
+                   bytes_per_token=nbytes)
         # the GGUF file first, then synced: the kernel's writeback of gigabytes of dirty pages
         # must not run under either engine's timing
         llm = gguf_path = None
@@ -351,16 +355,20 @@ def main(argv=None) -> int:
             if a.gguf_only:
                 continue
             llm = load_llamacpp(gguf_path, prompt, a.gen_tokens, a.threads)
-        ours_runs, lc_runs = [], []
+        ours_runs, lc_runs, bws = [], [], []
         for r in range(a.rounds):
+            # the bandwidth drifts between minutes: measured again right before each round
+            bws.append(read_bandwidth(a.threads))
             ours_runs.append(run_moerun(net, args, prompt, a.gen_tokens, a.threads, split=not a.no_split_threads))
-            print(f"[{row}] round {r + 1} moerun: " + ", ".join(
+            print(f"[{row}] round {r + 1} read bandwidth {bws[-1] / 1e9:.1f} GB/s; moerun: " + ", ".join(
                 f"{k} {v:.2f}" for k, v in ours_runs[-1].items() if k != "logits"), file=sys.stderr)
             if llm is not None:
                 lc_runs.append(run_llamacpp(llm, prompt, a.gen_tokens))
                 print(f"[{row}] round {r + 1} llama.cpp: " + ", ".join(
                     f"{k} {v:.2f}" for k, v in lc_runs[-1].items() if k != "logits"), file=sys.stderr)
         ours = median_run(ours_runs)
+        res["read_bw"] = float(np.median(bws))
+        res["roofline_tok_s"] = res["read_bw"] / nbytes
         res["moerun"] = {k: v for k, v in ours.items() if k != "logits"}
         if llm is not None:
             del llm
@@ -383,8 +391,10 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps({"pools": pools, "rows": results}, indent=1))
         return 0
+    per_row = ", ".join(f"{r['read_bw'] / 1e9:.1f}" for r in results)
     print(f"\n{a.layers} layers, Qwen3-30B-A3B shapes, {a.threads} threads, prompt {a.prompt_tokens}, "
-          f"decode {a.gen_tokens}, read bandwidth {bw / 1e9:.1f} GB/s, kernels {kernels.isa()}; medians of "
+          f"decode {a.gen_tokens}, read bandwidth {bw / 1e9:.1f} GB/s at the start, {per_row} before the rounds "
+          f"(per row, median; the roofline's), kernels {kernels.isa()}; medians of "
           f"{a.rounds} alternating rounds (ratios: median of the rounds' ratios, range in brackets)")
     print("| weights | engine | prefill tok/s | decode tok/s | decode % of roofline |")
     print("|---|---|---|---|---|")
