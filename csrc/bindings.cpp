@@ -189,6 +189,24 @@ void rms_norm(Array x, Array w, Array out, float eps, float w_offset) {
     moerun::rms_norm((int)M, (int)D, (const float*)x.data(), (const float*)w.data(), w_offset, eps, (float*)out.data());
 }
 
+// x [T, H, D]; w [D] or empty (no norm); cos, sin [T, rd]; out [H, T, D]; float32
+void norm_rope_heads(Array x, Array w, Array cos, Array sin, Array out, float eps, float w_offset) {
+    for (auto [a, name] : {std::pair{&x, "x"}, {&w, "w"}, {&cos, "cos"}, {&sin, "sin"}, {&out, "out"}})
+        check_dtype(*a, dtype_code::Float, 32, name);
+    check(x.ndim() == 3, "x must be [T, H, D]");
+    const size_t T = x.shape(0), H = x.shape(1), D = x.shape(2);
+    check(w.ndim() == 1 && (w.shape(0) == D || w.shape(0) == 0), "w must be [D] or empty");
+    check(cos.ndim() == 2 && cos.shape(0) == T, "cos must be [T, rd]");
+    const size_t rd = cos.shape(1);
+    check(rd % 2 == 0 && rd <= D, "the rotary width must be even and at most D");
+    check_shape(sin, {T, rd}, "sin");
+    check_shape(out, {H, T, D}, "out");
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::norm_rope_heads((int)T, (int)H, (int)D, (const float*)x.data(), w.shape(0) ? (const float*)w.data() : nullptr,
+                            w_offset, eps, (const float*)cos.data(), (const float*)sin.data(), (int)rd, (float*)out.data());
+}
+
 moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows, int nb, const char* what) {
     check_fmt(fmt);
     check_qweight(w, fmt, {rows}, nb, what);
@@ -399,6 +417,10 @@ NB_MODULE(_native, m) {
           nb::arg("gated") = false,
           "a few tokens of one row through a quantized GQA attention block with a float32 or bf16 cache (gated: Qwen3.5's "
           "sigmoid output gate, q_proj giving each head's query then its gate)");
+    m.def("norm_rope_heads", &norm_rope_heads, nb::arg("x"), nb::arg("w"), nb::arg("cos"), nb::arg("sin"), nb::arg("out"),
+          nb::arg("eps"), nb::arg("w_offset") = 0.f,
+          "out[H, T, D] = rope(RMSNorm(x[T, H, D]) * (w + w_offset)) per head (w empty: no norm), rotate-half on "
+          "the first cos.shape[1] dims");
     m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("eps"), nb::arg("w_offset") = 0.f,
           "out = x / rms(x) * (w + w_offset) per row (float32)");
     m.def("deltanet_decode", &deltanet_decode, nb::arg("qkv"), nb::arg("conv_w"), nb::arg("conv"),

@@ -449,6 +449,29 @@ void rms_norm(int M, int D, const float* x, const float* w, float w_offset, floa
     }
 }
 
+void norm_rope_heads(int T, int H, int D, const float* x, const float* w, float w_offset, float eps,
+                     const float* cos, const float* sin, int rd, float* y) {
+    auto rows = [&](int r0, int r1) {  // row r: head r / T, token r % T
+        for (int r = r0; r < r1; ++r) {
+            const int h = r / T, t = r % T;
+            const float* xr = x + ((size_t)t * H + h) * D;
+            float* yr = y + (size_t)r * D;
+            if (w)
+                rms_norm(1, D, xr, w, w_offset, eps, yr);
+            else
+                std::copy(xr, xr + D, yr);
+            head_rope(yr, cos + (size_t)t * rd, sin + (size_t)t * rd, rd);
+        }
+    };
+    const int n = T * H;
+    if (n < 64) {
+        rows(0, n);
+        return;
+    }
+    const int parts = std::min(n, 4 * pool().size()), per = (n + parts - 1) / parts;
+    pool().parallel_for(parts, [&](int i) { rows(i * per, std::min(n, (i + 1) * per)); });
+}
+
 void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWeight& q, const QWeight& k,
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,

@@ -44,6 +44,10 @@ void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const vo
 // y[m] = x[m] / sqrt(mean(x[m]^2) + eps) * (w + w_offset) for M rows of D (w_offset 1: the
 // zero-centred form; y may be x). Single-threaded: meant for the few rows of a decode step.
 void rms_norm(int M, int D, const float* x, const float* w, float w_offset, float eps, float* y);
+// Per-head RMSNorm (w null: none) then rotate-half rope on the first rd dims, for T tokens of
+// H heads of D: x [T, H, D] -> y [H, T, D] (head-major, as attention reads it); cos, sin [T, rd].
+void norm_rope_heads(int T, int H, int D, const float* x, const float* w, float w_offset, float eps,
+                     const float* cos, const float* sin, int rd, float* y);
 
 // A quantized linear's weights: format, packed rows and fp16 scales (blocks_of(in) per row).
 struct QWeight {

@@ -798,3 +798,74 @@ def test_rms_norm_refuses_bad_arguments():
         nat.rms_norm(x.double().numpy(), w.numpy(), out.numpy(), 1e-6)
     with pytest.raises(ValueError, match=r"x must be \[M, D\]"):
         nat.rms_norm(torch.zeros(8).numpy(), w.numpy(), out.numpy(), 1e-6)
+
+
+@pytest.mark.parametrize("T,H,D,rd", [(1, 4, 64, 64), (5, 3, 128, 64), (300, 8, 128, 128), (64, 2, 96, 32)])
+@pytest.mark.parametrize("norm", ["plain", "zero_centered", "none"])
+def test_norm_rope_heads(T, H, D, rd, norm):
+    """Per-head RMSNorm + rope into the head-major layout against the torch ops (one pass
+    over the pool from 64 rows on, row by row below)."""
+    g = torch.Generator().manual_seed(T * H + D + rd)
+    x = torch.randn(T, H, D, generator=g)
+    w = None if norm == "none" else torch.randn(D, generator=g)
+    offset = 1.0 if norm == "zero_centered" else 0.0
+    pos = torch.arange(T)[:, None] * 0.01 * torch.arange(rd)[None]
+    cos, sin = pos.cos(), pos.sin()
+    got = kernels.norm_rope_heads(x, w, 1e-6, offset, cos, sin)
+    ref = kernels.norm_rope_heads_ref(x, w, 1e-6, offset, cos, sin)
+    assert got.shape == (H, T, D) and got.is_contiguous()
+    assert max_rel(got, ref) < 1e-5
+    if rd < D:  # past the rotary dims only the norm applies
+        normed = x if w is None else kernels.rms_norm_ref(x, w, 1e-6, offset)
+        assert max_rel(got[..., rd:], normed.transpose(0, 1)[..., rd:]) < 1e-5
+
+
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+def test_norm_rope_heads_refuses_bad_arguments():
+    nat = kernels._native()
+    x, w, cs, out = torch.zeros(3, 2, 8), torch.ones(8), torch.zeros(3, 8), torch.zeros(2, 3, 8)
+    nat.norm_rope_heads(x.numpy(), w.numpy(), cs.numpy(), cs.numpy(), out.numpy(), 1e-6)  # well-formed: runs
+    nat.norm_rope_heads(x.numpy(), torch.zeros(0).numpy(), cs.numpy(), cs.numpy(), out.numpy(), 1e-6)  # no norm
+    cases = [
+        ((torch.zeros(3, 16), w, cs, cs, out), r"x must be \[T, H, D\]"),
+        ((x, torch.ones(9), cs, cs, out), r"w must be \[D\] or empty"),
+        ((x, w, torch.zeros(4, 8), cs, out), r"cos must be \[T, rd\]"),
+        ((x, w, torch.zeros(3, 7), torch.zeros(3, 7), out), "even and at most D"),
+        ((x, w, torch.zeros(3, 10), torch.zeros(3, 10), out), "even and at most D"),
+        ((x, w, cs, torch.zeros(3, 6), out), "sin: dimension 1"),
+        ((x, w, cs, cs, torch.zeros(3, 2, 8)), "out: dimension 0"),
+        ((x.double(), w, cs, cs, out), "x: wrong dtype"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            nat.norm_rope_heads(*(a.numpy() for a in args), 1e-6)
+
+
+def test_qwen3_attention_runs_norm_and_rope_as_one_call(monkeypatch):
+    """A float32 Qwen3-MoE attention block of one row hands its q and k to norm_rope_heads
+    (prefill and decode alike), and the result is the torch composition's."""
+    from moerun.layers import rope as rope_mod
+    from moerun.models import qwen3_moe
+
+    args = qwen3_moe.ModelArgs.from_dict(dict(
+        model_type="qwen3_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=32, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
+        vocab_size=32, rms_norm_eps=1e-6, rope_theta=10000.0))
+    attn = qwen3_moe.Attention(args).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    x = torch.randn(1, 9, 64, generator=g)
+    rope = rope_mod.Rope({"rope_type": "default", "rope_theta": 10000.0}, 16, 64)
+    cos_sin = rope(torch.arange(9)[None], torch.float32)
+    calls = []
+    real = kernels.norm_rope_heads
+    monkeypatch.setattr(kernels, "norm_rope_heads", lambda *a: calls.append(a[0].shape) or real(*a))
+    with torch.inference_mode():
+        got = attn(x, cos_sin, None, None, None)
+    assert calls == [(9, 4, 16), (9, 2, 16)]
+    monkeypatch.setattr(kernels, "norm_rope_heads", kernels.norm_rope_heads_ref)
+    with torch.inference_mode():
+        ref = attn(x, cos_sin, None, None, None)
+    assert max_rel(got, ref) < 1e-5

@@ -427,6 +427,30 @@ def rms_norm_ref(x, weight, eps, offset=0.0) -> torch.Tensor:
     return y * (weight.float() + offset) if offset else y * weight.float()
 
 
+def norm_rope_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float,
+                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] float32 -> [H, T, D]: each head's RMSNorm (times weight + offset; None: no
+    norm) then rotate-half rope on the first cos.shape[-1] dims, cos and sin [T, rd]. One
+    native pass over the pool where torch takes ~10 (a 512-token prefill's q and k of a
+    Qwen3-30B-A3B layer: ~24 ms in torch)."""
+    nat = _native()
+    if nat is None:
+        return norm_rope_heads_ref(x, weight, eps, offset, cos, sin)
+    T, H, D = x.shape
+    out = torch.empty(H, T, D)
+    _sync_threads(nat)
+    nat.norm_rope_heads(_np(_f32(x)), _np(_EMPTY if weight is None else _f32(weight)), _np(_f32(cos)),
+                        _np(_f32(sin)), _np(out), float(eps), float(offset))
+    return out
+
+
+def norm_rope_heads_ref(x, weight, eps, offset, cos, sin) -> torch.Tensor:
+    from ..layers.rope import apply_rope
+
+    y = x.float() if weight is None else rms_norm_ref(x, weight, eps, offset)
+    return apply_rope(y.transpose(0, 1)[None], cos.float(), sin.float())[0].contiguous()
+
+
 # -- Gated DeltaNet, a few tokens ---------------------------------------------------------
 
 def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: float, key_heads: int,
@@ -552,6 +576,6 @@ __all__ = [
     "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "numpy_views", "swiglu_mlp",
     "swiglu_mlp_ref",
     "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
-    "deltanet_decode", "deltanet_decode_is_native", "rms_norm", "rms_norm_ref",
+    "deltanet_decode", "deltanet_decode_is_native", "rms_norm", "rms_norm_ref", "norm_rope_heads", "norm_rope_heads_ref",
     "attn_decode_is_native", "fuse_decode_attention",
 ]

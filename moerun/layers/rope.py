@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .. import kernels
+
 
 def inv_frequencies(rope: dict[str, Any], rotary_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [rotary_dim/2] and the attention (cos/sin) scaling factor."""
@@ -87,6 +89,21 @@ class Rope(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self._table = (emb.cos() * self.scale, emb.sin() * self.scale)
         return self._table
+
+
+def norm_rope(x: torch.Tensor, norm, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A projection's heads x [B, T, H, D] -> [B, H, T, D]: the per-head RMSNorm `norm` (None:
+    none), then rotate-half rope on the first rotary dims. One float32 row (prefill, decode,
+    verification) is one native pass over every head and token (`kernels.norm_rope_heads`);
+    anything else runs the torch ops."""
+    cos, sin = cos_sin
+    w = None if norm is None else norm.weight
+    if x.shape[0] == 1 and x.dtype == torch.float32 and (w is None or w.dtype == torch.float32):
+        T = x.shape[1]
+        offset = 1.0 if getattr(norm, "zero_centered", False) else 0.0
+        eps = norm.eps if norm is not None else 0.0
+        return kernels.norm_rope_heads(x[0], w, eps, offset, cos.reshape(T, -1), sin.reshape(T, -1))[None]
+    return apply_rope((x if norm is None else norm(x)).transpose(1, 2), cos, sin)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from ..engine.cache import KVSpec
 from ..layers.attention import attend
 from ..layers.moe import Experts, softmax_topk
 from ..layers.norm import RMSNorm
-from ..layers.rope import Rope, apply_rope
+from ..layers.rope import Rope, norm_rope
 
 # B batch, T tokens, H hidden, E experts, K experts per token, D head dim
 
@@ -82,10 +82,9 @@ class Attention(nn.Module):
         v = self.v_proj(x)
         if self.clip is not None:  # after the norms, before rope, as OLMo does
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q = norm_rope(q.view(B, T, self.n_heads, self.head_dim), None, cos_sin)  # [B, heads, T, D]
+        k = norm_rope(k.view(B, T, self.n_kv, self.head_dim), None, cos_sin)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
         out = attend(q, k, v, kv, slots, pos0, self.scale)  # [B, heads, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 

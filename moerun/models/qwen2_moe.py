@@ -16,7 +16,7 @@ from ..engine.cache import KVSpec
 from ..layers.attention import attend
 from ..layers.moe import Experts, GatedMLP, softmax_topk
 from ..layers.norm import RMSNorm
-from ..layers.rope import Rope, apply_rope
+from ..layers.rope import Rope, norm_rope
 
 # B batch, T tokens, S keys, H hidden, E experts, K experts per token, D head dim
 
@@ -120,10 +120,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos_sin, kv, slots, pos0):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q = norm_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), None, cos_sin)
+        k = norm_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), None, cos_sin)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
         out = attend_window(q, k, v, kv, slots, pos0, self.scale, self.window)  # [B, heads, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 

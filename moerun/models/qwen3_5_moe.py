@@ -38,7 +38,7 @@ from ..layers.deltanet import FEW, causal_conv1d, chunk_gated_delta_rule, gated_
 from ..layers.linear import project
 from ..layers.moe import Experts, GatedMLP, softmax_topk
 from ..layers.norm import RMSNorm
-from ..layers.rope import Rope, apply_rope
+from ..layers.rope import Rope, norm_rope
 
 # B batch, T tokens, H hidden, E experts, K experts per token, D head dim,
 # Hv/Hk DeltaNet value/key heads, Dv/Dk their dims, C DeltaNet conv channels
@@ -149,10 +149,9 @@ class Attention(nn.Module):
     def forward(self, x, cos_sin, kv, slots, pos0):
         B, T, _ = x.shape
         q, gate = self.q_proj(x).view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q).transpose(1, 2)  # [B, heads, T, D]
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
+        q = norm_rope(q, self.q_norm, cos_sin)  # [B, heads, T, D]
+        k = norm_rope(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), self.k_norm, cos_sin)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
         out = attend(q, k, v, kv, slots, pos0, self.scale).transpose(1, 2).reshape(B, T, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(B, T, -1)))
 
