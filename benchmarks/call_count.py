@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import sys
+
+from checkout import add_import_from, import_from
 
 
 def main(argv=None) -> None:
@@ -23,11 +24,9 @@ def main(argv=None) -> None:
     ap.add_argument("--quant", default="int4")
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--import-from", default=None, help="a checkout whose moerun package to import instead")
+    add_import_from(ap)
     a = ap.parse_args(argv)
-    if a.import_from:  # ahead of the editable install's import hook
-        sys.meta_path = [f for f in sys.meta_path if "ScikitBuild" not in type(f).__name__]
-        sys.path.insert(0, a.import_from)
+    import_from(a.import_from)
     import moerun
     from moerun import kernels
 

@@ -15,8 +15,9 @@ comparison run back to back; each checkout quantizes with its own formats.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
+
+from checkout import add_import_from, import_from
 
 
 def main(argv=None) -> int:
@@ -25,11 +26,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="1x32768x2048,4x32768x2048,48x768x2048")
     ap.add_argument("--formats", default="int4,int8")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--import-from", default=None, help="a checkout whose moerun package to import instead")
+    add_import_from(ap)
     a = ap.parse_args(argv)
-    if a.import_from:  # ahead of the editable install's import hook
-        sys.meta_path = [f for f in sys.meta_path if "ScikitBuild" not in type(f).__name__]
-        sys.path.insert(0, a.import_from)
+    import_from(a.import_from)
     import torch
 
     from moerun import kernels
