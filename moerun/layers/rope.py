@@ -98,7 +98,7 @@ def norm_rope(x: torch.Tensor, norm, cos_sin: tuple[torch.Tensor, torch.Tensor])
     anything else runs the torch ops."""
     cos, sin = cos_sin
     w = None if norm is None else norm.weight
-    if x.shape[0] == 1 and x.dtype == torch.float32 and (w is None or w.dtype == torch.float32):
+    if x.shape[0] == 1 and x.is_cpu and x.dtype == torch.float32 and (w is None or w.dtype == torch.float32):
         T = x.shape[1]
         offset = 1.0 if getattr(norm, "zero_centered", False) else 0.0
         eps = norm.eps if norm is not None else 0.0

@@ -25,8 +25,10 @@ Each run of 8 whole blocks of a row (a *group*) is stored with its 4-byte words 
 word k of block j of the group lies at word k * 8 + j (format version 2). One 32-byte load then
 holds the same 4-byte slice of 8 blocks, so the integer dot products of a group's 8 blocks
 build up lane by lane (lane j: block j) and are scaled once per group by the 8 scales as they
-are stored, where the natural layout needs a conversion and a scale shuffle per block (the
-AVX2 kernels run 1.5x faster this way). The last nb % 8 blocks of a row stay natural.
+are stored, where the natural layout needs a conversion and a scale shuffle per block (with
+it the AVX2 int4 GEMM of 48 tokens went from ~21 to 55-66 GMAC/s on one thread,
+`benchmarks/gemm.py`, together with the kernels' other changes of that session). The last
+nb % 8 blocks of a row stay natural.
 `natural_blocks` undoes the interleaving (the llama.cpp blocks of benchmarks/vs_llamacpp.py).
 
 Activations are quantized to int8 in the same blocks of 32 (`d = absmax / 127`, round to
