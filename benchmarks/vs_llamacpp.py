@@ -15,8 +15,9 @@ f16, moerun bf16).
 
 Prints prefill tok/s (one prompt of --prompt-tokens), decode tok/s (--gen-tokens steps with
 a KV cache), the ratio, and the decode roofline: bytes read per decoded token / memory read
-bandwidth (`torch.sum` over 1 GiB, measured before each round; the median). A sanity line compares the two engines' last-token logits after the
-prompt (same weights -> nearly the same logits). Both engines stay loaded and take turns for
+bandwidth (`torch.sum` over 1 GiB, measured before each round; the median). A sanity line
+compares the two engines' last-token logits after the prompt (same weights -> nearly the
+same logits). Both engines stay loaded and take turns for
 --rounds rounds; the table shows medians, and each ratio is the median of the rounds' own
 ratios (measured side by side, so drifting machine bandwidth cancels) with its range.
 
