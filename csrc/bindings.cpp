@@ -203,8 +203,9 @@ void norm_rope_heads(Array x, Array w, Array cos, Array sin, Array out, float ep
     check_shape(out, {H, T, D}, "out");
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::norm_rope_heads((int)T, (int)H, (int)D, (const float*)x.data(), w.shape(0) ? (const float*)w.data() : nullptr,
-                            w_offset, eps, (const float*)cos.data(), (const float*)sin.data(), (int)rd, (float*)out.data());
+    const float* wp = w.shape(0) ? (const float*)w.data() : nullptr;
+    moerun::norm_rope_heads((int)T, (int)H, (int)D, (const float*)x.data(), wp, w_offset, eps, (const float*)cos.data(),
+                            (const float*)sin.data(), (int)rd, (float*)out.data());
 }
 
 moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows, int nb, const char* what) {
@@ -417,8 +418,8 @@ NB_MODULE(_native, m) {
           nb::arg("gated") = false,
           "a few tokens of one row through a quantized GQA attention block with a float32 or bf16 cache (gated: Qwen3.5's "
           "sigmoid output gate, q_proj giving each head's query then its gate)");
-    m.def("norm_rope_heads", &norm_rope_heads, nb::arg("x"), nb::arg("w"), nb::arg("cos"), nb::arg("sin"), nb::arg("out"),
-          nb::arg("eps"), nb::arg("w_offset") = 0.f,
+    m.def("norm_rope_heads", &norm_rope_heads, nb::arg("x"), nb::arg("w"), nb::arg("cos"), nb::arg("sin"),
+          nb::arg("out"), nb::arg("eps"), nb::arg("w_offset") = 0.f,
           "out[H, T, D] = rope(RMSNorm(x[T, H, D]) * (w + w_offset)) per head (w empty: no norm), rotate-half on "
           "the first cos.shape[1] dims");
     m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("w"), nb::arg("out"), nb::arg("eps"), nb::arg("w_offset") = 0.f,

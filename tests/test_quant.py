@@ -39,10 +39,12 @@ def test_whole_groups_are_word_interleaved(fmt):
     rows = packed.view(torch.uint8)
     for j in range(8):
         for k in range(per // 4):
-            assert torch.equal(rows[:, (k * 8 + j) * 4:(k * 8 + j + 1) * 4], natural[:, j, 4 * k:4 * k + 4].view(torch.uint8))
+            word = rows[:, (k * 8 + j) * 4:(k * 8 + j + 1) * 4]
+            assert torch.equal(word, natural[:, j, 4 * k:4 * k + 4].view(torch.uint8))
     assert torch.equal(rows[:, 8 * per:], natural[:, 8].view(torch.uint8))
     # the natural blocks hold the values: int4 byte j is elements j (low nibble) and j + 16
-    q = torch.round(w.reshape(2, 9, 32) * (1.0 / scales.float()[..., None])).clamp(-8 if fmt == "int4" else -127, 7 if fmt == "int4" else 127)
+    lo, hi = (-8, 7) if fmt == "int4" else (-127, 127)
+    q = torch.round(w.reshape(2, 9, 32) * (1.0 / scales.float()[..., None])).clamp(lo, hi)
     if fmt == "int4":
         nat = natural.to(torch.int16)
         got = torch.cat([nat & 0xF, nat >> 4], -1) - 8
@@ -54,7 +56,8 @@ def test_whole_groups_are_word_interleaved(fmt):
 def test_llamacpp_blocks_for_the_benchmark():
     # benchmarks/vs_llamacpp.py hands llama.cpp the same weights as Q4_0 / Q8_0 blocks: the fp16
     # scale, then the block's natural bytes (Q4_0: low nibbles elements 0-15, high 16-31, q + 8)
-    spec = importlib.util.spec_from_file_location("vs_llamacpp", Path(__file__).parents[1] / "benchmarks" / "vs_llamacpp.py")
+    path = Path(__file__).parents[1] / "benchmarks" / "vs_llamacpp.py"
+    spec = importlib.util.spec_from_file_location("vs_llamacpp", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     w = torch.randn(3, 300, generator=torch.Generator().manual_seed(1))

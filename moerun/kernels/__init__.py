@@ -576,6 +576,7 @@ __all__ = [
     "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "numpy_views", "swiglu_mlp",
     "swiglu_mlp_ref",
     "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
-    "deltanet_decode", "deltanet_decode_is_native", "rms_norm", "rms_norm_ref", "norm_rope_heads", "norm_rope_heads_ref",
+    "deltanet_decode", "deltanet_decode_is_native", "rms_norm", "rms_norm_ref", "norm_rope_heads",
+    "norm_rope_heads_ref",
     "attn_decode_is_native", "fuse_decode_attention",
 ]
