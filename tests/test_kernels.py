@@ -800,6 +800,7 @@ def test_rms_norm_refuses_bad_arguments():
         nat.rms_norm(torch.zeros(8).numpy(), w.numpy(), out.numpy(), 1e-6)
 
 
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
 @pytest.mark.parametrize("T,H,D,rd", [(1, 4, 64, 64), (5, 3, 128, 64), (300, 8, 128, 128), (64, 2, 96, 32)])
 @pytest.mark.parametrize("norm", ["plain", "zero_centered", "none"])
 def test_norm_rope_heads(T, H, D, rd, norm):
@@ -841,6 +842,7 @@ def test_norm_rope_heads_refuses_bad_arguments():
             nat.norm_rope_heads(*(a.numpy() for a in args), 1e-6)
 
 
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
 def test_qwen3_attention_runs_norm_and_rope_as_one_call(monkeypatch):
     """A float32 Qwen3-MoE attention block of one row hands its q and k to norm_rope_heads
     (prefill and decode alike), and the result is the torch composition's."""
@@ -869,3 +871,12 @@ def test_qwen3_attention_runs_norm_and_rope_as_one_call(monkeypatch):
     with torch.inference_mode():
         ref = attn(x, cos_sin, None, None, None)
     assert max_rel(got, ref) < 1e-5
+    # a hook on the q norm must see it called: q then takes the torch ops, k stays native
+    seen = []
+    attn.q_norm.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    calls.clear()
+    monkeypatch.setattr(kernels, "norm_rope_heads", lambda *a: calls.append(a[0].shape) or real(*a))
+    with torch.inference_mode():
+        hooked = attn(x, cos_sin, None, None, None)
+    assert seen == [(1, 9, 4, 16)] and calls == [(9, 2, 16)]
+    assert max_rel(hooked, ref) < 1e-5

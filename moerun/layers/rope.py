@@ -95,10 +95,12 @@ def norm_rope(x: torch.Tensor, norm, cos_sin: tuple[torch.Tensor, torch.Tensor])
     """A projection's heads x [B, T, H, D] -> [B, H, T, D]: the per-head RMSNorm `norm` (None:
     none), then rotate-half rope on the first rotary dims. One float32 row (prefill, decode,
     verification) is one native pass over every head and token (`kernels.norm_rope_heads`);
-    anything else runs the torch ops."""
+    anything else, or a norm with hooks (they must see it called), runs the torch ops."""
     cos, sin = cos_sin
     w = None if norm is None else norm.weight
-    if x.shape[0] == 1 and x.is_cpu and x.dtype == torch.float32 and (w is None or w.dtype == torch.float32):
+    hooked = norm is not None and bool(norm._forward_pre_hooks or norm._forward_hooks)
+    if (x.shape[0] == 1 and x.is_cpu and x.dtype == torch.float32 and not hooked
+            and (w is None or w.dtype == torch.float32)):
         T = x.shape[1]
         offset = 1.0 if getattr(norm, "zero_centered", False) else 0.0
         eps = norm.eps if norm is not None else 0.0
