@@ -20,6 +20,8 @@
 
 namespace nb = nanobind;
 using Array = nb::ndarray<nb::device::cpu, nb::c_contig>;
+// any strides: checked by check_rows (contiguous within each token, any row and token strides)
+using RowsArray = nb::ndarray<nb::device::cpu>;
 
 static std::map<std::string, bool> cpu_features() {
     __builtin_cpu_init();
@@ -58,6 +60,22 @@ void check_shape(const Array& a, std::initializer_list<size_t> shape, const char
                                    std::to_string(a.shape(i)) + ", expected " + std::to_string(s));
         ++i;
     }
+}
+
+// a [B, T, ...] tensor whose trailing dimensions are contiguous within each (row, token)
+void check_rows(const RowsArray& a, std::initializer_list<size_t> shape, const char* what) {
+    check(a.ndim() == shape.size(), std::string(what) + ": wrong number of dimensions");
+    size_t i = 0, inner = 1;
+    for (size_t s : shape) {
+        check(a.shape(i) == s, std::string(what) + ": dimension " + std::to_string(i) + " is " +
+                                   std::to_string(a.shape(i)) + ", expected " + std::to_string(s));
+        ++i;
+    }
+    for (size_t j = a.ndim(); j-- > 2;) {
+        check(a.shape(j) <= 1 || a.stride(j) == (int64_t)inner, std::string(what) + ": must be contiguous within a token");
+        inner *= a.shape(j);
+    }
+    check(a.stride(0) >= 0 && a.stride(1) >= 0, std::string(what) + ": negative strides");
 }
 
 void check_fmt(int fmt) { check(fmt == moerun::FMT_INT4 || fmt == moerun::FMT_INT8, "fmt must be 4 or 8"); }
@@ -324,14 +342,17 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
 }
 
 // qkv [B, T, C]; conv_w [C, K]; conv [B, C, K-1]; a, b [B, T, Hv]; A_log, dt_bias [Hv];
-// S [B, Hv, Dk, Dv]; z, out [B, T, Hv, Dv]; norm_w [Dv]; all float32. With conv_every
-// [B, T, C, K-1] and S_every [B, T, Hv, Dk, Dv] (both or neither) every token's state goes
-// there and conv, S are only read.
-void deltanet_decode(Array qkv, Array conv_w, Array conv, std::optional<Array> conv_every, Array a, Array b,
-                     Array A_log, Array dt_bias, Array S, std::optional<Array> S_every, Array z, Array norm_w,
-                     float eps, Array out, int Hk) {
-    for (const Array* t : {&qkv, &conv_w, &conv, &a, &b, &A_log, &dt_bias, &S, &z, &norm_w, &out})
+// S [B, Hv, Dk, Dv]; z, out [B, T, Hv, Dv]; norm_w [Dv]; all float32. conv and S end as the
+// state after the last token; with conv_every [B, T, C, K-1] and S_every [B, T, Hv, Dk, Dv]
+// (both or neither) every token's state goes there too. qkv, a, b and z may be strided over
+// their first two dimensions (column slices of one projection buffer); the rest is contiguous.
+void deltanet_decode(RowsArray qkv, Array conv_w, Array conv, std::optional<Array> conv_every, RowsArray a,
+                     RowsArray b, Array A_log, Array dt_bias, Array S, std::optional<Array> S_every, RowsArray z,
+                     Array norm_w, float eps, Array out, int Hk) {
+    for (const Array* t : {&conv_w, &conv, &A_log, &dt_bias, &S, &norm_w, &out})
         check_dtype(*t, dtype_code::Float, 32, "deltanet tensors");
+    for (const RowsArray* t : {&qkv, &a, &b, &z})
+        check(t->dtype() == nb::dtype<float>(), "deltanet tensors: wrong dtype");
     check(conv_every.has_value() == S_every.has_value(), "conv_every and S_every go together");
     check(qkv.ndim() == 3, "qkv must be [B, T, C]");
     const size_t B = qkv.shape(0), T = qkv.shape(1), C = qkv.shape(2);
@@ -342,11 +363,12 @@ void deltanet_decode(Array qkv, Array conv_w, Array conv, std::optional<Array> c
     const size_t Hv = S.shape(1), Dk = S.shape(2), Dv = S.shape(3);
     check(Hk > 0 && Hv % (size_t)Hk == 0, "value heads must be a multiple of key heads");
     check(C == 2 * (size_t)Hk * Dk + Hv * Dv, "qkv: C must be 2 * Hk * Dk + Hv * Dv");
-    check_shape(a, {B, T, Hv}, "a");
-    check_shape(b, {B, T, Hv}, "b");
+    check_rows(qkv, {B, T, C}, "qkv");
+    check_rows(a, {B, T, Hv}, "a");
+    check_rows(b, {B, T, Hv}, "b");
+    check_rows(z, {B, T, Hv, Dv}, "z");
     check_shape(A_log, {Hv}, "A_log");
     check_shape(dt_bias, {Hv}, "dt_bias");
-    check_shape(z, {B, T, Hv, Dv}, "z");
     check_shape(norm_w, {Dv}, "norm_w");
     check_shape(out, {B, T, Hv, Dv}, "out");
     if (S_every) {
@@ -356,11 +378,13 @@ void deltanet_decode(Array qkv, Array conv_w, Array conv, std::optional<Array> c
         check_shape(*S_every, {B, T, Hv, Dk, Dv}, "S_every");
     }
     moerun::DeltaArgs d{(int)B, (int)T, (int)C, (int)K, Hk, (int)Hv, (int)Dk, (int)Dv,
-                        (const float*)qkv.data(), (const float*)conv_w.data(), (float*)conv.data(),
+                        (const float*)qkv.data(), (long)qkv.stride(0), (long)qkv.stride(1),
+                        (const float*)conv_w.data(), (float*)conv.data(),
                         conv_every ? (float*)conv_every->data() : nullptr, (const float*)a.data(),
-                        (const float*)b.data(), (const float*)A_log.data(), (const float*)dt_bias.data(),
+                        (const float*)b.data(), (long)a.stride(0), (long)a.stride(1), (long)b.stride(0),
+                        (long)b.stride(1), (const float*)A_log.data(), (const float*)dt_bias.data(),
                         (float*)S.data(), S_every ? (float*)S_every->data() : nullptr, (const float*)z.data(),
-                        (const float*)norm_w.data(), eps, (float*)out.data()};
+                        (long)z.stride(0), (long)z.stride(1), (const float*)norm_w.data(), eps, (float*)out.data()};
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
     moerun::deltanet_decode(d);

@@ -45,7 +45,7 @@ void deltanet_decode(const DeltaArgs& a) {
             float* st = a.conv + ((size_t)b * C + c) * Km;
             for (int j = 0; j < Km; ++j) win[j] = st[j];
             for (int t = 0; t < T; ++t) {
-                win[Km] = a.qkv[((size_t)b * T + t) * C + c];
+                win[Km] = a.qkv[b * a.qkv_sb + t * a.qkv_st + c];
                 float s = 0.f;
                 for (int j = 0; j < K; ++j) s += win[j] * w[j];
                 y[((size_t)b * T + t) * C + c] = silu(s);
@@ -53,7 +53,7 @@ void deltanet_decode(const DeltaArgs& a) {
                 if (a.conv_every)
                     std::copy(win.begin(), win.begin() + Km, a.conv_every + (((size_t)b * T + t) * C + c) * Km);
             }
-            if (!a.conv_every) std::copy(win.begin(), win.begin() + Km, st);
+            std::copy(win.begin(), win.begin() + Km, st);
         }
     };
     const int parts = std::max(1, std::min(pool().size(), C / 256));
@@ -85,9 +85,10 @@ void deltanet_decode(const DeltaArgs& a) {
     for (int b = 0; b < B; ++b)
         for (int h = 0; h < Hv; ++h)
             for (int t = 0; t < T; ++t) {
-                const size_t bth = ((size_t)b * T + t) * Hv + h, i = ((size_t)b * Hv + h) * T + t;
-                gates[i] = std::exp(-std::exp(a.A_log[h]) * softplus(a.a[bth] + a.dt_bias[h]));
-                gates[(size_t)B * Hv * T + i] = sigmoid(a.b[bth]);
+                const size_t i = ((size_t)b * Hv + h) * T + t;
+                const float av = a.a[b * a.a_sb + t * a.a_st + h], bv = a.b[b * a.b_sb + t * a.b_st + h];
+                gates[i] = std::exp(-std::exp(a.A_log[h]) * softplus(av + a.dt_bias[h]));
+                gates[(size_t)B * Hv * T + i] = sigmoid(bv);
             }
     const KernelTable& kt = kern();
     pool().parallel_for(B * Hv, [&](int task) {
@@ -108,14 +109,15 @@ void deltanet_decode(const DeltaArgs& a) {
         // every token's state ([B, T, Hv, Dk, Dv]), or the state itself, in place
         d.S_out = a.S_every ? a.S_every + ((size_t)b * T * Hv + h) * SS : a.S + (size_t)task * SS;
         d.s_st = a.S_every ? (long)(Hv * SS) : 0;
-        d.z = a.z + ((size_t)b * T * Hv + h) * a.Dv;
-        d.z_st = (long)Hv * a.Dv;
+        d.z = a.z + b * a.z_sb + (size_t)h * a.Dv;
+        d.z_st = a.z_st;
         d.norm_w = a.norm_w;
         d.eps = a.eps;
         d.o = a.out + ((size_t)b * T * Hv + h) * a.Dv;
         d.o_st = (long)Hv * a.Dv;
         d.scratch = scratch.data();
         kt.delta_head(d);
+        if (a.S_every) std::copy(d.S_out + (T - 1) * d.s_st, d.S_out + (T - 1) * d.s_st + SS, a.S + (size_t)task * SS);
     });
 }
 

@@ -95,19 +95,24 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
 // norm of the q and k heads (q scaled by Dk^-0.5), the gated delta rule with
 // decay = exp(-exp(A_log) * softplus(a + dt_bias)) and beta = sigmoid(b), then
 // RMSNorm(o) * norm_w * silu(z) per value head. Value head h reads key head h / (Hv / Hk).
-// All float32 and contiguous. Without the *_every outputs conv and S are updated in place;
-// with them, conv and S are left alone and the state after each token is written there.
+// All float32. conv and S are updated in place to the state after the last token; with the
+// *_every outputs the state after each token is written there too. The projections' outputs
+// (qkv, a, b, z) may be column slices of one wider buffer: each has its own row (b) and token
+// (t) strides, in floats, and is contiguous within a token; everything else is contiguous.
 struct DeltaArgs {
     int B, T, C, K, Hk, Hv, Dk, Dv;
     const float* qkv;              // [B, T, C]: in_proj_qkv outputs before the conv (q | k | v)
+    long qkv_sb, qkv_st;
     const float* conv_w;           // [C, K]
     float* conv;                   // [B, C, K - 1]: the last K - 1 inputs of each channel
     float* conv_every;             // [B, T, C, K - 1] or nullptr
     const float *a, *b;            // [B, T, Hv]: in_proj_a and in_proj_b outputs
+    long a_sb, a_st, b_sb, b_st;
     const float *A_log, *dt_bias;  // [Hv]
     float* S;                      // [B, Hv, Dk, Dv]
     float* S_every;                // [B, T, Hv, Dk, Dv] or nullptr
     const float* z;                // [B, T, Hv, Dv]: the output gate
+    long z_sb, z_st;
     const float* norm_w;           // [Dv]
     float eps;
     float* out;                    // [B, T, Hv, Dv]

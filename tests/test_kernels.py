@@ -501,8 +501,8 @@ def _delta_inputs(B, T, Hk, Hv, Dk, Dv, K, seed=0):
 @pytest.mark.parametrize("every", [False, True])
 def test_deltanet_decode(isa, shape, every):
     """The native Gated DeltaNet steps against the torch reference (float32, summation order
-    only: 1e-5): outputs and states; without `every` the states are updated in place, with
-    it the given states are left alone and every token's state comes back."""
+    only: 1e-5): outputs and states. The given states end as the last token's, updated in
+    place; with `every` each token's state comes back too."""
     from moerun.layers.deltanet import few_tokens_ref
 
     inp = _delta_inputs(*shape, seed=sum(shape))
@@ -515,9 +515,10 @@ def test_deltanet_decode(isa, shape, every):
     for a, b in zip(got, want):
         assert a.shape == b.shape and max_rel(a, b) < 1e-5
     if every:
-        assert torch.equal(conv, inp["conv"]) and torch.equal(S, inp["S"])
+        assert torch.equal(conv, got[1][:, -1]) and torch.equal(S, got[2][:, -1])
         assert got[1].shape[:2] == got[2].shape[:2] == shape[:2]
         bufs = (torch.full_like(got[1], float("nan")), torch.full_like(got[2], float("nan")))
+        conv, S = inp["conv"].clone(), inp["S"].clone()
         with kernels.use_isa(isa):
             again = kernels.deltanet_decode(**{**inp, "conv": conv, "S": S}, eps=1e-6, key_heads=Hk, every=True,
                                             every_out=bufs)
@@ -525,6 +526,28 @@ def test_deltanet_decode(isa, shape, every):
         assert all(torch.equal(a, b) for a, b in zip(again, got))
     else:
         assert got[1] is conv and got[2] is S
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("every", [False, True])
+def test_deltanet_decode_reads_column_slices(isa, every):
+    """qkv, z, a and b as column slices of one projection buffer (as `project` returns them),
+    read in place: the same results as contiguous copies, bit for bit."""
+    B, T, Hk, Hv, Dk, Dv, K = 2, 3, 2, 4, 8, 12, 4
+    inp = _delta_inputs(B, T, Hk, Hv, Dk, Dv, K, seed=3)
+    C = 2 * Hk * Dk + Hv * Dv
+    buf = torch.randn(B, T, C + Hv * Dv + 2 * Hv + 5)  # 5 unused columns
+    qkv, z, a, b = buf[..., :-5].split([C, Hv * Dv, Hv, Hv], dim=-1)
+    for t, name in ((qkv, "qkv"), (z, "z"), (a, "a"), (b, "b")):
+        t.copy_(inp[name].reshape(t.shape))
+    assert not qkv.is_contiguous() and not a.is_contiguous()
+    sliced = {**inp, "qkv": qkv, "z": z.reshape(B, T, Hv, Dv), "a": a, "b": b}
+    with kernels.use_isa(isa):
+        want = kernels.deltanet_decode(**{k: v.clone() for k, v in inp.items()}, eps=1e-6, key_heads=Hk, every=every)
+        # only the states are written: the slices go in as they are (clone would make them contiguous)
+        got = kernels.deltanet_decode(**{**sliced, "conv": inp["conv"].clone(), "S": inp["S"].clone()}, eps=1e-6,
+                                      key_heads=Hk, every=every)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
 
 
 @pytest.mark.parametrize("isa", NATIVE)
@@ -577,6 +600,10 @@ def test_deltanet_decode_falls_back_and_refuses_bad_arguments():
         call(z=inp["z"].double())
     with pytest.raises(ValueError, match="out: dimension 1"):
         call(out=torch.empty(1, 3, 4, 12))
+    with pytest.raises(ValueError, match="z: must be contiguous within a token"):  # heads strided apart
+        call(z=torch.zeros(1, 2, 4, 24)[..., :12])
+    with pytest.raises(ValueError, match="a: dimension 2"):
+        call(a=torch.zeros(1, 2, 5))
 
 
 @pytest.mark.parametrize("isa", NATIVE)

@@ -154,7 +154,7 @@ def _read(buf: torch.Tensor, slots: torch.Tensor, end: int) -> torch.Tensor:
 class RecurrentState:
     """Named state tensors [slots, *shape], zero at the start of a sequence."""
 
-    positions: dict | None = None  # see set_every
+    positions: dict | None = None  # see keep_every
 
     def __init__(self, spec: StateSpec, batch: int, dtype: torch.dtype):
         fixed = dict(spec.dtypes)
@@ -165,10 +165,12 @@ class RecurrentState:
         return t[: len(slots)] if _is_range(slots, t.shape[0]) else t[slots]
 
     def set(self, name: str, slots: torch.Tensor, value: torch.Tensor) -> None:
-        """Write value (cast to the state's own dtype) into the given slots."""
+        """Write value (cast to the state's own dtype) into the given slots. Nothing to do
+        when value is what `get` gave for them (a view of the leading slots), updated in place."""
         t = self.tensors[name]
         if _is_range(slots, t.shape[0]):
-            t[: len(slots)] = value
+            if value.data_ptr() != t.data_ptr() or value.stride() != t.stride() or value.dtype != t.dtype:
+                t[: len(slots)] = value
         else:
             t[slots] = value.to(t.dtype)
 
@@ -183,12 +185,10 @@ class RecurrentState:
             t = bufs[name] = torch.empty(shape, dtype=dtype)
         return t
 
-    def set_every(self, slots: torch.Tensor, **states: torch.Tensor) -> None:
-        """After a pass of a few tokens: name -> [B, T, *shape], the state after each token. The
-        last becomes the state; all are kept in `positions` when it is a dict (speculative
-        decoding rolls a rejected draft back to one of them)."""
-        for name, value in states.items():
-            self.set(name, slots, value[:, -1])
+    def keep_every(self, **states: torch.Tensor) -> None:
+        """After a pass of a few tokens (whose last state the layer has `set`): name -> [B, T,
+        *shape], the state after each token, kept in `positions` when that is a dict
+        (speculative decoding rolls a rejected draft back to one of them)."""
         if self.positions is not None:
             self.positions.update(states)
 

@@ -145,6 +145,20 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
 
 
+def _f32_rows(t: torch.Tensor) -> torch.Tensor:
+    """float32 and contiguous within each [B, T] entry (a column slice of a wider buffer
+    passes as it is), for the ops that take row and token strides."""
+    if t.dtype == torch.float32:
+        inner = 1
+        for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:])):
+            if size > 1 and stride != inner:
+                break
+            inner *= size
+        else:
+            return t
+    return t.to(torch.float32).contiguous()
+
+
 def _np(t: torch.Tensor):
     """A numpy view of t's memory, which the extension takes through the buffer protocol:
     measured 2 us a tensor against 6-8 us for torch's own __dlpack__, which adds up in decode
@@ -460,11 +474,14 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
 
     qkv [B, T, C] (in_proj_qkv, before the conv), conv_w [C, 1, K], conv [B, C, K-1], a and b
     [B, T, Hv] (in_proj_a, in_proj_b), A_log and dt_bias [Hv], S [B, Hv, Dk, Dv], z [B, T, Hv,
-    Dv], norm_w [Dv]. Returns (o [B, T, Hv, Dv], conv, S): the states after the last token,
-    `conv` and `S` themselves updated in place; with `every`, the states after each token
-    ([B, T, C, K-1], [B, T, Hv, Dk, Dv]) and `conv`, `S` untouched; `every_out` may give two
-    float32 buffers of those shapes to write them into (the native path uses them). `views`:
-    the layer's weights as `deltanet_weight_views` makes them, when the caller keeps them.
+    Dv], norm_w [Dv]. qkv, a, b and z may be column slices of one projection buffer (strided
+    over B and T, contiguous within a token): the native path reads them in place.
+
+    `conv` and `S` end as the states after the last token, updated in place. Returns (o [B, T,
+    Hv, Dv], conv, S), or with `every` (o, the states after each token [B, T, C, K-1] and [B,
+    T, Hv, Dk, Dv]); `every_out` may give two float32 buffers of those shapes to write them
+    into (the native path uses them). `views`: the layer's weights as `deltanet_weight_views`
+    makes them, when the caller keeps them.
 
     Native when both states are contiguous float32 (`deltanet_decode_is_native`): the inputs
     may be bf16 (a bf16 model), widened exactly, and everything between the projections then
@@ -473,7 +490,12 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
     from ..layers.deltanet import few_tokens_ref
 
     if not deltanet_decode_is_native(qkv, conv, S):
-        return few_tokens_ref(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps, key_heads, every)
+        o, conv_now, S_now = few_tokens_ref(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps, key_heads, every)
+        last = (conv_now[:, -1], S_now[:, -1]) if every else (conv_now, S_now)
+        for state, value in zip((conv, S), last):
+            if value is not state:
+                state.copy_(value)
+        return o, conv_now if every else conv, S_now if every else S
     nat = _native()
     B, T, C = qkv.shape
     Hv, Dk, Dv = S.shape[1:]
@@ -483,9 +505,9 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
         conv_every, S_every = every_out or (torch.empty(B, T, C, conv.shape[-1]), torch.empty(B, T, Hv, Dk, Dv))
     _sync_threads(nat)
     cw, al, dt, nw = views or deltanet_weight_views(conv_w, A_log, dt_bias, norm_w)
-    nat.deltanet_decode(_np(_f32(qkv)), cw, _np(conv), None if conv_every is None else _np(conv_every),
-                        _np(_f32(a)), _np(_f32(b)), al, dt, _np(S), None if S_every is None else _np(S_every),
-                        _np(_f32(z)), nw, float(eps), _np(out), key_heads)
+    nat.deltanet_decode(_np(_f32_rows(qkv)), cw, _np(conv), None if conv_every is None else _np(conv_every),
+                        _np(_f32_rows(a)), _np(_f32_rows(b)), al, dt, _np(S), None if S_every is None else _np(S_every),
+                        _np(_f32_rows(z)), nw, float(eps), _np(out), key_heads)
     return (out, conv_every, S_every) if every else (out, conv, S)
 
 

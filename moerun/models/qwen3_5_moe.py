@@ -212,14 +212,13 @@ class GatedDeltaNet(nn.Module):
         if every:
             bufs = (state.scratch("conv", (B, T, *conv.shape[1:])), state.scratch("recurrent", (B, T, *rec.shape[1:])))
         views = kernels.native_views(self, DELTA_WEIGHTS, kernels.deltanet_weight_views)
-        o, conv, rec = kernels.deltanet_decode(
+        o, conv_all, rec_all = kernels.deltanet_decode(
             qkv, self.conv1d.weight, conv, a, b, self.A_log, self.dt_bias, rec, z.reshape(B, T, self.n_v, self.dv),
             self.norm.weight, self.norm.eps, self.n_k, every, bufs, views)
+        state.set("conv", slots, conv)  # the states after the last token, written in place: nothing
+        state.set("recurrent", slots, rec)  # to copy when `get` gave views of the cache
         if every:
-            state.set_every(slots, conv=conv, recurrent=rec)
-        else:
-            state.set("conv", slots, conv)
-            state.set("recurrent", slots, rec)
+            state.keep_every(conv=conv_all, recurrent=rec_all)
         return self.out_proj(o.to(x.dtype).reshape(B, T, -1))
 
 
