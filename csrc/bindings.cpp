@@ -194,17 +194,21 @@ void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::opt
 }
 
 // x, out [M, D]; w [D]; float32
+// x [M, D]; w [D], or [G, D] for row m to take w[m % G]; out [M, D]; float32
 void rms_norm(Array x, Array w, Array out, float eps, float w_offset) {
     check_dtype(x, dtype_code::Float, 32, "x");
     check_dtype(w, dtype_code::Float, 32, "w");
     check_dtype(out, dtype_code::Float, 32, "out");
     check(x.ndim() == 2, "x must be [M, D]");
     const size_t M = x.shape(0), D = x.shape(1);
-    check_shape(w, {D}, "w");
+    check((w.ndim() == 1 || (w.ndim() == 2 && w.shape(0) > 0)) && w.shape(w.ndim() - 1) == D, "w must be [D] or [G, D]");
+    const size_t G = w.ndim() == 2 ? w.shape(0) : 1;
+    check(M % G == 0, "w: the rows must be a multiple of G");
     check_shape(out, {M, D}, "out");
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::rms_norm((int)M, (int)D, (const float*)x.data(), (const float*)w.data(), w_offset, eps, (float*)out.data());
+    moerun::rms_norm((int)M, (int)D, (const float*)x.data(), (const float*)w.data(), w_offset, eps, (float*)out.data(),
+                     (int)G);
 }
 
 // x [T, H, D]; w [D] or empty (no norm); cos, sin [T, rd]; out [H, T, D]; float32

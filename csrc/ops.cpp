@@ -438,14 +438,15 @@ void head_rope(float* x, const float* cos, const float* sin, int rd) {
 
 }  // namespace
 
-void rms_norm(int M, int D, const float* x, const float* w, float w_offset, float eps, float* y) {
+void rms_norm(int M, int D, const float* x, const float* w, float w_offset, float eps, float* y, int G) {
     for (int m = 0; m < M; ++m) {
         const float* xm = x + (size_t)m * D;
+        const float* wm = w + (size_t)(m % G) * D;
         float* ym = y + (size_t)m * D;
         float ss = 0.f;
         for (int d = 0; d < D; ++d) ss += xm[d] * xm[d];
         const float r = 1.f / std::sqrt(ss / D + eps);
-        for (int d = 0; d < D; ++d) ym[d] = (xm[d] * r) * (w[d] + w_offset);
+        for (int d = 0; d < D; ++d) ym[d] = (xm[d] * r) * (wm[d] + w_offset);
     }
 }
 

@@ -41,9 +41,10 @@ void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const vo
                  const float* ks = nullptr, long ks_sh = 0, long ks_ss = 0, const float* vs = nullptr, long vs_sh = 0,
                  long vs_ss = 0);
 
-// y[m] = x[m] / sqrt(mean(x[m]^2) + eps) * (w + w_offset) for M rows of D (w_offset 1: the
-// zero-centred form; y may be x). Single-threaded: meant for the few rows of a decode step.
-void rms_norm(int M, int D, const float* x, const float* w, float w_offset, float eps, float* y);
+// y[m] = x[m] / sqrt(mean(x[m]^2) + eps) * (w_g + w_offset) for M rows of D, w_g the row
+// (m % G) of w [G, D] (G > 1: several norms over the column blocks of one buffer; w_offset 1:
+// the zero-centred form; y may be x). Single-threaded: meant for the few rows of a decode step.
+void rms_norm(int M, int D, const float* x, const float* w, float w_offset, float eps, float* y, int G = 1);
 // Per-head RMSNorm (w null: none) then rotate-half rope on the first rd dims, for T tokens of
 // H heads of D: x [T, H, D] -> y [H, T, D] (head-major, as attention reads it); cos, sin [T, rd].
 void norm_rope_heads(int T, int H, int D, const float* x, const float* w, float w_offset, float eps,

@@ -804,6 +804,39 @@ def test_rms_norm(isa, shape, offset):
     assert got.shape == x.shape and max_rel(got, kernels.rms_norm_ref(x, w, 1e-6, offset)) < 1e-6
 
 
+@pytest.mark.parametrize("isa", NATIVE)
+def test_rms_norm_grouped_weights(isa):
+    """A [G, D] weight norms column block g of each row with weight[g]: the separate norms,
+    bit for bit (zero-centred too), and the torch reference within summation order."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(5, 3, 24, generator=g), torch.randn(3, 24, generator=g)
+    with kernels.use_isa(isa):
+        got = kernels.rms_norm(x, w, 1e-6, 1.0)
+        each = torch.stack([kernels.rms_norm(x[:, i], w[i], 1e-6, 1.0) for i in range(3)], dim=1)
+    assert torch.equal(got, each)
+    assert max_rel(got, kernels.rms_norm_ref(x, w, 1e-6, 1.0)) < 1e-6
+
+
+def test_rms_norm_cat_is_the_separate_norms():
+    """rms_norm_cat: the norms of several inputs side by side, one native call, bit-identical
+    to cat of the modules' own outputs; with a hook on one norm, the modules run (and the hook
+    sees its call)."""
+    from moerun.layers.norm import RMSNorm, rms_norm_cat
+
+    owner = torch.nn.Module()
+    owner.a, owner.b = RMSNorm(16, 1e-6, zero_centered=True), RMSNorm(16, 1e-6)
+    for n in (owner.a, owner.b):
+        torch.nn.init.normal_(n.weight)
+    xs = [torch.randn(2, 3, 16), torch.randn(2, 3, 16)]
+    want = torch.cat([owner.a(xs[0]), owner.b(xs[1])], dim=-1)
+    with torch.inference_mode():
+        assert torch.equal(rms_norm_cat(owner, ("a", "b"), xs), want)
+        seen = []
+        h = owner.b.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+        assert torch.equal(rms_norm_cat(owner, ("a", "b"), xs), want) and seen == [torch.Size([2, 3, 16])]
+        h.remove()
+
+
 def test_rms_norm_falls_back_for_other_dtypes_and_large_inputs():
     w = torch.randn(64)
     xb = torch.randn(2, 64).bfloat16()
@@ -817,8 +850,10 @@ def test_rms_norm_refuses_bad_arguments():
     nat = kernels._native()
     x, w, out = torch.zeros(2, 8), torch.ones(8), torch.zeros(2, 8)
     nat.rms_norm(x.numpy(), w.numpy(), out.numpy(), 1e-6)  # well-formed: runs
-    with pytest.raises(ValueError, match="w: dimension 0"):
+    with pytest.raises(ValueError, match=r"w must be \[D\] or \[G, D\]"):
         nat.rms_norm(x.numpy(), torch.ones(9).numpy(), out.numpy(), 1e-6)
+    with pytest.raises(ValueError, match="multiple of G"):
+        nat.rms_norm(x.numpy(), torch.ones(3, 8).numpy(), out.numpy(), 1e-6)
     with pytest.raises(ValueError, match="out: dimension 0"):
         nat.rms_norm(x.numpy(), w.numpy(), torch.zeros(3, 8).numpy(), 1e-6)
     with pytest.raises(ValueError, match="x: wrong dtype"):

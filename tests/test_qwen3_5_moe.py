@@ -81,6 +81,19 @@ def test_text_mrope_is_plain_rope():
     assert torch.equal(cos[:, 0], cos_ref) and torch.equal(sin[:, 0], sin_ref)
 
 
+def test_rope_span_is_forward_over_consecutive_positions():
+    """Rope.span(pos0, T): forward(pos0[:, None] + arange(T)), for one row (views of the
+    tables, grown past their first size here) and for several; in bf16 too."""
+    from moerun.layers.rope import Rope
+
+    for pos0, T, dtype in ((torch.tensor([3]), 4, torch.float32), (torch.tensor([300]), 2, torch.bfloat16),
+                           (torch.tensor([5, 0, 9]), 3, torch.float32)):
+        rope = Rope(dict(rope_type="default", rope_theta=10000.0), 8, 64)
+        got = rope.span(pos0, T, dtype)
+        want = Rope(dict(rope_type="default", rope_theta=10000.0), 8, 64)(pos0[:, None] + torch.arange(T), dtype)
+        assert all(a.shape == b.shape and a.dtype == dtype and torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

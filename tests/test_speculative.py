@@ -377,3 +377,32 @@ def test_int4_experts_greedy_identical_and_counted(tmp_path, qwen):
     assert llm.generate_ids(prompts, max_tokens=10, temperature=0.0, speculative="mtp", draft_tokens=2) == plain
     stats = llm.last_stats
     assert stats.single_token_expert_bytes > 0 and stats.verify_expert_bytes >= stats.single_token_expert_bytes
+
+
+def test_expert_tracker_counts_the_union_per_module():
+    """A pass's routed-expert bytes are each Experts module's union of ids times one expert's
+    bytes; one token's are K experts per module; a draft pass counts apart, and calls outside
+    a pass count nowhere."""
+    from moerun.engine.speculative import ExpertTracker
+    from moerun.layers.moe import Experts
+
+    net = torch.nn.ModuleList([Experts(8, 4, 2), Experts(8, 4, 2)])
+    for p in net.parameters():
+        torch.nn.init.normal_(p)
+    per = 3 * 4 * 2 * 4  # gate, up, down of [2, 4] float32
+    tracker = ExpertTracker(net)
+    x, w = torch.randn(3, 4), torch.full((3, 2), 0.5)
+    try:
+        net[0](x, torch.tensor([[0, 1], [1, 2], [2, 0]]), w)  # not in a pass
+        tracker.start_pass("verify")
+        net[0](x, torch.tensor([[0, 1], [1, 2], [2, 0]]), w)  # union {0, 1, 2}
+        net[1](x, ids=torch.tensor([[5, 5], [5, 5], [7, 5]]), weights=w)  # {5, 7}
+        tracker.end_pass()
+        assert tracker.pass_bytes == 5 * per and tracker.token_bytes == 2 * 2 * per
+        assert (tracker.top_k, tracker.num_experts) == (2, 8)
+        tracker.start_pass("draft")
+        net[1](x[:1], torch.tensor([[3, 4]]), w[:1])
+        tracker.end_pass()
+        assert tracker.bytes == {"verify": 5 * per, "draft": 2 * per} and tracker.pass_bytes == 5 * per
+    finally:
+        tracker.close()

@@ -174,6 +174,10 @@ class RecurrentState:
         else:
             t[slots] = value.to(t.dtype)
 
+    def set_slot(self, name: str, slot: int, value: torch.Tensor) -> None:
+        """`set` for one slot given as an int (a few microseconds where `set` takes tens)."""
+        self.tensors[name][slot].copy_(value)
+
     def scratch(self, name: str, shape: tuple, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A buffer kept from one call to the next (reallocated when the shape changes): where a
         pass of a few tokens writes every token's state, instead of fresh memory each pass (a

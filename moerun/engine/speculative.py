@@ -175,6 +175,7 @@ class ExpertTracker:
 
     def __init__(self, net):
         self.phase: str | None = None
+        self._seen: list = []  # (module, ids) of the current pass's Experts calls
         self.bytes = {"verify": 0, "draft": 0}
         self.pass_bytes = 0
         self.token_bytes = 0  # K * bytes per expert summed over the last pass's modules
@@ -199,21 +200,28 @@ class ExpertTracker:
             self.per_expert.update(dict.fromkeys(stored, per))
 
     def _hook(self, m, args, kwargs):
-        if self.phase is None:
-            return
-        ids = args[1] if len(args) > 1 else kwargs["ids"]
-        per = self.per_expert.get(m, 0)
-        b = len(set(ids.reshape(-1).tolist())) * per
-        self.bytes[self.phase] += b
-        if self.phase == "verify":
-            self.pass_bytes += b
-            self.token_bytes += ids.shape[-1] * per
-            self.top_k, self.num_experts = ids.shape[-1], m.num_experts
+        # only note the call: counting here would cost a decode step tens of microseconds per layer
+        if self.phase is not None:
+            self._seen.append((m, args[1] if len(args) > 1 else kwargs["ids"]))
 
     def start_pass(self, phase: str) -> None:
         self.phase = phase
+        self._seen = []
         if phase == "verify":
             self.pass_bytes = self.token_bytes = 0
+
+    def end_pass(self) -> None:
+        """Count what the pass's Experts calls read: the union of their ids, per module."""
+        phase, self.phase = self.phase, None
+        for m, ids in self._seen:
+            per = self.per_expert.get(m, 0)
+            b = len(set(ids.numpy().ravel().tolist())) * per  # a few ids: a set beats np.unique 3x
+            self.bytes[phase] += b
+            if phase == "verify":
+                self.pass_bytes += b
+                self.token_bytes += ids.shape[-1] * per
+                self.top_k, self.num_experts = ids.shape[-1], m.num_experts
+        self._seen = []
 
     def close(self) -> None:
         for h in self._handles:
@@ -482,7 +490,7 @@ class SpeculativeDecoder:
                 tokens = torch.tensor([[dr[-1]] for dr in drafts], dtype=torch.long)
                 logits, h = self._mtp(hidden, tokens, slots)
                 logits_now, h_last = list(logits[:, -1]), list(h[:, -1])
-        tracker.phase = None
+        tracker.end_pass()
         return drafts, qs
 
     def _step(self, seqs, active, pend_h, pend_t, eos_ids, stats, tracker, recurrent):
@@ -506,7 +514,7 @@ class SpeculativeDecoder:
         try:
             logits, hidden = net(ids, cache, slots, return_hidden=True)  # [B, n+1, V], [B, n+1, H]
         finally:
-            tracker.phase = None
+            tracker.end_pass()
         if n > 0 and not all(layer.positions for layer in recurrent):
             raise MoerunError("speculative decoding cannot roll back this model's recurrent state (no per-token states)")
         stats.verify_steps += 1
@@ -520,7 +528,7 @@ class SpeculativeDecoder:
                                        tracker.token_bytes)
         busy = time.perf_counter() - t0  # the step's own time, not the consumer's between yields
         wait = store_figures(self.store)[1] - wait0 if self.chooser is not None and self.store is not None else 0.0
-        rollback: dict[int, list[int]] = {}  # accepted positions -> rows of the batch
+        rollback: dict[int, int] = {}  # row of the batch -> positions it keeps
         for i, b in enumerate(active):
             s = seqs[b]
             cap = min(n, s.params.max_tokens - len(s.out_ids))  # drafts worth checking
@@ -552,14 +560,12 @@ class SpeculativeDecoder:
                 pend_h[b] = torch.cat([pend_h[b], hidden[i, :1]])
                 pend_t[b] = pend_t[b] + [tokens[-1]]
             if keep < n + 1:
-                rollback.setdefault(keep, []).append(i)
+                rollback[i] = keep
         t1 = time.perf_counter()
-        for keep, rows in rollback.items():  # recurrent states: the one after the last kept token
-            idx = torch.tensor(rows)
-            row_slots = slots[idx]
+        for i, keep in rollback.items():  # recurrent states: the one after the last kept token
             for state in recurrent:
                 for name, every in state.positions.items():
-                    state.set(name, row_slots, every[idx, keep - 1])
+                    state.set_slot(name, active[i], every[i, keep - 1])
         if self.chooser is not None:
             self.chooser.observe_time(n, busy + time.perf_counter() - t1, wait, tracker.pass_bytes // len(active))
 

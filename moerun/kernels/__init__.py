@@ -425,8 +425,10 @@ RMS_NORM_MAX = 1 << 16  # elements: above this (prefill) torch's multi-threaded 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     """x / rms(x) * (weight + offset) over the last dim, float32 (offset 1: the zero-centred
-    form). Native for float32 inputs of at most RMS_NORM_MAX elements: one call instead of the
-    3-5 torch ops (25-40 us for a decode row) a norm costs; otherwise `rms_norm_ref`."""
+    form). weight [D], or [G, D]: the rows of x taken as [..., G, D], group g normed with
+    weight[g] (several norms over the column blocks of one buffer). Native for float32 inputs
+    of at most RMS_NORM_MAX elements: one call instead of the 3-5 torch ops (25-40 us for a
+    decode row) a norm costs; otherwise `rms_norm_ref`."""
     nat = _native()
     if nat is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.numel() > RMS_NORM_MAX:
         return rms_norm_ref(x, weight, eps, offset)
@@ -438,7 +440,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
 
 def rms_norm_ref(x, weight, eps, offset=0.0) -> torch.Tensor:
     y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-    return y * (weight.float() + offset) if offset else y * weight.float()
+    w = weight.float() + offset if offset else weight.float()
+    return y * w if weight.dim() == 1 else (y.view(-1, *w.shape) * w).view(y.shape)
 
 
 def norm_rope_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float,

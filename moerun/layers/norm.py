@@ -32,3 +32,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
         # the zero-centred form multiplies in fp32 before casting back
         return (x32 * (1.0 + weight.float())).to(x.dtype)
     return weight * x32.to(x.dtype)
+
+
+def rms_norm_cat(owner: nn.Module, norm_names: tuple[str, ...], xs: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat([owner.<name>(x) for name, x in zip(norm_names, xs)], dim=-1) for inputs of one
+    shape: as one native call over the concatenation (each column block normed with its own
+    weight, `kernels.rms_norm` with a [G, D] weight; bit-identical to the separate norms) when
+    everything is float32, the norms share eps and none has hooks; otherwise the norms one by
+    one. An MTP head's input (the next token's embedding and the hidden state, each normed,
+    side by side) is the user."""
+    norms = [owner.get_submodule(n) for n in norm_names]
+    eps = norms[0].eps
+    if (kernels.native() and all(x.dtype == torch.float32 and x.shape == xs[0].shape for x in xs)
+            and all(n.weight.dtype == torch.float32 and n.eps == eps and not (n._forward_hooks or n._forward_pre_hooks)
+                    for n in norms)):
+        weights = kernels.native_views(owner, tuple(f"{n}.weight" for n in norm_names), lambda *ws: torch.stack(
+            [w.detach() + 1.0 if n.zero_centered else w.detach() for w, n in zip(ws, norms)]))
+        D = xs[0].shape[-1]
+        u = torch.cat(xs, dim=-1)
+        return kernels.rms_norm(u.view(-1, len(xs), D), weights, eps).view(u.shape)
+    return torch.cat([n(x) for n, x in zip(norms, xs)], dim=-1)

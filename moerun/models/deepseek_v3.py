@@ -21,7 +21,7 @@ from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec
 from ..errors import MoerunError
 from ..layers.moe import Experts, GatedMLP
-from ..layers.norm import RMSNorm
+from ..layers.norm import RMSNorm, rms_norm_cat
 from ..layers.rope import Rope, apply_rope
 
 # B batch, T tokens, S cached tokens, H hidden, N heads, E experts, K experts per token,
@@ -319,7 +319,7 @@ class Model(nn.Module):
         slots, pos0 = self._positions(B, cache, slots)
         m = self.model
         x = m.embed_tokens(input_ids)
-        cos_sin = m.rope(pos0[:, None] + torch.arange(T), x.dtype)
+        cos_sin = m.rope.span(pos0, T, x.dtype)
         for i, layer in enumerate(m.layers):
             x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
         if cache is not None:
@@ -345,9 +345,9 @@ class Model(nn.Module):
         B, T = next_token_ids.shape
         slots, pos0 = self._positions(B, cache, slots)
         e = self.model.embed_tokens(next_token_ids)
-        x = mtp.eh_proj(torch.cat((mtp.enorm(e), mtp.hnorm(hidden)), dim=-1))  # [B, T, H]
+        x = mtp.eh_proj(rms_norm_cat(mtp, ("enorm", "hnorm"), [e, hidden]))  # [B, T, H]
         # rope at the new token's own position; attention sees only relative positions anyway
-        cos_sin = self.model.rope(pos0[:, None] + torch.arange(T) + 1 + depth, x.dtype)
+        cos_sin = self.model.rope.span(pos0 + 1 + depth, T, x.dtype)
         x = mtp.block(x, cos_sin, cache.layers[0] if cache is not None else None, slots, pos0)
         if cache is not None:
             cache.advance(slots, T)

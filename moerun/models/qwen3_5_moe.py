@@ -37,7 +37,7 @@ from ..layers.attention import attend
 from ..layers.deltanet import FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, split_heads
 from ..layers.linear import project
 from ..layers.moe import Experts, GatedMLP, softmax_topk
-from ..layers.norm import RMSNorm
+from ..layers.norm import RMSNorm, rms_norm_cat
 from ..layers.rope import Rope, norm_rope
 
 # B batch, T tokens, H hidden, E experts, K experts per token, D head dim,
@@ -334,7 +334,7 @@ class Model(nn.Module):
         slots, pos0 = self._positions(B, cache, slots)
         m = self.model
         x = m.embed_tokens(input_ids)
-        cos_sin = m.rope(pos0[:, None] + torch.arange(T), x.dtype)
+        cos_sin = m.rope.span(pos0, T, x.dtype)
         for i, layer in enumerate(m.layers):
             x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
         if cache is not None:
@@ -357,9 +357,9 @@ class Model(nn.Module):
         B, T, _ = hidden.shape
         slots, pos0 = self._positions(B, cache, slots)
         mtp, m = self.mtp, self.model
-        e = mtp.pre_fc_norm_embedding(m.embed_tokens(next_token_ids))
-        x = mtp.fc(torch.cat([e, mtp.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))  # [B, T, H]
-        cos_sin = m.rope(pos0[:, None] + torch.arange(T), x.dtype)
+        e = m.embed_tokens(next_token_ids)
+        x = mtp.fc(rms_norm_cat(mtp, ("pre_fc_norm_embedding", "pre_fc_norm_hidden"), [e, hidden.to(e.dtype)]))  # [B, T, H]
+        cos_sin = m.rope.span(pos0, T, x.dtype)
         for i, layer in enumerate(mtp.layers):
             x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
         if cache is not None:

@@ -146,7 +146,7 @@ class Model(nn.Module):
             pos0 = torch.zeros(B, dtype=torch.long)
         m = self.model
         x = m.embed_tokens(input_ids)
-        cos_sin = m.rope(pos0[:, None] + torch.arange(T), x.dtype)
+        cos_sin = m.rope.span(pos0, T, x.dtype)
         for i, layer in enumerate(m.layers):
             x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
         if cache is not None:
