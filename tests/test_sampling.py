@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from moerun.engine.generate import Sequence
-from moerun.engine.sampling import SamplingParams, apply_repetition_penalty, filter_logits, sample
+from moerun.engine.sampling import SamplingParams, apply_repetition_penalty, argmax, filter_logits, greedy_token, sample
 from moerun.errors import MoerunError
 
 
@@ -52,6 +52,25 @@ def test_repetition_penalty_rows_match_torch_arithmetic():
 def test_greedy_picks_the_first_of_tied_maxima():
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]])
     assert sample(logits, SamplingParams(), [[], []], None).tolist() == [1, 0]
+
+
+def test_greedy_token_is_the_argmax_of_the_penalized_row():
+    """greedy_token: argmax(apply_repetition_penalty(row)) for penalties above and below 1,
+    none, an empty history, a bf16 row and a token the penalty knocks off the top; the row
+    itself is left alone."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 300, generator=g) * 3
+    logits[5, 17] = 50.0  # the best by far, and seen: a penalty of 100 makes it lose
+    histories = [[1, 2, 2, 299], [], torch.randint(0, 300, (80,), generator=g).tolist(), [0], [5, 9], [17]]
+    before = logits.clone()
+    for penalty in (1.0, 1.3, 0.7, 100.0):
+        for row, seen in zip(logits, histories):
+            want = int(argmax(apply_repetition_penalty(row[None], [seen], penalty))[0])
+            assert greedy_token(row, seen, penalty) == want
+            assert greedy_token(row.bfloat16(), seen, penalty) == int(argmax(apply_repetition_penalty(
+                row.bfloat16().float()[None], [seen], penalty))[0])
+    assert greedy_token(logits[5], [17], 100.0) != 17 and greedy_token(logits[5], [17], 1.0) == 17
+    assert torch.equal(logits, before)
 
 
 def test_greedy_is_argmax_and_seed_reproduces():

@@ -62,6 +62,21 @@ def apply_repetition_penalty(logits: torch.Tensor, history: list[list[int]], pen
     return out
 
 
+def greedy_token(logits: torch.Tensor, history: list[int], penalty: float) -> int:
+    """One row's greedy pick: the first maximum of logits [V] after the repetition penalty over
+    `history`, as `sample` picks it (same arithmetic), without copying the row when there is
+    no penalty: all numpy, a few microseconds (a speculative step picks one per draft)."""
+    x = logits.float().numpy()
+    if penalty == 1.0 or not history:
+        return int(x.argmax())
+    idx = np.fromiter(set(history), dtype=np.int64)
+    vals = x[idx]
+    p = np.float32(penalty)
+    y = x.copy()
+    y[idx] = np.where(vals > 0, vals / p, vals * p)
+    return int(y.argmax())
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] float32 -> [B] long, the first maximum (numpy's argmax: ~1 us where
     torch's takes ~12 on this machine's 4096-token rows)."""
@@ -89,8 +104,8 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, p: SamplingParams, history: list[list[int]], generator: torch.Generator | None) -> torch.Tensor:
     """logits [B, V] -> next tokens [B]."""
-    logits = apply_repetition_penalty(logits.float(), history, p.repetition_penalty)
     if p.greedy:
-        return argmax(logits)
+        return torch.tensor([greedy_token(row, seen, p.repetition_penalty) for row, seen in zip(logits, history)])
+    logits = apply_repetition_penalty(logits.float(), history, p.repetition_penalty)
     probs = filter_logits(logits, p).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -83,7 +83,7 @@ from ..errors import MoerunError
 from ..layers.moe import Experts
 from .cache import Cache, RecurrentState
 from .generate import GenerationStats, Sequence
-from .sampling import SamplingParams, apply_repetition_penalty, argmax, filter_logits, sample
+from .sampling import SamplingParams, apply_repetition_penalty, filter_logits, greedy_token, sample
 
 # B batch (active rows), N draft tokens, T tokens per pass, H hidden, V vocab
 
@@ -356,8 +356,6 @@ def _probs(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> torch
     return filter_logits(logits, p).softmax(-1)[0]
 
 
-def _greedy(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> int:
-    return int(argmax(apply_repetition_penalty(logits.float()[None], [history], p.repetition_penalty))[0])
 
 
 class SpeculativeDecoder:
@@ -450,46 +448,46 @@ class SpeculativeDecoder:
         finally:
             tracker.close()
 
-    def _draft(self, seqs, active, n, pend_h, pend_t, tracker):
-        """Drafts [len(active)][n] and their distributions (None when greedy)."""
-        cache, mtp_cache = self.cache, self.mtp_cache
+    def _draft(self, seqs, active, slots, L, n, pend_h, pend_t, tracker):
+        """Drafts [len(active)][n] and their distributions (None when greedy). slots: the rows'
+        cache slots (`active` as a tensor), L their trunk cache lengths."""
+        mtp_cache = self.mtp_cache
         tracker.start_pass("draft")
-        row = {b: i for i, b in enumerate(active)}
-        first_logits: list = [None] * len(active)
-        h_last: list = [None] * len(active)
-        # the first call feeds every pending (hidden, next token) pair, grouped by count
+        B = len(active)
+        # the first call feeds every pending (hidden, next token) pair; rows with as many pairs
+        # go together (all rows, in single-stream decoding)
+        counts = [pend_h[b].shape[0] for b in active]
         groups: dict[int, list[int]] = {}
-        for b in active:
-            mtp_cache.lengths[b] = cache.lengths[b] - pend_h[b].shape[0]
-            groups.setdefault(pend_h[b].shape[0], []).append(b)
-        for _, rows in groups.items():
-            hidden = torch.stack([pend_h[b] for b in rows])
-            tokens = torch.tensor([pend_t[b] for b in rows], dtype=torch.long)
-            logits, h = self._mtp(hidden, tokens, torch.tensor(rows))
-            for j, b in enumerate(rows):
-                first_logits[row[b]], h_last[row[b]] = logits[j, -1], h[j, -1]
+        for i, (b, c) in enumerate(zip(active, counts)):
+            mtp_cache.lengths[b] = L[i] - c
+            groups.setdefault(c, []).append(i)
+        logits_now: list = [None] * B  # [V] per row
+        h_last: list = [None] * B  # [1, H] per row
+        for rows in groups.values():
+            hidden = torch.stack([pend_h[active[i]] for i in rows])
+            tokens = torch.tensor([pend_t[active[i]] for i in rows], dtype=torch.long)
+            logits, h = self._mtp(hidden, tokens, slots if len(rows) == B else slots[rows])
+            for j, i in enumerate(rows):
+                logits_now[i], h_last[i] = logits[j, -1], h[j, -1:]
         drafts = [[] for _ in active]
         qs = [[] for _ in active]
-        slots = torch.tensor(active)
-        logits_now = first_logits
         for d in range(n):
             for i, b in enumerate(active):
                 s = seqs[b]
-                history = s.prompt_ids + s.out_ids + drafts[i]
                 if s.params.greedy:
-                    tok, q = _greedy(logits_now[i], s.params, history), None
+                    tok, q = greedy_token(logits_now[i], s.prompt_ids + s.out_ids + drafts[i], s.params.repetition_penalty), None
                 else:
-                    q = _probs(logits_now[i], s.params, history)
+                    q = _probs(logits_now[i], s.params, s.prompt_ids + s.out_ids + drafts[i])
                     tok = int(torch.multinomial(q, 1, generator=s.generator)[0])
                 drafts[i].append(tok)
                 qs[i].append(q)
             if self.prefetcher is not None:  # moved while the head drafts the next one
                 self.prefetcher.tokens([dr[-1] for dr in drafts])
-            if d + 1 < n:
-                hidden = torch.stack(h_last)[:, None]  # [B, 1, H]
+            if d + 1 < n:  # chained: the head's own output stands in for the trunk's hidden state
+                hidden = h_last if torch.is_tensor(h_last) else torch.stack(h_last)  # [B, 1, H]
                 tokens = torch.tensor([[dr[-1]] for dr in drafts], dtype=torch.long)
                 logits, h = self._mtp(hidden, tokens, slots)
-                logits_now, h_last = list(logits[:, -1]), list(h[:, -1])
+                logits_now, h_last = logits[:, -1], h[:, -1:]
         tracker.end_pass()
         return drafts, qs
 
@@ -501,12 +499,12 @@ class SpeculativeDecoder:
             self.prefetcher.tokens([pend_t[b][-1] for b in active])
         n = self.chooser.choose() if self.chooser is not None else self.draft_tokens
         stats.draft_hist[n] = stats.draft_hist.get(n, 0) + 1
-        if n > 0:
-            drafts, qs = self._draft(seqs, active, n, pend_h, pend_t, tracker)
-        else:  # a plain step ("auto" only): the head catches up on the next drafting step
-            drafts, qs = [[] for _ in active], [[] for _ in active]
         slots = torch.tensor(active)
         L = cache.lengths[slots].tolist()
+        if n > 0:
+            drafts, qs = self._draft(seqs, active, slots, L, n, pend_h, pend_t, tracker)
+        else:  # a plain step ("auto" only): the head catches up on the next drafting step
+            drafts, qs = [[] for _ in active], [[] for _ in active]
         ids = torch.tensor([[pend_t[b][-1]] + drafts[i] for i, b in enumerate(active)], dtype=torch.long)
         for layer in recurrent:
             layer.positions.clear()
@@ -575,12 +573,11 @@ class SpeculativeDecoder:
         p_ = s.params
         history = s.prompt_ids + s.out_ids
         n = len(drafts)
-        if p_.greedy:  # every position's argmax at once; position j's history ends with drafts[:j]
-            penalized = apply_repetition_penalty(logits[: n + 1].float(), [history + drafts[:j] for j in range(n + 1)],
-                                                 p_.repetition_penalty)
-            targets = argmax(penalized).tolist()
-            k = next((j for j, d in enumerate(drafts) if targets[j] != d), n)
-            return drafts[:k] + [targets[k]], k
+        if p_.greedy:  # the trunk's pick at each position in turn (its history ends with drafts[:j]) up to the first miss
+            for j in range(n + 1):
+                target = greedy_token(logits[j], history + drafts[:j], p_.repetition_penalty)
+                if j == n or target != drafts[j]:
+                    return drafts[:j] + [target], j
         out: list[int] = []
         for j, d in enumerate(drafts):
             h = history + out

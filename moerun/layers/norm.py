@@ -40,15 +40,17 @@ def rms_norm_cat(owner: nn.Module, norm_names: tuple[str, ...], xs: list[torch.T
     weight, `kernels.rms_norm` with a [G, D] weight; bit-identical to the separate norms) when
     everything is float32, the norms share eps and none has hooks; otherwise the norms one by
     one. An MTP head's input (the next token's embedding and the hidden state, each normed,
-    side by side) is the user."""
-    norms = [owner.get_submodule(n) for n in norm_names]
-    eps = norms[0].eps
-    if (kernels.native() and all(x.dtype == torch.float32 and x.shape == xs[0].shape for x in xs)
-            and all(n.weight.dtype == torch.float32 and n.eps == eps and not (n._forward_hooks or n._forward_pre_hooks)
-                    for n in norms)):
-        weights = kernels.native_views(owner, tuple(f"{n}.weight" for n in norm_names), lambda *ws: torch.stack(
-            [w.detach() + 1.0 if n.zero_centered else w.detach() for w, n in zip(ws, norms)]))
-        D = xs[0].shape[-1]
+    side by side) is the user: once per draft, so the norms and their stacked weights are
+    kept on `owner` (rebuilt when a weight moves)."""
+    plan = owner.__dict__.get("_rms_norm_cat")
+    if plan is None or plan[0] != norm_names or any(n.weight.data_ptr() != p for n, p in zip(plan[1], plan[2])):
+        norms = [owner.get_submodule(n) for n in norm_names]
+        weights = torch.stack([n.weight.detach().float() + (1.0 if n.zero_centered else 0.0) for n in norms])
+        native = (all(n.weight.dtype == torch.float32 for n in norms) and len({n.eps for n in norms}) == 1)
+        plan = owner.__dict__["_rms_norm_cat"] = (norm_names, norms, [n.weight.data_ptr() for n in norms], weights, native)
+    _, norms, _, weights, native = plan
+    if (native and kernels.native() and all(x.dtype == torch.float32 and x.shape == xs[0].shape for x in xs)
+            and not any(n._forward_hooks or n._forward_pre_hooks for n in norms)):
         u = torch.cat(xs, dim=-1)
-        return kernels.rms_norm(u.view(-1, len(xs), D), weights, eps).view(u.shape)
+        return kernels.rms_norm(u.view(-1, len(xs), xs[0].shape[-1]), weights, norms[0].eps).view(u.shape)
     return torch.cat([n(x) for n, x in zip(norms, xs)], dim=-1)
