@@ -299,6 +299,33 @@ def test_auto_draft_length_follows_acceptance_and_cost():
     assert chosen == [3, 1, 0]
 
 
+def test_auto_drafts_while_the_heads_confidence_pays():
+    """"auto" learns how often drafts of each confidence (probability under the head) are
+    accepted, and drafts one more only while the chance that all so far are accepted makes
+    it worth its measured cost; measuring or exploring steps draft exactly their N."""
+    from moerun.engine.speculative import DraftLength
+
+    d = DraftLength(explore_every=10**9)
+    for n in range(5):
+        d.observe_time(n, 1.0 + 0.2 * n)  # each draft costs a fifth of a plain step
+    for _ in range(40):  # confident drafts are accepted, unsure ones not
+        d.update(2, 2, [0.95, 0.95])
+        d.update(2, 1, [0.95, 0.05])
+    assert d.confidence_accept(0.95) > 0.99 and d.confidence_accept(0.05) < 0.01
+    assert d.confidence_accept(0.4) == pytest.approx(0.6)  # a bin never seen keeps the prior
+    n = d.choose()
+    assert n >= 1 and not d.forced
+    assert d.more(1, d.confidence_accept(0.95)) and not d.more(1, d.confidence_accept(0.05))
+    assert not d.more(d.max_n, 1.0)
+    slow = DraftLength(explore_every=10**9)
+    slow.accept, slow.calibration = list(d.accept), list(d.calibration)
+    for n in range(5):
+        slow.observe_time(n, 1.0 + 3.0 * n)  # drafts far dearer than they return
+    assert not slow.more(1, slow.confidence_accept(0.95))
+    fresh = DraftLength()
+    assert fresh.choose() == 0 and fresh.forced  # measuring N = 0 first
+
+
 def test_short_conv_and_delta_rule_passes_match_long_ones():
     """Verification runs DeltaNet on 2..5 tokens at a time (conv by windows, the delta rule
     token by token) and keeps the state after every token for rollback."""

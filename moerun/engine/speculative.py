@@ -69,10 +69,20 @@ plain step (the head catches up later), so "auto" falls back to plain decoding w
 are rarely accepted. Every N is measured once first, then every 8th step tries a neighbour
 of the best N so that its figures stay current. `LLM` keeps one chooser per loaded model,
 so what one request measured serves the next.
+
+Within a step (not a measuring or exploring one) the chosen N only decides between a plain
+step and drafting; how many drafts follows the head's confidence. Each draft's probability
+under the head falls in one of a few bins whose acceptance is measured (EMA, prior 0.6;
+on the demo model drafts above 0.3 are nearly always accepted, those below ~half the
+time), so after n drafts the chance that the trunk accepts them all is P = prod of their
+bins' acceptance. One more draft adds P * a_{n+1} tokens in expectation and costs t(n+1) -
+t(n) seconds; it is drafted (up to 4) while P * a_{n+1} >= (t(n+1) - t(n)) * max_N E(N)/t(N),
+the tokens those seconds give at the best expected rate.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -270,10 +280,15 @@ class DraftPrefetch:
 class DraftLength:
     """`draft_tokens="auto"`: the N in 0..4 with the most expected tokens per second (module doc)."""
 
+    CONFIDENCE_EDGES = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # bins of a draft's probability under the head
+
     def __init__(self, max_n: int = MAX_DRAFT_TOKENS, prior: float = 0.6, expert_cost: float = 1.0,
                  draft_cost: float = 0.1, decay: float = 0.9, explore_every: int = 8):
         self.max_n = max_n
         self.accept = [prior] * max_n  # a_i: P(draft i accepted | drafts < i accepted)
+        # P(a draft accepted | drafts before it accepted) per bin of its probability under the head
+        self.calibration = [prior] * (len(self.CONFIDENCE_EDGES) + 1)
+        self.forced = False  # the last choice measures or explores an N: draft exactly that many
         self.expert_cost, self.draft_cost, self.decay = expert_cost, draft_cost, decay
         self.union: dict[int, float] = {}  # N -> EMA of verify-pass bytes / one token's bytes
         self.step_s: dict[int, float] = {}  # N -> EMA of a step's seconds, waits for experts excluded
@@ -319,7 +334,10 @@ class DraftLength:
         return max(range(self.max_n + 1), key=lambda n: self.expected_tokens(n) / self.step_time(n))
 
     def choose(self) -> int:
+        """N for the next step: 0 for a plain step; otherwise drafting may stop earlier or go
+        further by the drafts' confidence (`more`), unless `forced` (measuring or exploring N)."""
         self.steps += 1
+        self.forced = True
         unmeasured = [n for n in range(self.max_n + 1) if n not in self.step_s]
         if unmeasured:  # measure every N once first: cheaper than trusting the model for long
             return unmeasured[0]
@@ -327,12 +345,33 @@ class DraftLength:
         if self.steps % self.explore_every == 0:  # keep the neighbours' figures fresh
             self._flip = not self._flip
             step = 1 if self._flip or n == 0 else -1
-            n = min(max(n + step, 0), self.max_n)
+            return min(max(n + step, 0), self.max_n)
+        self.forced = False
         return n
 
-    def update(self, checked: int, accepted: int) -> None:
+    def confidence_accept(self, confidence: float) -> float:
+        """The measured acceptance of a draft with this probability under the head."""
+        return self.calibration[bisect.bisect_right(self.CONFIDENCE_EDGES, confidence)]
+
+    def more(self, n: int, all_accepted: float) -> bool:
+        """After n drafts that the trunk accepts all of with probability `all_accepted` (the
+        product of their `confidence_accept`): whether one more is worth its cost. It adds
+        all_accepted * a_{n+1} tokens in expectation and costs t(n+1) - t(n) seconds, which at
+        the best N's expected rate would have given that many tokens too."""
+        if n >= self.max_n:
+            return False
+        rate = max(self.expected_tokens(m) / self.step_time(m) for m in range(self.max_n + 1))
+        return all_accepted * self.accept[n] >= (self.step_time(n + 1) - self.step_time(n)) * rate
+
+    def update(self, checked: int, accepted: int, confidences: list[float] | None = None) -> None:
+        """A row's step: `accepted` of its first `checked` drafts accepted, their probabilities
+        under the head `confidences` (if known)."""
         for i in range(min(accepted + 1, checked)):  # drafts 1..accepted+1 were looked at
-            self.accept[i] = self.decay * self.accept[i] + (1 - self.decay) * (1.0 if i < accepted else 0.0)
+            hit = 1.0 if i < accepted else 0.0
+            self.accept[i] = self.decay * self.accept[i] + (1 - self.decay) * hit
+            if confidences is not None:
+                b = bisect.bisect_right(self.CONFIDENCE_EDGES, confidences[i])
+                self.calibration[b] = self.decay * self.calibration[b] + (1 - self.decay) * hit
 
     def observe_union(self, n: int, ratio: float, k_over_e: float, token_bytes: int = 0) -> None:
         self.k_over_e = k_over_e
@@ -449,8 +488,11 @@ class SpeculativeDecoder:
             tracker.close()
 
     def _draft(self, seqs, active, slots, L, n, pend_h, pend_t, tracker):
-        """Drafts [len(active)][n] and their distributions (None when greedy). slots: the rows'
-        cache slots (`active` as a tensor), L their trunk cache lengths."""
+        """Drafts [len(active)][n'] and their distributions (None when greedy), and each draft's
+        probability under the head. slots: the rows' cache slots (`active` as a tensor), L
+        their trunk cache lengths. n' is n, except with "auto" (not `forced`): drafting goes
+        on while the chooser finds one more draft worth it (`DraftLength.more`), up to its
+        max_n, from the rows' chances that every draft so far is accepted."""
         mtp_cache = self.mtp_cache
         tracker.start_pass("draft")
         B = len(active)
@@ -471,7 +513,11 @@ class SpeculativeDecoder:
                 logits_now[i], h_last[i] = logits[j, -1], h[j, -1:]
         drafts = [[] for _ in active]
         qs = [[] for _ in active]
-        for d in range(n):
+        confidences = [[] for _ in active]
+        chooser = self.chooser if self.chooser is not None and not self.chooser.forced else None
+        all_accepted = [1.0] * B  # per row: the chance that every draft so far is accepted
+        n_cap = chooser.max_n if chooser is not None else n
+        for d in range(n_cap):
             for i, b in enumerate(active):
                 s = seqs[b]
                 if s.params.greedy:
@@ -481,15 +527,22 @@ class SpeculativeDecoder:
                     tok = int(torch.multinomial(q, 1, generator=s.generator)[0])
                 drafts[i].append(tok)
                 qs[i].append(q)
+                if self.chooser is not None:  # the draft's probability under the head
+                    conf = float((q if q is not None else logits_now[i].float().softmax(-1))[tok])
+                    confidences[i].append(conf)
+                    if chooser is not None:
+                        all_accepted[i] *= chooser.confidence_accept(conf)
             if self.prefetcher is not None:  # moved while the head drafts the next one
                 self.prefetcher.tokens([dr[-1] for dr in drafts])
-            if d + 1 < n:  # chained: the head's own output stands in for the trunk's hidden state
+            if chooser is not None and not chooser.more(d + 1, max(all_accepted)):
+                break
+            if d + 1 < n_cap:  # chained: the head's own output stands in for the trunk's hidden state
                 hidden = h_last if torch.is_tensor(h_last) else torch.stack(h_last)  # [B, 1, H]
                 tokens = torch.tensor([[dr[-1]] for dr in drafts], dtype=torch.long)
                 logits, h = self._mtp(hidden, tokens, slots)
                 logits_now, h_last = logits[:, -1], h[:, -1:]
         tracker.end_pass()
-        return drafts, qs
+        return drafts, qs, confidences
 
     def _step(self, seqs, active, pend_h, pend_t, eos_ids, stats, tracker, recurrent):
         net, cache = self.net, self.cache
@@ -498,13 +551,13 @@ class SpeculativeDecoder:
         if self.prefetcher is not None:  # t_L: the first token of the verification pass
             self.prefetcher.tokens([pend_t[b][-1] for b in active])
         n = self.chooser.choose() if self.chooser is not None else self.draft_tokens
-        stats.draft_hist[n] = stats.draft_hist.get(n, 0) + 1
         slots = torch.tensor(active)
         L = cache.lengths[slots].tolist()
         if n > 0:
-            drafts, qs = self._draft(seqs, active, slots, L, n, pend_h, pend_t, tracker)
+            drafts, qs, confidences = self._draft(seqs, active, slots, L, n, pend_h, pend_t, tracker)
+            n = len(drafts[0])
         else:  # a plain step ("auto" only): the head catches up on the next drafting step
-            drafts, qs = [[] for _ in active], [[] for _ in active]
+            drafts, qs, confidences = [[] for _ in active], [[] for _ in active], [[] for _ in active]
         ids = torch.tensor([[pend_t[b][-1]] + drafts[i] for i, b in enumerate(active)], dtype=torch.long)
         for layer in recurrent:
             layer.positions.clear()
@@ -513,6 +566,7 @@ class SpeculativeDecoder:
             logits, hidden = net(ids, cache, slots, return_hidden=True)  # [B, n+1, V], [B, n+1, H]
         finally:
             tracker.end_pass()
+        stats.draft_hist[n] = stats.draft_hist.get(n, 0) + 1
         if n > 0 and not all(layer.positions for layer in recurrent):
             raise MoerunError("speculative decoding cannot roll back this model's recurrent state (no per-token states)")
         stats.verify_steps += 1
@@ -534,7 +588,7 @@ class SpeculativeDecoder:
             stats.drafted += cap
             stats.accepted += k
             if self.chooser is not None:
-                self.chooser.update(cap, k)
+                self.chooser.update(cap, k, confidences[i][:cap])
             stats.row_steps += 1
             emitted = 0
             for tok in tokens:
