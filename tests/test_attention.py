@@ -34,6 +34,33 @@ def test_attend_uses_every_cached_position_in_decode():
     torch.testing.assert_close(last, full[:, :, S - 1 :], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("T", [2, 5, 8])
+def test_attend_few_queries_are_decode_steps(kv_dtype, T):
+    """A few tokens of one row through the cache (a verification pass) run query by query:
+    causal (equal to one uncached pass, within the cache's rounding) and bit-identical to
+    feeding the same tokens one at a time."""
+    g = torch.Generator().manual_seed(T)
+    S = 20 + T
+    q, k, v = (torch.randn(1, h, S, 16, generator=g) for h in (4, 2, 2))
+    full = attend(q, k, v, None, None, None, 0.25)
+    slots = torch.tensor([0])
+
+    def prefilled():
+        cache = Cache([KVSpec(2, 16, 16)], 1, S, torch.float32, kv_dtype)
+        attend(q[:, :, :20], k[:, :, :20], v[:, :, :20], cache.layers[0], slots, torch.tensor([0]), 0.25)
+        return cache.layers[0]
+
+    kv = prefilled()
+    few = attend(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], kv, slots, torch.tensor([20]), 0.25)
+    kv = prefilled()
+    steps = torch.cat([attend(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], kv, slots,
+                              torch.tensor([t]), 0.25) for t in range(20, S)], dim=2)
+    assert torch.equal(few, steps)
+    tol = 1e-5 if kv_dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(few, full[:, :, 20:], rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_cache_update_writes_reads_and_refuses_overflow(batch):
     """KVCache.update for one row (the helpers' one-row paths) and for a batch: values land

@@ -148,6 +148,33 @@ def plain_cache(net, ids, max_len):
     return cache
 
 
+@pytest.mark.parametrize("dtype,quant", [("bfloat16", None), ("float32", "int4")])
+def test_verification_pass_is_decode_steps_bit_for_bit(qwen, dtype, quant):
+    """A pass over a few tokens gives at each position exactly the logits of decoding them one
+    at a time (attention query by query, DeltaNet token by token, the native kernels row by
+    row), so greedy verification cannot flip a near-tie, in bf16 (the demo model's dtype) and
+    with the int4 kernels; greedy speculative output equals plain there too. (float32 torch
+    matmuls round a one-row product differently from a several-row one, ~1e-7.)"""
+    llm = moerun.load(qwen.path, dtype=dtype, threads=1, quant=quant)
+    torch.set_num_threads(1)
+    net = llm.net
+    ids = random_prompts(1, 300, seed=11, max_len=2)[0] + list(range(40, 50))
+    with torch.inference_mode():
+        one = Cache(net.cache_spec(), 1, 32, llm.dtype)
+        net(torch.tensor([ids[:6]]), one)
+        steps = torch.cat([net(torch.tensor([[t]]), one)[0] for t in ids[6:11]])
+        many = Cache(net.cache_spec(), 1, 32, llm.dtype)
+        for layer in many.layers:
+            if isinstance(layer, RecurrentState):
+                layer.positions = {}  # as verification runs: every token's state kept
+        net(torch.tensor([ids[:6]]), many)
+        passed = net(torch.tensor([ids[6:11]]), many)[0]
+    assert torch.equal(passed, steps)
+    prompts = random_prompts(6, 300, seed=12)
+    plain = llm.generate_ids(prompts, max_tokens=16, temperature=0.0)
+    assert llm.generate_ids(prompts, max_tokens=16, temperature=0.0, speculative="mtp", draft_tokens=3) == plain
+
+
 def test_rollback_restores_plain_state(qwen, monkeypatch):
     """After speculation (with rejections) the trunk's KV and DeltaNet states, and the MTP
     head's cache, are those of a plain run over the same tokens."""

@@ -25,24 +25,41 @@ def attend(
     T = q.shape[2]
     if kv is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=scale, enable_gqa=True)
-    if q.shape[0] == 1 and T == 1 and hasattr(kv, "update_int8") and kernels.isa() != "torch":
-        # an int8 cache, one token: the kernel scales keys and values as it reads them
-        k8, ks, v8, vs = kv.update_int8(slots, pos0, k, v)
-        out = kernels.attn_decode(q[0, :, 0], k8[0], v8[0], scale, ks[0], vs[0])
-        return out.view(1, q.shape[1], 1, -1).to(q.dtype)
+    B = q.shape[0]
+    if B == 1 and T <= FEW_QUERIES:
+        # a decode step, or a few tokens of one row (a speculative verification pass): each
+        # query as a decode step runs it, over the keys up to its own position, so that a
+        # pass gives a decode step's outputs bit for bit (one SDPA over the pass would
+        # round differently, and in bf16 that flips greedy picks at near-ties)
+        p = int(pos0[0])
+        if hasattr(kv, "update_int8") and kernels.isa() != "torch":
+            # an int8 cache: the kernel scales keys and values as it reads them
+            k8, ks, v8, vs = kv.update_int8(slots, pos0, k, v)
+            outs = [kernels.attn_decode(q[0, :, t], k8[0, :, : p + t + 1], v8[0, :, : p + t + 1], scale,
+                                        ks[0, :, : p + t + 1], vs[0, :, : p + t + 1]) for t in range(T)]
+            return torch.stack(outs, dim=1)[None].to(q.dtype)
+        k_all, v_all = kv.update(slots, pos0, k, v)
+        outs = [_one_query(q[:, :, t : t + 1], k_all[:, :, : p + t + 1], v_all[:, :, : p + t + 1], scale)
+                for t in range(T)]
+        return outs[0] if T == 1 else torch.cat(outs, dim=2)
     k_all, v_all = kv.update(slots, pos0, k, v)
     S = k_all.shape[2]
-    B = q.shape[0]
-    if B == 1 and T == 1:  # the new token sees every cached key of its own row
-        if S >= 128 or kernels.attn_decode_is_native(k_all, v_all):
-            return decode_attention(q, k_all, v_all, scale)
-        mask = None
-    elif B == 1 and S == T:
+    if B == 1 and S == T:
         return F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, scale=scale, enable_gqa=True)
     else:
         query_pos = pos0[:, None] + torch.arange(T)  # [B, T]
         mask = (torch.arange(S)[None, None, :] <= query_pos[:, :, None])[:, None]  # [B, 1, T, S]
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+FEW_QUERIES = 8  # tokens of one row that `attend` runs query by query, as decode steps
+
+
+def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token q [1, Hq, 1, D] over every key k, v [1, Hkv, S, D] (its own included)."""
+    if k.shape[2] >= 128 or kernels.attn_decode_is_native(k, v):
+        return decode_attention(q, k, v, scale)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
