@@ -72,7 +72,8 @@ void check_rows(const RowsArray& a, std::initializer_list<size_t> shape, const c
         ++i;
     }
     for (size_t j = a.ndim(); j-- > 2;) {
-        check(a.shape(j) <= 1 || a.stride(j) == (int64_t)inner, std::string(what) + ": must be contiguous within a token");
+        check(a.shape(j) <= 1 || a.stride(j) == (int64_t)inner,
+              std::string(what) + ": must be contiguous within a token");
         inner *= a.shape(j);
     }
     check(a.stride(0) >= 0 && a.stride(1) >= 0, std::string(what) + ": negative strides");
@@ -193,7 +194,6 @@ void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::opt
                         st[1], vs, st[2], st[3]);
 }
 
-// x, out [M, D]; w [D]; float32
 // x [M, D]; w [D], or [G, D] for row m to take w[m % G]; out [M, D]; float32
 void rms_norm(Array x, Array w, Array out, float eps, float w_offset) {
     check_dtype(x, dtype_code::Float, 32, "x");
@@ -201,7 +201,8 @@ void rms_norm(Array x, Array w, Array out, float eps, float w_offset) {
     check_dtype(out, dtype_code::Float, 32, "out");
     check(x.ndim() == 2, "x must be [M, D]");
     const size_t M = x.shape(0), D = x.shape(1);
-    check((w.ndim() == 1 || (w.ndim() == 2 && w.shape(0) > 0)) && w.shape(w.ndim() - 1) == D, "w must be [D] or [G, D]");
+    check((w.ndim() == 1 || (w.ndim() == 2 && w.shape(0) > 0)) && w.shape(w.ndim() - 1) == D,
+          "w must be [D] or [G, D]");
     const size_t G = w.ndim() == 2 ? w.shape(0) : 1;
     check(M % G == 0, "w: the rows must be a multiple of G");
     check_shape(out, {M, D}, "out");

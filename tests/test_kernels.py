@@ -790,6 +790,18 @@ def test_native_views_follow_replaced_buffers():
     q.qweight = q.qweight.clone().neg_()  # a new tensor: the old views would read the old weight
     assert q.views() is not first
     assert torch.equal(q(x), -before) or kernels.isa() == "torch" and torch.allclose(q(x), -before)
+    # parameters (their .data replaced, as Module.to() does) and a child's, by dotted name
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.zeros(3))
+    m.child = torch.nn.Linear(2, 2, bias=False)
+    made = []
+    make = lambda *ts: made.append(ts) or len(made)  # noqa: E731
+    names = ("a", "child.weight")
+    assert kernels.native_views(m, names, make) == 1 == kernels.native_views(m, names, make)
+    m.a.data = torch.ones(3)
+    assert kernels.native_views(m, names, make) == 2
+    m.child.weight.data = torch.ones(2, 2)
+    assert kernels.native_views(m, names, make) == 3 and made[-1][1] is m.child.weight
 
 
 @pytest.mark.parametrize("isa", NATIVE)

@@ -395,8 +395,6 @@ def _probs(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> torch
     return filter_logits(logits, p).softmax(-1)[0]
 
 
-
-
 class SpeculativeDecoder:
     """Runs `Sequence`s like `generate.run`, drafting with the MTP head and verifying in one pass.
 
@@ -520,10 +518,11 @@ class SpeculativeDecoder:
         for d in range(n_cap):
             for i, b in enumerate(active):
                 s = seqs[b]
+                history = s.prompt_ids + s.out_ids + drafts[i]
                 if s.params.greedy:
-                    tok, q = greedy_token(logits_now[i], s.prompt_ids + s.out_ids + drafts[i], s.params.repetition_penalty), None
+                    tok, q = greedy_token(logits_now[i], history, s.params.repetition_penalty), None
                 else:
-                    q = _probs(logits_now[i], s.params, s.prompt_ids + s.out_ids + drafts[i])
+                    q = _probs(logits_now[i], s.params, history)
                     tok = int(torch.multinomial(q, 1, generator=s.generator)[0])
                 drafts[i].append(tok)
                 qs[i].append(q)
@@ -627,7 +626,7 @@ class SpeculativeDecoder:
         p_ = s.params
         history = s.prompt_ids + s.out_ids
         n = len(drafts)
-        if p_.greedy:  # the trunk's pick at each position in turn (its history ends with drafts[:j]) up to the first miss
+        if p_.greedy:  # the trunk's pick at each position (history ending with drafts[:j]) up to the first miss
             for j in range(n + 1):
                 target = greedy_token(logits[j], history + drafts[:j], p_.repetition_penalty)
                 if j == n or target != drafts[j]:

@@ -196,8 +196,11 @@ def native_views(module: torch.nn.Module, names: tuple[str, ...], make):
     each, hundreds of times. The cache holds the tensors, so no other can take their address."""
     cached = module.__dict__.get("_native_views")
     if cached is not None:
+        bufs, params = module._buffers, module._parameters
         for name, ptr in zip(names, cached[0]):
-            if _own_tensor(module, name).data_ptr() != ptr:
+            # _own_tensor inlined for plain names: decode checks a few hundred of these a token
+            t = _own_tensor(module, name) if "." in name else bufs.get(name)
+            if (params[name] if t is None else t).data_ptr() != ptr:
                 break
         else:
             return cached[1]
@@ -493,7 +496,8 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
     from ..layers.deltanet import few_tokens_ref
 
     if not deltanet_decode_is_native(qkv, conv, S):
-        o, conv_now, S_now = few_tokens_ref(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps, key_heads, every)
+        o, conv_now, S_now = few_tokens_ref(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps, key_heads,
+                                            every)
         last = (conv_now[:, -1], S_now[:, -1]) if every else (conv_now, S_now)
         for state, value in zip((conv, S), last):
             if value is not state:

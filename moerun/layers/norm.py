@@ -47,7 +47,8 @@ def rms_norm_cat(owner: nn.Module, norm_names: tuple[str, ...], xs: list[torch.T
         norms = [owner.get_submodule(n) for n in norm_names]
         weights = torch.stack([n.weight.detach().float() + (1.0 if n.zero_centered else 0.0) for n in norms])
         native = (all(n.weight.dtype == torch.float32 for n in norms) and len({n.eps for n in norms}) == 1)
-        plan = owner.__dict__["_rms_norm_cat"] = (norm_names, norms, [n.weight.data_ptr() for n in norms], weights, native)
+        ptrs = [n.weight.data_ptr() for n in norms]
+        plan = owner.__dict__["_rms_norm_cat"] = (norm_names, norms, ptrs, weights, native)
     _, norms, _, weights, native = plan
     if (native and kernels.native() and all(x.dtype == torch.float32 and x.shape == xs[0].shape for x in xs)
             and not any(n._forward_hooks or n._forward_pre_hooks for n in norms)):

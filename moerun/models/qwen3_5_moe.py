@@ -358,7 +358,8 @@ class Model(nn.Module):
         slots, pos0 = self._positions(B, cache, slots)
         mtp, m = self.mtp, self.model
         e = m.embed_tokens(next_token_ids)
-        x = mtp.fc(rms_norm_cat(mtp, ("pre_fc_norm_embedding", "pre_fc_norm_hidden"), [e, hidden.to(e.dtype)]))  # [B, T, H]
+        normed = rms_norm_cat(mtp, ("pre_fc_norm_embedding", "pre_fc_norm_hidden"), [e, hidden.to(e.dtype)])
+        x = mtp.fc(normed)  # [B, T, H]
         cos_sin = m.rope.span(pos0, T, x.dtype)
         for i, layer in enumerate(mtp.layers):
             x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
