@@ -326,6 +326,34 @@ def test_auto_draft_length_follows_acceptance_and_cost():
     assert chosen == [3, 1, 0]
 
 
+def test_auto_explores_less_while_the_best_holds():
+    """Tries of a neighbouring N come every `explore_every` steps at first and ever more
+    rarely while they leave the best N unchanged (drafts never accepted: plain steps win);
+    a change of the best N brings the short gap back."""
+    from moerun.engine.speculative import DraftLength
+
+    d = DraftLength(explore_every=4)
+    cost = {n: 1.0 + 0.3 * n for n in range(5)}
+    for _ in range(5):  # every N measured once first
+        d.observe_time(n := d.choose(), cost[n])
+    for _ in range(60):
+        d.update(4, 0)
+    chosen = []
+    for _ in range(200):
+        chosen.append(d.choose())
+        d.observe_time(chosen[-1], cost[chosen[-1]])
+    tries = [i for i, n in enumerate(chosen) if n != 0]
+    assert 5 <= len(tries) <= 10  # 50 at a fixed gap of 4
+    assert tries[1] - tries[0] < tries[-1] - tries[-2] == 32
+    for _ in range(60):  # drafts now always accepted: drafting wins, and tries come often again
+        d.update(4, 4)
+    chosen = []
+    for _ in range(40):
+        chosen.append(d.choose())
+        d.observe_time(chosen[-1], cost[chosen[-1]])
+    assert chosen[0] != 0 and any(n != chosen[0] for n in chosen[1:10])  # not 32 steps away
+
+
 def test_auto_drafts_while_the_heads_confidence_pays():
     """"auto" learns how often drafts of each confidence (probability under the head) are
     accepted, and drafts one more only while the chance that all so far are accepted makes

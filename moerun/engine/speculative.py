@@ -66,8 +66,9 @@ measured N' through
 expert_cost being the share of a plain step spent reading experts (1.0: memory-bound on
 experts), draft_cost one MTP call against a trunk step (1 / (layers + 1)). N = 0 is a
 plain step (the head catches up later), so "auto" falls back to plain decoding when drafts
-are rarely accepted. Every N is measured once first, then every 8th step tries a neighbour
-of the best N so that its figures stay current. `LLM` keeps one chooser per loaded model,
+are rarely accepted. Every N is measured once first, then a neighbour of the best N is
+tried every 8th step so that its figures stay current, the gap doubling (up to 64 steps)
+each time a try leaves the best N unchanged and back to 8 when the best N changes. `LLM` keeps one chooser per loaded model,
 so what one request measured serves the next.
 
 Within a step (not a measuring or exploring one) the chosen N only decides between a plain
@@ -295,9 +296,15 @@ class DraftLength:
         self.token_bytes = 0  # one token's routed-expert bytes
         self.wait_s_per_byte = 0.0  # EMA: seconds waited for experts per byte of a verification union
         self.k_over_e = 0.0
-        self.explore_every = explore_every
+        self.explore_every = explore_every  # steps between explorations at first
         self.steps = 0
         self._flip = False
+        # an exploration that leaves the best N as it was doubles the gap to the next one (up
+        # to 8x): where drafting clearly loses (experts far away) the tries cost little
+        self._gap = explore_every
+        self._next_explore = explore_every
+        self._last_best: int | None = None
+        self._explored = False
 
     def expected_tokens(self, n: int) -> float:
         total, run = 1.0, 1.0
@@ -342,7 +349,15 @@ class DraftLength:
         if unmeasured:  # measure every N once first: cheaper than trusting the model for long
             return unmeasured[0]
         n = self.best()
-        if self.steps % self.explore_every == 0:  # keep the neighbours' figures fresh
+        if n != self._last_best:  # the figures moved: look around often again
+            self._gap = self.explore_every
+            self._next_explore = min(self._next_explore, self.steps + self._gap)
+        elif self._explored:  # the last try left the best N as it was
+            self._gap = min(2 * self._gap, 8 * self.explore_every)
+        self._last_best, self._explored = n, False
+        if self.steps >= self._next_explore:  # keep the neighbours' figures fresh
+            self._next_explore = self.steps + self._gap
+            self._explored = True
             self._flip = not self._flip
             step = 1 if self._flip or n == 0 else -1
             return min(max(n + step, 0), self.max_n)
