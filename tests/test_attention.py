@@ -92,6 +92,23 @@ def test_recurrent_state_set_casts_to_its_dtype(slots):
     assert torch.equal(st.tensors["conv"][slots], value.float())
 
 
+def test_recurrent_state_set_of_what_get_gave_writes_nothing_else():
+    """`set` with the view `get` gave (updated in place) leaves the state as it is; a
+    one-row view of slot 0 set into two slots still broadcasts; set_slot writes one slot."""
+    from moerun.engine.cache import RecurrentState, StateSpec
+
+    st = RecurrentState(StateSpec(shapes=(("s", (2,)),), dtypes=()), 3, torch.float32)
+    view = st.get("s", torch.tensor([0, 1]))
+    view.fill_(5.0)
+    st.set("s", torch.tensor([0, 1]), view)
+    assert st.tensors["s"].tolist() == [[5.0, 5.0], [5.0, 5.0], [0.0, 0.0]]
+    st.tensors["s"][0] = torch.tensor([1.0, 2.0])
+    st.set("s", torch.tensor([0, 1]), st.tensors["s"][:1])
+    assert st.tensors["s"].tolist() == [[1.0, 2.0], [1.0, 2.0], [0.0, 0.0]]
+    st.set_slot("s", 2, torch.tensor([7.0, 8.0]))
+    assert st.tensors["s"][2].tolist() == [7.0, 8.0]
+
+
 def test_recurrent_state_scratch_is_kept_until_the_shape_changes():
     from moerun.engine.cache import RecurrentState, StateSpec
 

@@ -169,8 +169,10 @@ class RecurrentState:
         when value is what `get` gave for them (a view of the leading slots), updated in place."""
         t = self.tensors[name]
         if _is_range(slots, t.shape[0]):
-            if value.data_ptr() != t.data_ptr() or value.stride() != t.stride() or value.dtype != t.dtype:
-                t[: len(slots)] = value
+            n = len(slots)
+            if (value.data_ptr() != t.data_ptr() or value.stride() != t.stride() or value.dtype != t.dtype
+                    or value.shape[:1] != (n,)):
+                t[:n] = value
         else:
             t[slots] = value.to(t.dtype)
 
