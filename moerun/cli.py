@@ -302,7 +302,7 @@ def cmd_serve(a) -> int:
 
     llm = _load(a)
     serve(llm, a.host, a.port, api_key=a.api_key, max_concurrency=a.max_concurrency, max_queue=a.max_queue,
-          max_len=a.max_len)
+          max_len=a.max_len, **_spec_kwargs(a))
     return 0
 
 
@@ -372,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-concurrency", type=int, default=4, help="requests decoded together (cache slots)")
     sv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; then 429")
     sv.add_argument("--max-len", type=int, default=None, help="tokens per request (prompt + completion)")
+    _speculative(sv)  # requests then run one at a time
     sv.set_defaults(func=cmd_serve)
 
     pr = sub.add_parser("profile", help="record a routing trace (and plots)")

@@ -155,6 +155,14 @@ def test_bench_with_a_very_short_prompt():
 
 def test_speculative_without_mtp_head_is_refused(tiny):
     assert_one_line_error(moerun("generate", "-m", tiny, "x", "--speculative", "mtp", "--threads", "1"), "multi-token-prediction")
+    # the server refuses before it listens (the port is never bound)
+    assert_one_line_error(moerun("serve", "-m", tiny, "--speculative", "mtp", "--threads", "1", "--port", "1"),
+                          "multi-token-prediction")
+
+
+def test_speculative_server_with_bad_draft_tokens_is_refused():
+    assert_one_line_error(moerun("serve", "--speculative", "mtp", "--draft-tokens", "9", "--threads", "1", "--port", "1"),
+                          "draft_tokens must be 1..4")
 
 
 def test_quant_and_store_together_are_refused(tiny):

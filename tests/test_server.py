@@ -235,6 +235,38 @@ def test_errors_in_openai_shape_and_server_keeps_serving(server, llm):
     wait_idle(base)
 
 
+def test_speculative_server_matches_the_batched_one(server, llm):
+    """`--speculative mtp`: greedy completions (plain and streamed, stop strings and length
+    included) equal the batched server's; requests run one at a time, concurrent ones queue;
+    a model without an MTP head is refused at start."""
+    if not getattr(llm.net, "has_mtp", False):
+        pytest.skip("the test model has no MTP head")
+    base, model = server
+    prompts = ["def add(a, b):", "The os module provides", "import sys\n"]
+    want = [client(base).completions.create(model=model, prompt=p, max_tokens=20, temperature=0) for p in prompts]
+    with running_server(llm, speculative="mtp", draft_tokens=2, max_concurrency=8) as (sbase, smodel):
+        c = client(sbase)
+        with ThreadPoolExecutor(3) as pool:  # arrive together: served one after the other
+            got = list(pool.map(lambda p: c.completions.create(model=smodel, prompt=p, max_tokens=20, temperature=0),
+                                prompts))
+        for g, w in zip(got, want):
+            assert g.choices[0].text == w.choices[0].text and g.choices[0].finish_reason == w.choices[0].finish_reason
+            assert g.usage.completion_tokens == w.usage.completion_tokens
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model=smodel, prompt=prompts[0], max_tokens=20, temperature=0, stream=True) if ch.choices)
+        assert streamed == want[0].choices[0].text
+        assert wait_idle(sbase)["running"] == 0
+        assert metric(sbase, "moerun_generation_tokens_total") >= sum(w.usage.completion_tokens for w in want)
+        # the speculative loop ran them: drafts checked, some accepted, no batched decode steps
+        assert 0 < metric(sbase, "moerun_accepted_draft_tokens_total") <= metric(sbase, "moerun_draft_tokens_total")
+        assert metric(sbase, "moerun_verification_steps_total") > 0 and not metric(sbase, "moerun_decode_steps_total")
+    from moerun.errors import MoerunError
+    from moerun.server import create_app
+
+    with pytest.raises(MoerunError, match="draft_tokens"):
+        create_app(llm, speculative="mtp", draft_tokens=9)
+
+
 def test_api_key_and_overload(guarded):
     base, model = guarded
     url = base + "/v1/chat/completions"

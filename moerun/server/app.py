@@ -119,7 +119,8 @@ class Server:
     """Everything one app holds: the model, its scheduler, its figures and settings."""
 
     def __init__(self, llm, api_key: str | None, max_concurrency: int, max_queue: int, max_len: int | None,
-                 model_name: str | None, prefill_budget: int = 512):
+                 model_name: str | None, prefill_budget: int = 512, speculative: str | None = None,
+                 draft_tokens: int | str = 1):
         if llm.tokenizer is None:
             raise MoerunError(f"{llm.path} has no tokenizer.json; the server needs one")
         self.llm = llm
@@ -127,7 +128,12 @@ class Server:
         self.model_name = model_name or Path(str(llm.path)).name
         self.created = int(time.time())
         self.sched_args = dict(max_concurrency=max_concurrency, max_queue=max_queue, max_len=max_len,
-                               prefill_budget=prefill_budget)
+                               prefill_budget=prefill_budget, speculative=speculative, draft_tokens=draft_tokens)
+        if speculative is not None:  # a bad choice fails here, before the server starts
+            from ..engine.speculative import check_draft_tokens, check_speculative
+
+            check_speculative(llm.net, speculative)
+            check_draft_tokens(draft_tokens)
         self.scheduler: Scheduler | None = None
         self.metrics = ServerMetrics(llm, lambda: self.scheduler)
 
@@ -206,9 +212,11 @@ class Server:
 
 
 def create_app(llm, *, api_key: str | None = None, max_concurrency: int = 4, max_queue: int = 64,
-               max_len: int | None = None, model_name: str | None = None, prefill_budget: int = 512) -> FastAPI:
+               max_len: int | None = None, model_name: str | None = None, prefill_budget: int = 512,
+               speculative: str | None = None, draft_tokens: int | str = 1) -> FastAPI:
     """The ASGI app for `llm`; its scheduler thread starts with the app and stops with it."""
-    srv = Server(llm, api_key, max_concurrency, max_queue, max_len, model_name, prefill_budget)
+    srv = Server(llm, api_key, max_concurrency, max_queue, max_len, model_name, prefill_budget, speculative,
+                 draft_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

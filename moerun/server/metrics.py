@@ -28,6 +28,9 @@ class ServerMetrics:
         self.prefill_seconds = Counter("moerun_prefill_seconds", "Time spent in prefill passes", registry=r)
         self.batch = Histogram("moerun_decode_batch_size", "Live slots per decode step",
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.drafts = Counter("moerun_draft_tokens", "Speculative drafts checked by the model", registry=r)
+        self.accepted = Counter("moerun_accepted_draft_tokens", "Speculative drafts the model accepted", registry=r)
+        self.verify_steps = Counter("moerun_verification_steps", "Speculative verification passes", registry=r)
         self._sched = scheduler_ref
         self.queue_depth = Gauge("moerun_queue_depth", "Requests waiting for a slot", registry=r)
         self.queue_depth.set_function(lambda: getattr(self._sched(), "queue_depth", 0))
@@ -57,6 +60,12 @@ class ServerMetrics:
     def decode_step(self, batch: int) -> None:
         self.decode_steps.inc()
         self.batch.observe(batch)
+
+    def speculative(self, stats) -> None:
+        """One request's speculative figures (`SpeculativeStats`)."""
+        self.drafts.inc(stats.drafted)
+        self.accepted.inc(stats.accepted)
+        self.verify_steps.inc(stats.verify_steps)
 
     def finished(self, req) -> None:
         if req.cancelled:

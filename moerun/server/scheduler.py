@@ -5,12 +5,18 @@ then joins the running batch; every step decodes all live slots in one `net(...)
 concurrent requests share each layer's expert reads. Requests join and leave only between
 steps. The asyncio side submits requests and reads their events through thread-safe
 hand-offs (`loop.call_soon_threadsafe` into an `asyncio.Queue` per request).
+
+With `speculative="mtp"` requests run one at a time instead, each from its prompt to its
+end through the MTP speculative loop (engine/speculative.py, which keeps its own caches);
+the others wait in the queue. That is the single-user mode speculation pays in: drafts
+win where one stream leaves the cores idle, while a batch already fills them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import queue
@@ -76,11 +82,20 @@ class Scheduler:
     """Owns `llm.net` and a `Cache` of `max_concurrency` slots, each `max_len` tokens long."""
 
     def __init__(self, llm, max_concurrency: int = 4, max_queue: int = 64, max_len: int | None = None, metrics=None,
-                 prefill_budget: int = 512):
+                 prefill_budget: int = 512, speculative: str | None = None, draft_tokens: int | str = 1):
         if max_concurrency < 1:
             raise MoerunError("max_concurrency must be at least 1")
         if max_queue < 0:
             raise MoerunError("max_queue must be >= 0")
+        self.speculative, self.draft_tokens, self._chooser = speculative, draft_tokens, None
+        if speculative is not None:
+            from ..engine.speculative import check_draft_tokens, check_speculative, new_draft_length
+
+            check_speculative(llm.net, speculative)
+            self.draft_tokens = check_draft_tokens(draft_tokens)
+            max_concurrency = 1  # one request at a time (module doc)
+            if self.draft_tokens == "auto":
+                self._chooser = new_draft_length(llm.net)  # learns across requests
         self.llm = llm
         self.net = llm.net
         self.max_concurrency = max_concurrency
@@ -90,7 +105,9 @@ class Scheduler:
         self.eos_ids = llm.eos_ids()
         self.metrics = metrics
         self.prefill_budget = prefill_budget
-        self.cache = Cache(self.net.cache_spec(), max_concurrency, self.max_len, llm.dtype, llm.kv_dtype)
+        # the speculative loop keeps its own caches, sized per request
+        self.cache = (None if speculative is not None
+                      else Cache(self.net.cache_spec(), max_concurrency, self.max_len, llm.dtype, llm.kv_dtype))
         self.free = list(range(max_concurrency - 1, -1, -1))  # pop() hands out slot 0 first
         self.live: list[Request] = []  # decoding
         self.prefilling: collections.deque[Request] = collections.deque()  # holding a slot, prompt partly in
@@ -155,6 +172,9 @@ class Scheduler:
             while not self._stop.is_set():
                 try:
                     self._drain_inbox(block=not (self.live or self.waiting or self.prefilling))
+                    if self.speculative is not None:
+                        self._run_speculative()
+                        continue
                     self._admit()
                     if self.live:
                         self._step()
@@ -225,7 +245,8 @@ class Scheduler:
                 self.metrics.finished(req)
             return False
         req.slot = self.free.pop()
-        self.cache.reset(req.slot)
+        if self.cache is not None:
+            self.cache.reset(req.slot)
         req.seq = Sequence(req.prompt_ids, req.params, decoder=req.decoder)
         self.prefilling.append(req)
         return True
@@ -279,13 +300,63 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.generated(n)
 
+    def _run_speculative(self) -> None:
+        """The next waiting request, from its prompt to its end, through the speculative loop;
+        text streams as drafts are accepted, and it stops early when the client goes."""
+        from ..engine.speculative import SpeculativeStats, run_speculative
+
+        while self.waiting and self.free:
+            req = self.waiting.popleft()
+            if not self._assign(req):
+                continue
+            self.prefilling.remove(req)
+            if req.cancelled:
+                self._finish(req)
+                continue
+            room = self.max_len - len(req.prompt_ids)  # the slot's length, as the batched path keeps it
+            seq = req.seq = Sequence(req.prompt_ids, dataclasses.replace(req.params, max_tokens=min(req.params.max_tokens,
+                                                                                                        room)),
+                                     decoder=req.decoder)
+            self.live.append(req)
+            stats = SpeculativeStats()
+            steps = run_speculative(self.net, [seq], set() if req.ignore_eos else self.eos_ids, self.llm.dtype, stats,
+                                    self.draft_tokens, chooser=self._chooser, kv_dtype=self.llm.kv_dtype)
+            counted = 0
+            try:
+                for _, piece in steps:
+                    if req.first_token_at is None:
+                        req.first_token_at = time.perf_counter()
+                        if self.metrics is not None:
+                            self.metrics.prefill(len(req.prompt_ids), stats.prefill_s)
+                            self.metrics.first_token(req.first_token_at - req.submitted)
+                    req.emit(Event("piece", text=piece))
+                    if self.metrics is not None:
+                        self.metrics.generated(len(seq.out_ids) - counted)
+                    counted = len(seq.out_ids)
+                    self._drain_inbox(block=False)  # arrivals queue; a cancel wakes nothing here
+                    if req.cancelled or self._stop.is_set():
+                        break
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
+                steps.close()
+                self._finish(req, error=f"generation failed: {e}")
+                continue
+            steps.close()
+            req.sampled = len(seq.out_ids)
+            if self.metrics is not None:
+                self.metrics.generated(req.sampled - counted)
+                self.metrics.speculative(stats)
+            if not seq.finished and not req.cancelled:
+                seq.finish_reason = seq.finish_reason or "length"
+            self._finish(req)
+
     def _finish(self, req: Request, error: str | None = None) -> None:
         if req in self.live:
             self.live.remove(req)
         if req in self.prefilling:
             self.prefilling.remove(req)
         if req.slot is not None:
-            self.cache.reset(req.slot)
+            if self.cache is not None:
+                self.cache.reset(req.slot)
             self.free.append(req.slot)
             req.slot = None
             with self._lock:
