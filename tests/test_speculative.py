@@ -223,8 +223,10 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def test_sampling_distribution_unchanged(tmp_path):
-    """Tokens 2 and 3 (the first that speculation decides) follow the plain sampler's law."""
+@pytest.mark.parametrize("draft_vocab", [None, 9])
+def test_sampling_distribution_unchanged(tmp_path, draft_vocab):
+    """Tokens 2 and 3 (the first that speculation decides) follow the plain sampler's law,
+    also when the drafter sees only part of the vocabulary."""
     params = dict(temperature=0.8, top_k=10, repetition_penalty=1.3)  # every part of the plain sampler
     V, R, prompt = 16, 800, [3, 5, 7]
     llm = load(build_qwen(tmp_path, vocab_size=V))
@@ -243,11 +245,48 @@ def test_sampling_distribution_unchanged(tmp_path):
         p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
     seqs = [Sequence(list(prompt), SamplingParams(max_tokens=3, seed=1000 + r, **params)) for r in range(R)]
     stats = SpeculativeStats()
-    list(SpeculativeDecoder(net, torch.float32, draft_tokens=2).run(seqs, set(), stats))
+    list(SpeculativeDecoder(net, torch.float32, draft_tokens=2, draft_vocab=draft_vocab).run(seqs, set(), stats))
     assert 0.05 < stats.acceptance_rate < 0.95  # both branches of the test ran
     outs = torch.tensor([s.out_ids for s in seqs])
     assert chi_square_p(torch.bincount(outs[:, 1], minlength=V).float(), p2) > 1e-3
     assert chi_square_p(torch.bincount(outs[:, 2], minlength=V).float(), p3) > 1e-3
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_draft_vocabulary_rows_and_output(qwen, monkeypatch, quant):
+    """draft_vocab N: the draft head is the LM head's first N rows (views; its logits the full
+    head's first N, bit for bit), drafts come from them only, and greedy output is the plain
+    output; bad values are refused."""
+    from moerun.engine.speculative import draft_head
+
+    llm = qwen if quant is None else moerun.load(qwen.path, dtype="float32", threads=1, quant=quant)
+    torch.set_num_threads(1)
+    net = llm.net
+    head = draft_head(net.lm_head, 120)
+    h = torch.randn(3, net.args.hidden_size)
+    with torch.inference_mode():
+        assert torch.equal(head(h), net.lm_head(h)[:, :120])
+    assert all(t.untyped_storage().data_ptr() == net.lm_head.state_dict()[k].untyped_storage().data_ptr()
+               for k, t in head.state_dict().items() if t is not None)
+    prompts = random_prompts(5, 300, seed=21)
+    plain = llm.generate_ids(prompts, max_tokens=14, temperature=0.0)
+    drafted = []
+    original = SpeculativeDecoder._draft
+
+    def spy(dec, *a, **k):
+        out = original(dec, *a, **k)
+        drafted.extend(t for row in out[0] for t in row)
+        return out
+
+    monkeypatch.setattr(SpeculativeDecoder, "_draft", spy)
+    for n in (2, "auto"):
+        assert llm.generate_ids(prompts, max_tokens=14, temperature=0.0, speculative="mtp", draft_tokens=n,
+                                draft_vocab=120) == plain
+        assert llm.last_stats.as_dict()["draft_vocab"] == 120
+    assert drafted and max(drafted) < 120
+    for bad in (0, 301, 2.5):
+        with pytest.raises(MoerunError, match="draft_vocab must be 1..300"):
+            llm.generate_ids(prompts[:1], max_tokens=2, speculative="mtp", draft_vocab=bad)
 
 
 def test_without_mtp_head_is_a_clear_error(tmp_path, qwen):

@@ -11,9 +11,9 @@ from ..errors import MoerunError
 
 
 def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, speculative: str | None = None,
-          draft_tokens: int | str = 1) -> dict:
+          draft_tokens: int | str = 1, draft_vocab: int | None = None) -> dict:
     if speculative:
-        return bench_speculative(llm, prompt_tokens, gen_tokens, seed, speculative, draft_tokens)
+        return bench_speculative(llm, prompt_tokens, gen_tokens, seed, speculative, draft_tokens, draft_vocab)
     if prompt_tokens < 1 or gen_tokens < 1:
         raise MoerunError("--prompt-tokens and --gen-tokens must be at least 1")
     if prompt_tokens + gen_tokens > llm.context_length:
@@ -52,11 +52,13 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, sp
     }
 
 
-def bench_speculative(llm, prompt_tokens: int, gen_tokens: int, seed: int, speculative: str, draft_tokens) -> dict:
+def bench_speculative(llm, prompt_tokens: int, gen_tokens: int, seed: int, speculative: str, draft_tokens,
+                      draft_vocab: int | None = None) -> dict:
     """Greedy generation through the speculative loop; stops early at EOS like a user would."""
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, llm.net.args.vocab_size, (prompt_tokens,), generator=g).tolist()
-    llm.generate_ids([prompt], max_tokens=gen_tokens, temperature=0.0, speculative=speculative, draft_tokens=draft_tokens)
+    llm.generate_ids([prompt], max_tokens=gen_tokens, temperature=0.0, speculative=speculative, draft_tokens=draft_tokens,
+                     draft_vocab=draft_vocab)
     d = llm.last_stats.as_dict()
     return {
         "model": str(llm.path),

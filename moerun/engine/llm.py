@@ -158,7 +158,8 @@ class LLM:
             return None
         return driver.mtp_step
 
-    def _run(self, seqs: list[Sequence], speculative: str | None, draft_tokens: int | str) -> Iterator[tuple[int, str]]:
+    def _run(self, seqs: list[Sequence], speculative: str | None, draft_tokens: int | str,
+             draft_vocab: int | None = None) -> Iterator[tuple[int, str]]:
         """The plain loop, or MTP speculative decoding (engine/speculative.py) when asked."""
         if speculative is None:
             self.last_stats = GenerationStats()
@@ -172,16 +173,16 @@ class LLM:
             self._draft_length = new_draft_length(self.net)  # learns acceptance and step costs across calls
         chooser = self._draft_length if draft_tokens == "auto" else None
         return run_speculative(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats, draft_tokens, chooser=chooser,
-                               kv_dtype=self.kv_dtype)
+                               kv_dtype=self.kv_dtype, draft_vocab=draft_vocab)
 
     def generate_ids(self, prompts: list[list[int]], speculative: str | None = None, draft_tokens: int | str = 1,
-                     **sampling) -> list[list[int]]:
+                     draft_vocab: int | None = None, **sampling) -> list[list[int]]:
         """Token-level batch generation (no text, no stop strings): continuation ids per prompt."""
         seqs = []
         for ids in prompts:
             params = self._check_length(list(ids), self.sampling_params(**sampling))
             seqs.append(Sequence(list(ids), params))
-        for _ in self._run(seqs, speculative, draft_tokens):
+        for _ in self._run(seqs, speculative, draft_tokens, draft_vocab):
             pass
         return [s.out_ids for s in seqs]
 
@@ -197,21 +198,22 @@ class LLM:
         return seqs
 
     def generate(self, prompt: str | list[dict[str, Any]], speculative: str | None = None, draft_tokens: int | str = 1,
-                 **sampling) -> Iterator[str]:
+                 draft_vocab: int | None = None, **sampling) -> Iterator[str]:
         """Yield text pieces continuing `prompt` (a string, or chat messages).
 
         Keyword arguments: max_tokens, temperature, top_k, top_p, min_p,
         repetition_penalty, seed, stop; speculative="mtp" drafts with the checkpoint's MTP
-        head, draft_tokens 1..4 or "auto" per step (engine/speculative.py).
+        head, draft_tokens 1..4 or "auto" per step, draft_vocab N: drafts among the first N
+        token ids only (engine/speculative.py).
         """
         seqs = self._sequences([prompt], sampling)
-        for _, piece in self._run(seqs, speculative, draft_tokens):
+        for _, piece in self._run(seqs, speculative, draft_tokens, draft_vocab):
             yield piece
 
     def generate_batch(self, prompts: list, speculative: str | None = None, draft_tokens: int | str = 1,
-                       **sampling) -> list[str]:
+                       draft_vocab: int | None = None, **sampling) -> list[str]:
         """Continue several prompts together (decoded as one batch); returns their texts."""
         seqs = self._sequences(prompts, sampling)
-        for _ in self._run(seqs, speculative, draft_tokens):
+        for _ in self._run(seqs, speculative, draft_tokens, draft_vocab):
             pass
         return [s.text for s in seqs]

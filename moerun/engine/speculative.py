@@ -104,6 +104,7 @@ MAX_DRAFT_TOKENS = 4
 @dataclass
 class SpeculativeStats(GenerationStats):
     draft_tokens: int | str = 1
+    draft_vocab: int | None = None  # drafts among the first N token ids (None: all)
     verify_steps: int = 0
     row_steps: int = 0  # (row, verification step) pairs
     drafted: int = 0  # drafts checked by the trunk
@@ -140,6 +141,7 @@ class SpeculativeStats(GenerationStats):
     def as_dict(self) -> dict:
         return {
             "draft_tokens": self.draft_tokens,
+            "draft_vocab": self.draft_vocab,
             "acceptance_rate": self.acceptance_rate,
             "accepted_tokens_per_step": self.accepted_tokens_per_step,
             "decode_tok_s": self.decode_tok_s,
@@ -179,6 +181,53 @@ def check_speculative(net, speculative: str | None) -> None:
             "speculative decoding with 'mtp' needs a checkpoint with a multi-token-prediction head; "
             "this one has none (mtp_num_hidden_layers / num_nextn_predict_layers is 0)"
         )
+
+
+def check_draft_vocab(net, draft_vocab) -> int | None:
+    """None (the whole vocabulary), or a row count 1..V of the LM head."""
+    if draft_vocab is None:
+        return None
+    V = net.lm_head.out_features
+    if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or not 1 <= draft_vocab <= V:
+        raise MoerunError(f"draft_vocab must be 1..{V} (this model's vocabulary), not {draft_vocab!r}")
+    return draft_vocab
+
+
+def draft_head(lm_head: torch.nn.Module, n: int) -> torch.nn.Module:
+    """The LM head's first n rows as a module of its own kind (views of its weights, no copy):
+    the drafter's vocabulary. BPE vocabularies number tokens roughly by merge order, so the
+    low ids are the frequent ones; drafting among them only (FR-Spec's frequency-ranked
+    draft vocabulary, with the id order standing in for the ranking) makes an MTP call read
+    n/V of the head, which dominates the call on a large-vocabulary model. Drafts are still
+    verified by the full model, so the output does not change; only tokens >= n are never
+    drafted."""
+    from ..quant.modules import QuantizedLinear
+
+    if type(lm_head) is QuantizedLinear:
+        with torch.device("meta"):
+            sub = QuantizedLinear(lm_head.in_features, n, lm_head.fmt, bias=lm_head.bias is not None)
+        sub.qweight, sub.scales = lm_head.qweight[:n], lm_head.scales[:n]
+        sub.bias = None if lm_head.bias is None else lm_head.bias[:n]
+        return sub
+    if type(lm_head) is torch.nn.Linear:
+        with torch.device("meta"):
+            sub = torch.nn.Linear(lm_head.in_features, n, bias=lm_head.bias is not None)
+        sub.weight = torch.nn.Parameter(lm_head.weight.detach()[:n], requires_grad=False)
+        if lm_head.bias is not None:
+            sub.bias = torch.nn.Parameter(lm_head.bias.detach()[:n], requires_grad=False)
+        return sub
+    return _FirstRows(lm_head, n)
+
+
+class _FirstRows(torch.nn.Module):
+    """Any other head: its logits' first n columns (correct, but the whole head is read)."""
+
+    def __init__(self, head: torch.nn.Module, n: int):
+        super().__init__()
+        self.head, self.n = head, n
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h)[..., : self.n]
 
 
 class ExpertTracker:
@@ -419,9 +468,14 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, net, dtype: torch.dtype, draft_tokens: int | str = 1, expert_cost: float = 1.0,
-                 chooser: DraftLength | None = None, kv_dtype: torch.dtype | None = None, prefetch: bool = True):
+                 chooser: DraftLength | None = None, kv_dtype: torch.dtype | None = None, prefetch: bool = True,
+                 draft_vocab: int | None = None):
         check_speculative(net, "mtp")
         self.net = net
+        # drafts come from the LM head's first draft_vocab rows (`draft_head`); None: all of them
+        self.draft_vocab = check_draft_vocab(net, draft_vocab)
+        self.draft_head = draft_head(net.lm_head, self.draft_vocab) if self.draft_vocab is not None else None
+        self.vocab = net.lm_head.out_features
         # with an expert store (`net.expert_store`): its figures, and the drafts' experts hinted to it
         self.store = getattr(net, "expert_store", None)
         self.prefetcher = DraftPrefetch(net, self.store) if self.store is not None and prefetch else None
@@ -437,12 +491,13 @@ class SpeculativeDecoder:
     # -- the MTP head ----------------------------------------------------------
     def _mtp(self, hidden, tokens, slots):
         """-> (logits [B, T, V], the head's final normed hidden state [B, T, H])."""
-        return self.net.mtp_logits(hidden, tokens, self.mtp_cache, slots, return_hidden=True)
+        return self.net.mtp_logits(hidden, tokens, self.mtp_cache, slots, return_hidden=True, head=self.draft_head)
 
     # -- the loop --------------------------------------------------------------
     def run(self, seqs: list[Sequence], eos_ids: set[int], stats: SpeculativeStats | None = None) -> Iterator[tuple[int, str]]:
         stats = stats if stats is not None else SpeculativeStats()
         stats.draft_tokens = self.draft_tokens
+        stats.draft_vocab = self.draft_vocab
         stats.prefetch = self.prefetcher is not None
         net = self.net
         B = len(seqs)
@@ -534,6 +589,8 @@ class SpeculativeDecoder:
             for i, b in enumerate(active):
                 s = seqs[b]
                 history = s.prompt_ids + s.out_ids + drafts[i]
+                if self.draft_vocab is not None:  # the penalty's tokens among the drafter's
+                    history = [t for t in history if t < self.draft_vocab]
                 if s.params.greedy:
                     tok, q = greedy_token(logits_now[i], history, s.params.repetition_penalty), None
                 else:
@@ -546,6 +603,8 @@ class SpeculativeDecoder:
                     confidences[i].append(conf)
                     if chooser is not None:
                         all_accepted[i] *= chooser.confidence_accept(conf)
+                if q is not None and self.draft_vocab is not None:  # q over the whole vocabulary, for the
+                    qs[i][-1] = torch.nn.functional.pad(q, (0, self.vocab - self.draft_vocab))  # rejection test
             if self.prefetcher is not None:  # moved while the head drafts the next one
                 self.prefetcher.tokens([dr[-1] for dr in drafts])
             if chooser is not None and not chooser.more(d + 1, max(all_accepted)):
@@ -669,7 +728,10 @@ def new_draft_length(net, expert_cost: float = 1.0) -> DraftLength:
 
 def run_speculative(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats: SpeculativeStats | None = None,
                     draft_tokens: int | str = 1, expert_cost: float = 1.0, chooser: DraftLength | None = None,
-                    kv_dtype: torch.dtype | None = None, prefetch: bool = True) -> Iterator[tuple[int, str]]:
+                    kv_dtype: torch.dtype | None = None, prefetch: bool = True,
+                    draft_vocab: int | None = None) -> Iterator[tuple[int, str]]:
     """`generate.run` with MTP drafting: yields (row, text piece) as tokens are accepted.
-    prefetch: with an expert store, hint it with the drafts' experts (`DraftPrefetch`)."""
-    return SpeculativeDecoder(net, dtype, draft_tokens, expert_cost, chooser, kv_dtype, prefetch).run(seqs, eos_ids, stats)
+    prefetch: with an expert store, hint it with the drafts' experts (`DraftPrefetch`);
+    draft_vocab: draft among the LM head's first rows only (`draft_head`)."""
+    return SpeculativeDecoder(net, dtype, draft_tokens, expert_cost, chooser, kv_dtype, prefetch,
+                              draft_vocab).run(seqs, eos_ids, stats)

@@ -343,14 +343,15 @@ class Model(nn.Module):
         logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
         return (logits, hidden) if return_hidden else logits
 
-    def mtp_logits(self, hidden, next_token_ids, cache=None, slots=None, *, return_hidden=False):
+    def mtp_logits(self, hidden, next_token_ids, cache=None, slots=None, *, return_hidden=False, head=None):
         """MTP head: hidden [B, T, H] (final normed states at positions p..p+T-1) and
         next_token_ids [B, T] (the token after each of them) -> logits [B, T, vocab] for the
         token after next (and, with return_hidden, the head's normed output [B, T, H], which
         chained speculative drafts feed back in).
 
         `cache` is a `Cache(model.mtp_cache_spec(), ...)`; its length per slot is the
-        position of hidden[:, 0] (0 without a cache), and it advances by T.
+        position of hidden[:, 0] (0 without a cache), and it advances by T. `head` stands in
+        for the LM head (a drafter's smaller vocabulary: logits [B, T, its rows]).
         """
         if not self.has_mtp:
             raise RuntimeError("this checkpoint has no MTP head (has_mtp is False)")
@@ -366,4 +367,5 @@ class Model(nn.Module):
         if cache is not None:
             cache.advance(slots, T)
         h = mtp.norm(x)
-        return (self.lm_head(h), h) if return_hidden else self.lm_head(h)
+        logits = (head or self.lm_head)(h)
+        return (logits, h) if return_hidden else logits

@@ -120,7 +120,7 @@ class Server:
 
     def __init__(self, llm, api_key: str | None, max_concurrency: int, max_queue: int, max_len: int | None,
                  model_name: str | None, prefill_budget: int = 512, speculative: str | None = None,
-                 draft_tokens: int | str = 1):
+                 draft_tokens: int | str = 1, draft_vocab: int | None = None):
         if llm.tokenizer is None:
             raise MoerunError(f"{llm.path} has no tokenizer.json; the server needs one")
         self.llm = llm
@@ -128,12 +128,14 @@ class Server:
         self.model_name = model_name or Path(str(llm.path)).name
         self.created = int(time.time())
         self.sched_args = dict(max_concurrency=max_concurrency, max_queue=max_queue, max_len=max_len,
-                               prefill_budget=prefill_budget, speculative=speculative, draft_tokens=draft_tokens)
+                               prefill_budget=prefill_budget, speculative=speculative, draft_tokens=draft_tokens,
+                               draft_vocab=draft_vocab)
         if speculative is not None:  # a bad choice fails here, before the server starts
-            from ..engine.speculative import check_draft_tokens, check_speculative
+            from ..engine.speculative import check_draft_tokens, check_draft_vocab, check_speculative
 
             check_speculative(llm.net, speculative)
             check_draft_tokens(draft_tokens)
+            check_draft_vocab(llm.net, draft_vocab)
         self.scheduler: Scheduler | None = None
         self.metrics = ServerMetrics(llm, lambda: self.scheduler)
 
@@ -213,10 +215,10 @@ class Server:
 
 def create_app(llm, *, api_key: str | None = None, max_concurrency: int = 4, max_queue: int = 64,
                max_len: int | None = None, model_name: str | None = None, prefill_budget: int = 512,
-               speculative: str | None = None, draft_tokens: int | str = 1) -> FastAPI:
+               speculative: str | None = None, draft_tokens: int | str = 1, draft_vocab: int | None = None) -> FastAPI:
     """The ASGI app for `llm`; its scheduler thread starts with the app and stops with it."""
     srv = Server(llm, api_key, max_concurrency, max_queue, max_len, model_name, prefill_budget, speculative,
-                 draft_tokens)
+                 draft_tokens, draft_vocab)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -82,17 +82,20 @@ class Scheduler:
     """Owns `llm.net` and a `Cache` of `max_concurrency` slots, each `max_len` tokens long."""
 
     def __init__(self, llm, max_concurrency: int = 4, max_queue: int = 64, max_len: int | None = None, metrics=None,
-                 prefill_budget: int = 512, speculative: str | None = None, draft_tokens: int | str = 1):
+                 prefill_budget: int = 512, speculative: str | None = None, draft_tokens: int | str = 1,
+                 draft_vocab: int | None = None):
         if max_concurrency < 1:
             raise MoerunError("max_concurrency must be at least 1")
         if max_queue < 0:
             raise MoerunError("max_queue must be >= 0")
         self.speculative, self.draft_tokens, self._chooser = speculative, draft_tokens, None
+        self.draft_vocab = draft_vocab
         if speculative is not None:
-            from ..engine.speculative import check_draft_tokens, check_speculative, new_draft_length
+            from ..engine.speculative import check_draft_tokens, check_draft_vocab, check_speculative, new_draft_length
 
             check_speculative(llm.net, speculative)
             self.draft_tokens = check_draft_tokens(draft_tokens)
+            check_draft_vocab(llm.net, draft_vocab)
             max_concurrency = 1  # one request at a time (module doc)
             if self.draft_tokens == "auto":
                 self._chooser = new_draft_length(llm.net)  # learns across requests
@@ -320,7 +323,8 @@ class Scheduler:
             self.live.append(req)
             stats = SpeculativeStats()
             steps = run_speculative(self.net, [seq], set() if req.ignore_eos else self.eos_ids, self.llm.dtype, stats,
-                                    self.draft_tokens, chooser=self._chooser, kv_dtype=self.llm.kv_dtype)
+                                    self.draft_tokens, chooser=self._chooser, kv_dtype=self.llm.kv_dtype,
+                                    draft_vocab=self.draft_vocab)
             counted = 0
             try:
                 for _, piece in steps:
