@@ -1,7 +1,8 @@
 """MTP self-speculative decoding: decode tok/s without speculation and with N draft tokens.
 
     python benchmarks/speculative.py [-m PATH] [--threads 2] [--gen-tokens 64] [--drafts 0,1,2,3,auto]
-                                     [--rounds R] [--ram-budget 50%] [--prefetch both|on|off] [--pass-times] [--json]
+                                     [--draft-vocab all,1024] [--rounds R] [--ram-budget 50%]
+                                     [--prefetch both|on|off] [--pass-times] [--json]
 
 Single stream (one prompt at a time), greedy. For every setting it prints decode tok/s (over
 all prompts, settings interleaved prompt by prompt so a shared machine's load falls on all
@@ -14,6 +15,10 @@ With --ram-budget the routed experts sit in an expert store holding that share i
 rest read from disk on a miss); each speculative setting then runs with and without
 hinting the drafts' experts to the store (`DraftPrefetch`), and the rows add the bytes read
 from disk and the seconds waited for experts, per emitted token.
+
+--draft-vocab lists draft vocabularies (`all`, or N: draft among the first N token ids);
+each speculative setting runs with each, interleaved too, and --pass-times times an MTP
+call with each.
 
 Without -m it uses the bundled demo model; when that is missing it builds a tiny random
 qwen3_5_moe model with an MTP head (and says so): its random head is a poor drafter, so
@@ -35,7 +40,7 @@ import torch
 import moerun
 from moerun.engine.generate import Sequence
 from moerun.engine.llm import DEMO_MODEL
-from moerun.engine.speculative import SpeculativeStats, new_draft_length, run_speculative, store_figures
+from moerun.engine.speculative import SpeculativeStats, draft_head, new_draft_length, run_speculative, store_figures
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -57,7 +62,8 @@ def random_model(path: Path) -> Path:
     return path
 
 
-def run_one(llm, prompt: str, gen_tokens: int, draft, prefetch: bool = True, chooser=None) -> tuple[list[int], dict]:
+def run_one(llm, prompt: str, gen_tokens: int, draft, prefetch: bool = True, chooser=None,
+            draft_vocab: int | None = None) -> tuple[list[int], dict]:
     """One greedy continuation: plain (draft 0) or speculative; its ids and figures."""
     ids = llm.encode_prompt(prompt)
     store = getattr(llm, "store", None)
@@ -70,7 +76,7 @@ def run_one(llm, prompt: str, gen_tokens: int, draft, prefetch: bool = True, cho
         seq = Sequence(ids, llm.sampling_params(max_tokens=gen_tokens, temperature=0.0))
         st = SpeculativeStats()
         for _ in run_speculative(llm.net, [seq], llm.eos_ids(), llm.dtype, st, draft, chooser=chooser,
-                                 kv_dtype=llm.kv_dtype, prefetch=prefetch):
+                                 kv_dtype=llm.kv_dtype, prefetch=prefetch, draft_vocab=draft_vocab):
             pass
         out = seq.out_ids
     cpu = time.thread_time() - cpu0
@@ -82,7 +88,7 @@ def run_one(llm, prompt: str, gen_tokens: int, draft, prefetch: bool = True, cho
     return out, fig
 
 
-def pass_times(llm, max_tokens: int = 4, repeats: int = 50) -> dict:
+def pass_times(llm, max_tokens: int = 4, repeats: int = 50, draft_vocabs=(None,)) -> dict:
     """Median wall time (ms) of a trunk pass of T = 1..max_tokens tokens after a prompt (a
     decode step, then verification passes) and of one MTP head call on one token: what a
     speculative step is made of."""
@@ -106,12 +112,14 @@ def pass_times(llm, max_tokens: int = 4, repeats: int = 50) -> dict:
             cache.lengths[0] = n0
             net(ids[:, :T], cache, slots, return_hidden=True)
 
-        def mtp():
+        def mtp(head):
             mtp_cache.lengths[0] = n0
-            net.mtp_logits(hidden[:, -1:], ids[:, :1], mtp_cache, slots, return_hidden=True)
+            net.mtp_logits(hidden[:, -1:], ids[:, :1], mtp_cache, slots, return_hidden=True, head=head)
 
         jobs = {f"trunk_{T}_ms": (lambda T=T: trunk(T)) for T in range(1, max_tokens + 1)}
-        jobs["mtp_call_ms"] = mtp
+        for dv in draft_vocabs:
+            head = None if dv is None else draft_head(net.lm_head, dv)
+            jobs["mtp_call_ms" if dv is None else f"mtp_call_v{dv}_ms"] = lambda head=head: mtp(head)
         for i in range(repeats + 1):  # interleaved, so that a drifting machine load falls on all alike
             for key, f in jobs.items():
                 t = time.perf_counter()
@@ -130,6 +138,7 @@ def main(argv=None):
     ap.add_argument("--quant", default=None, help="quantize at load (int4: routed experts int4 in native kernels)")
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--drafts", default="0,1,2,3,auto", help="comma-separated: 0 (no speculation), 1..4, auto")
+    ap.add_argument("--draft-vocab", default="all", help="comma-separated draft vocabularies: all, or N first token ids")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
     ap.add_argument("--rounds", type=int, default=1, help="passes over the prompts (settings interleaved)")
     ap.add_argument("--ram-budget", default=None, help="experts in an expert store with this RAM budget (4GiB, 50%%)")
@@ -160,15 +169,17 @@ def main(argv=None):
     if not llm.net.has_mtp:
         raise SystemExit(f"{args.model} has no MTP head")
     drafts = [d if d == "auto" else int(d) for d in args.drafts.split(",")]
+    vocabs = [None if v == "all" else int(v) for v in args.draft_vocab.split(",")]
     prefetch = {"both": (True, False), "on": (True,), "off": (False,)}[args.prefetch] if args.ram_budget else (True,)
-    settings = [(d, pf) for d in drafts for pf in ((True,) if d == 0 else prefetch)]
-    name = {(d, pf): "plain" if d == 0 else f"mtp_{d}" + ("" if not args.ram_budget else "_prefetch" if pf else "_noprefetch")
-            for d, pf in settings}
+    settings = [(d, pf, dv) for d in drafts for pf in ((True,) if d == 0 else prefetch)
+                for dv in ((None,) if d == 0 else vocabs)]
+    name = {(d, pf, dv): "plain" if d == 0 else f"mtp_{d}" + ("" if dv is None else f"_v{dv}")
+            + ("" if not args.ram_budget else "_prefetch" if pf else "_noprefetch") for d, pf, dv in settings}
     choosers = {st: new_draft_length(llm.net) for st in settings if st[0] == "auto"}  # each learns across prompts
     prompts = PROMPTS[: args.prompts]
     # warm up every path once (allocator, first-call costs)
-    for d, pf in settings:
-        run_one(llm, prompts[0], 8, d, pf, choosers.get((d, pf)))
+    for d, pf, dv in settings:
+        run_one(llm, prompts[0], 8, d, pf, choosers.get((d, pf, dv)), dv)
 
     # settings interleaved prompt by prompt and round by round, so that the load of a shared
     # machine falls on all of them alike
@@ -177,13 +188,14 @@ def main(argv=None):
     same = {st: True for st in settings}
     for _ in range(args.rounds):
         for p in prompts:
-            for d, pf in settings:
-                out, fig = run_one(llm, p, args.gen_tokens, d, pf, choosers.get((d, pf)))
+            for st in settings:
+                d, pf, dv = st
+                out, fig = run_one(llm, p, args.gen_tokens, d, pf, choosers.get(st), dv)
                 if d == 0:
                     plain_out[p] = out
                 elif p in plain_out:
-                    same[d, pf] &= out == plain_out[p]
-                figs[d, pf].append(fig)
+                    same[st] &= out == plain_out[p]
+                figs[st].append(fig)
     results = {}
     for st in settings:
         d, fs = st[0], figs[st]
@@ -226,7 +238,7 @@ def main(argv=None):
               "prompts": len(prompts), "rounds": args.rounds, "ram_budget": args.ram_budget,
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "results": results}
     if args.pass_times:
-        report["pass_times"] = pass_times(llm)
+        report["pass_times"] = pass_times(llm, draft_vocabs=vocabs)
     if args.json:
         print(json.dumps(report, indent=1))
         return
@@ -253,7 +265,8 @@ def main(argv=None):
         one = pt["trunk_1_ms"]
         print("pass times (median ms): " + ", ".join(
             f"trunk T={k.split('_')[1]} {v:.2f} ({v / one:.2f}x)" for k, v in pt.items() if k.startswith("trunk_"))
-            + f", MTP call {pt['mtp_call_ms']:.2f} ({pt['mtp_call_ms'] / one:.2f}x)")
+            + "".join(f", MTP call{'' if k == 'mtp_call_ms' else ' (' + k[9:-3] + ')'} {v:.2f} ({v / one:.2f}x)"
+                      for k, v in pt.items() if k.startswith("mtp_call")))
 
 
 if __name__ == "__main__":
