@@ -71,14 +71,15 @@ class Oracle:
             start = dec.mtp_cache.lengths[slots].clone()
             logits, h = original(dec, hidden, tokens, slots)
             logits = logits.clone()
+            T, rows = tokens.shape[1], logits.shape[1]  # the last `rows` positions' logits
             for i, slot in enumerate(slots.tolist()):
                 seq = self.sequences.get(slot, [])
-                for t in range(tokens.shape[1]):
+                for t in range(T - rows, T):
                     pos = int(start[i]) + t + 2  # the position row t predicts
                     if pos < len(seq):
                         want = seq[pos] if (pos * 7 + slot) % 4 else (seq[pos] + 1) % self.vocab
-                        logits[i, t] = 0.0
-                        logits[i, t, want] = 50.0
+                        logits[i, t - (T - rows)] = 0.0
+                        logits[i, t - (T - rows), want] = 50.0
             return logits, h
 
         monkeypatch.setattr(SpeculativeDecoder, "_mtp", _mtp)
@@ -299,6 +300,22 @@ def test_without_mtp_head_is_a_clear_error(tmp_path, qwen):
         qwen.generate_ids([[1, 2, 3]], max_tokens=4, speculative="mtp", draft_tokens=5)
 
 
+def assert_last_only_is_the_last_row(net):
+    """mtp_logits(last_only=True): the last position's logits (float32 matmuls of 2 and of 6
+    rows round apart: 1e-6), the same hidden state."""
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 3, net.args.hidden_size, generator=g)
+    tokens = torch.randint(0, net.args.vocab_size, (2, 3), generator=g)
+    with torch.inference_mode():
+        full, h = net.mtp_logits(hidden, tokens, return_hidden=True)
+        last, h_last = net.mtp_logits(hidden, tokens, return_hidden=True, last_only=True)
+    assert last.shape == (2, 1, net.args.vocab_size) and rel_err(last, full[:, -1:]) < 1e-6 and torch.equal(h, h_last)
+
+
+def test_mtp_logits_last_only(qwen):
+    assert_last_only_is_the_last_row(qwen.net)
+
+
 def test_deepseek_v3_greedy_identical(tmp_path, monkeypatch):
     from test_deepseek_v3 import BASE, make_reference, randomize_routers, write_mtp_weights
     from transformers.modeling_layers import MtpModel
@@ -314,6 +331,7 @@ def test_deepseek_v3_greedy_identical(tmp_path, monkeypatch):
     write_mtp_weights(mtp, tmp_path, BASE["num_hidden_layers"])
     llm = load(tmp_path)
     V = BASE["vocab_size"]
+    assert_last_only_is_the_last_row(llm.net)
     prompts = random_prompts(5, V, seed=3)
     plain = llm.generate_ids(prompts, max_tokens=14, temperature=0.0)
     assert llm.generate_ids(prompts, max_tokens=14, temperature=0.0, speculative="mtp", draft_tokens=2) == plain

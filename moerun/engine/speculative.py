@@ -490,8 +490,11 @@ class SpeculativeDecoder:
 
     # -- the MTP head ----------------------------------------------------------
     def _mtp(self, hidden, tokens, slots):
-        """-> (logits [B, T, V], the head's final normed hidden state [B, T, H])."""
-        return self.net.mtp_logits(hidden, tokens, self.mtp_cache, slots, return_hidden=True, head=self.draft_head)
+        """-> (the last position's logits [B, 1, V], the head's final normed hidden state [B, T,
+        H]): drafting reads only the last; a catch-up call over T pending pairs would otherwise
+        run the LM head T times (a vocabulary's worth of rows per 4 tokens)."""
+        return self.net.mtp_logits(hidden, tokens, self.mtp_cache, slots, return_hidden=True, head=self.draft_head,
+                                   last_only=True)
 
     # -- the loop --------------------------------------------------------------
     def run(self, seqs: list[Sequence], eos_ids: set[int], stats: SpeculativeStats | None = None) -> Iterator[tuple[int, str]]:

@@ -329,7 +329,7 @@ class Model(nn.Module):
         return (logits, hidden) if return_hidden else logits
 
     def mtp_logits(self, hidden, next_token_ids, cache=None, slots=None, *, depth=0, return_hidden=False,
-                   head=None):
+                   head=None, last_only=False):
         """MTP logits for the token after next: hidden [B, T, H] at positions p..p+T-1 (the final
         normed hidden state of `forward(..., return_hidden=True)`), next_token_ids [B, T] the
         tokens at p+1..p+T -> logits [B, T, vocab], row t predicting the token at p+t+2
@@ -339,7 +339,8 @@ class Model(nn.Module):
         state i with token i+1, so after each decode step it holds one entry per main-cache
         token. Depth d > 0 (checkpoints with several MTP modules) takes depth d-1's output
         hidden state and the tokens one further along, and predicts the token at p+t+2+d.
-        `head` stands in for the LM head (a drafter's smaller vocabulary: logits over its rows).
+        `head` stands in for the LM head (a drafter's smaller vocabulary: logits over its rows);
+        with last_only the logits are the last position's alone ([B, 1, vocab]).
         """
         if not self.has_mtp:
             raise MoerunError("this checkpoint has no MTP module (num_nextn_predict_layers is 0)")
@@ -354,5 +355,5 @@ class Model(nn.Module):
         if cache is not None:
             cache.advance(slots, T)
         h = mtp.shared_head.norm(x)
-        logits = (head or self.lm_head)(h)
+        logits = (head or self.lm_head)(h[:, -1:] if last_only else h)
         return (logits, h) if return_hidden else logits

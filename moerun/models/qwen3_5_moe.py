@@ -343,7 +343,8 @@ class Model(nn.Module):
         logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
         return (logits, hidden) if return_hidden else logits
 
-    def mtp_logits(self, hidden, next_token_ids, cache=None, slots=None, *, return_hidden=False, head=None):
+    def mtp_logits(self, hidden, next_token_ids, cache=None, slots=None, *, return_hidden=False, head=None,
+                   last_only=False):
         """MTP head: hidden [B, T, H] (final normed states at positions p..p+T-1) and
         next_token_ids [B, T] (the token after each of them) -> logits [B, T, vocab] for the
         token after next (and, with return_hidden, the head's normed output [B, T, H], which
@@ -351,7 +352,8 @@ class Model(nn.Module):
 
         `cache` is a `Cache(model.mtp_cache_spec(), ...)`; its length per slot is the
         position of hidden[:, 0] (0 without a cache), and it advances by T. `head` stands in
-        for the LM head (a drafter's smaller vocabulary: logits [B, T, its rows]).
+        for the LM head (a drafter's smaller vocabulary: logits [B, T, its rows]); with
+        last_only the logits are the last position's alone ([B, 1, vocab]).
         """
         if not self.has_mtp:
             raise RuntimeError("this checkpoint has no MTP head (has_mtp is False)")
@@ -367,5 +369,5 @@ class Model(nn.Module):
         if cache is not None:
             cache.advance(slots, T)
         h = mtp.norm(x)
-        logits = (head or self.lm_head)(h)
+        logits = (head or self.lm_head)(h[:, -1:] if last_only else h)
         return (logits, h) if return_hidden else logits
