@@ -301,15 +301,20 @@ def test_without_mtp_head_is_a_clear_error(tmp_path, qwen):
 
 
 def assert_last_only_is_the_last_row(net):
-    """mtp_logits(last_only=True): the last position's logits (float32 matmuls of 2 and of 6
-    rows round apart: 1e-6), the same hidden state."""
+    """mtp_logits(last_only=True): the last position's logits and hidden state (its MoE run on
+    that position alone; float32 matmuls of 2 and of 6 rows round apart: 1e-6), and the
+    same cache entries for every position."""
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(2, 3, net.args.hidden_size, generator=g)
     tokens = torch.randint(0, net.args.vocab_size, (2, 3), generator=g)
+    caches = [Cache(net.mtp_cache_spec(), 2, 8, torch.float32) for _ in range(2)]
     with torch.inference_mode():
-        full, h = net.mtp_logits(hidden, tokens, return_hidden=True)
-        last, h_last = net.mtp_logits(hidden, tokens, return_hidden=True, last_only=True)
-    assert last.shape == (2, 1, net.args.vocab_size) and rel_err(last, full[:, -1:]) < 1e-6 and torch.equal(h, h_last)
+        full, h = net.mtp_logits(hidden, tokens, caches[0], return_hidden=True)
+        last, h_last = net.mtp_logits(hidden, tokens, caches[1], return_hidden=True, last_only=True)
+    assert last.shape == (2, 1, net.args.vocab_size) and h_last.shape == (2, 1, net.args.hidden_size)
+    assert rel_err(last, full[:, -1:]) < 1e-6 and rel_err(h_last, h[:, -1:]) < 1e-6
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert all(torch.equal(x, y) for x, y in zip(vars(a).values(), vars(b).values()) if torch.is_tensor(x))
 
 
 def test_mtp_logits_last_only(qwen):

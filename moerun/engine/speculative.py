@@ -490,9 +490,10 @@ class SpeculativeDecoder:
 
     # -- the MTP head ----------------------------------------------------------
     def _mtp(self, hidden, tokens, slots):
-        """-> (the last position's logits [B, 1, V], the head's final normed hidden state [B, T,
-        H]): drafting reads only the last; a catch-up call over T pending pairs would otherwise
-        run the LM head T times (a vocabulary's worth of rows per 4 tokens)."""
+        """-> (the last position's logits [B, 1, V] and the head's final normed hidden state
+        [B, 1, H]): drafting reads only the last; a catch-up call over T pending pairs caches
+        every pair's keys and values but runs the layer's MoE and the LM head on the last
+        position alone (they would read the experts of T tokens, and the head once per 4)."""
         return self.net.mtp_logits(hidden, tokens, self.mtp_cache, slots, return_hidden=True, head=self.draft_head,
                                    last_only=True)
 

@@ -234,8 +234,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, cos_sin, kv, slots, pos0):
+    def forward(self, x, cos_sin, kv, slots, pos0, last_only=False):
+        """last_only: only the last position goes on through the MLP ([B, 1, H] out): every
+        position's keys and values are cached by then, and an MTP catch-up wants no more."""
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, slots, pos0)
+        if last_only:
+            x = x[:, -1:]
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -340,7 +344,8 @@ class Model(nn.Module):
         token. Depth d > 0 (checkpoints with several MTP modules) takes depth d-1's output
         hidden state and the tokens one further along, and predicts the token at p+t+2+d.
         `head` stands in for the LM head (a drafter's smaller vocabulary: logits over its rows);
-        with last_only the logits are the last position's alone ([B, 1, vocab]).
+        with last_only the logits and hidden state are the last position's alone ([B, 1, .]):
+        the block's MLP runs on it only.
         """
         if not self.has_mtp:
             raise MoerunError("this checkpoint has no MTP module (num_nextn_predict_layers is 0)")
@@ -351,9 +356,9 @@ class Model(nn.Module):
         x = mtp.eh_proj(rms_norm_cat(mtp, ("enorm", "hnorm"), [e, hidden]))  # [B, T, H]
         # rope at the new token's own position; attention sees only relative positions anyway
         cos_sin = self.model.rope.span(pos0 + 1 + depth, T, x.dtype)
-        x = mtp.block(x, cos_sin, cache.layers[0] if cache is not None else None, slots, pos0)
+        x = mtp.block(x, cos_sin, cache.layers[0] if cache is not None else None, slots, pos0, last_only=last_only)
         if cache is not None:
             cache.advance(slots, T)
         h = mtp.shared_head.norm(x)
-        logits = (head or self.lm_head)(h[:, -1:] if last_only else h)
+        logits = (head or self.lm_head)(h)
         return (logits, h) if return_hidden else logits

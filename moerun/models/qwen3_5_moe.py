@@ -250,12 +250,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, zero_centered=True)
 
-    def forward(self, x, cos_sin, state, slots, pos0):
+    def forward(self, x, cos_sin, state, slots, pos0, last_only=False):
+        """last_only: only the last position goes on through the MoE ([B, 1, H] out): every
+        position's state is cached by then, and an MTP catch-up wants no more."""
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             x = x + self.linear_attn(h, state, slots)
         else:
             x = x + self.self_attn(h, cos_sin, state, slots, pos0)
+        if last_only:
+            x = x[:, -1:]
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -353,7 +357,8 @@ class Model(nn.Module):
         `cache` is a `Cache(model.mtp_cache_spec(), ...)`; its length per slot is the
         position of hidden[:, 0] (0 without a cache), and it advances by T. `head` stands in
         for the LM head (a drafter's smaller vocabulary: logits [B, T, its rows]); with
-        last_only the logits are the last position's alone ([B, 1, vocab]).
+        last_only the logits and hidden state are the last position's alone ([B, 1, .]): the
+        layer's MoE runs on it only.
         """
         if not self.has_mtp:
             raise RuntimeError("this checkpoint has no MTP head (has_mtp is False)")
@@ -364,10 +369,10 @@ class Model(nn.Module):
         normed = rms_norm_cat(mtp, ("pre_fc_norm_embedding", "pre_fc_norm_hidden"), [e, hidden.to(e.dtype)])
         x = mtp.fc(normed)  # [B, T, H]
         cos_sin = m.rope.span(pos0, T, x.dtype)
-        for i, layer in enumerate(mtp.layers):
-            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
+        for i, layer in enumerate(mtp.layers):  # one layer (deeper heads are refused at load)
+            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0, last_only=last_only)
         if cache is not None:
             cache.advance(slots, T)
         h = mtp.norm(x)
-        logits = (head or self.lm_head)(h[:, -1:] if last_only else h)
+        logits = (head or self.lm_head)(h)
         return (logits, h) if return_hidden else logits
