@@ -160,6 +160,13 @@ def test_speculative_without_mtp_head_is_refused(tiny):
                           "multi-token-prediction")
 
 
+def test_bad_draft_vocabulary_is_refused():
+    assert_one_line_error(moerun("generate", "x", "--speculative", "mtp", "--draft-vocab", "0", "--threads", "1"),
+                          "draft_vocab must be 1..4096")
+    assert_one_line_error(moerun("generate", "x", "--speculative", "mtp", "--draft-vocab", "many", "--threads", "1"),
+                          "--draft-vocab must be an integer, not 'many'")
+
+
 def test_speculative_server_with_bad_draft_tokens_is_refused():
     assert_one_line_error(moerun("serve", "--speculative", "mtp", "--draft-tokens", "9", "--threads", "1", "--port", "1"),
                           "draft_tokens must be 1..4")
