@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
 import logging
 import queue
@@ -316,10 +315,7 @@ class Scheduler:
             if req.cancelled:
                 self._finish(req)
                 continue
-            room = self.max_len - len(req.prompt_ids)  # the slot's length, as the batched path keeps it
-            seq = req.seq = Sequence(req.prompt_ids, dataclasses.replace(req.params, max_tokens=min(req.params.max_tokens,
-                                                                                                        room)),
-                                     decoder=req.decoder)
+            seq = req.seq  # its max_tokens fits max_len (the app caps it)
             self.live.append(req)
             stats = SpeculativeStats()
             steps = run_speculative(self.net, [seq], set() if req.ignore_eos else self.eos_ids, self.llm.dtype, stats,
