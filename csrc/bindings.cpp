@@ -20,8 +20,8 @@
 
 namespace nb = nanobind;
 using Array = nb::ndarray<nb::device::cpu, nb::c_contig>;
-// any strides: checked by check_rows (contiguous within each token, any row and token strides)
-using RowsArray = nb::ndarray<nb::device::cpu>;
+// any strides (attention's cache views, the projections' column slices): checked where taken
+using Strided = nb::ndarray<nb::device::cpu>;
 
 static std::map<std::string, bool> cpu_features() {
     __builtin_cpu_init();
@@ -63,7 +63,7 @@ void check_shape(const Array& a, std::initializer_list<size_t> shape, const char
 }
 
 // a [B, T, ...] tensor whose trailing dimensions are contiguous within each (row, token)
-void check_rows(const RowsArray& a, std::initializer_list<size_t> shape, const char* what) {
+void check_rows(const Strided& a, std::initializer_list<size_t> shape, const char* what) {
     check(a.ndim() == shape.size(), std::string(what) + ": wrong number of dimensions");
     size_t i = 0, inner = 1;
     for (size_t s : shape) {
@@ -153,7 +153,6 @@ void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq
 // q [Hq, D]; k [Hkv, S, D] and v [Hkv, S, Dv] may be strided views (a cache's first S
 // positions) with unit stride in their last dimension; out [Hq, Dv]. float32 or bf16 keys and
 // values, or int8 ones with their scales k_scale, v_scale [Hkv, S, 1] (float32 views too).
-using Strided = nb::ndarray<nb::device::cpu>;
 void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::optional<Strided> k_scale,
                  std::optional<Strided> v_scale) {
     check_dtype(q, dtype_code::Float, 32, "q");
@@ -351,12 +350,12 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
 // state after the last token; with conv_every [B, T, C, K-1] and S_every [B, T, Hv, Dk, Dv]
 // (both or neither) every token's state goes there too. qkv, a, b and z may be strided over
 // their first two dimensions (column slices of one projection buffer); the rest is contiguous.
-void deltanet_decode(RowsArray qkv, Array conv_w, Array conv, std::optional<Array> conv_every, RowsArray a,
-                     RowsArray b, Array A_log, Array dt_bias, Array S, std::optional<Array> S_every, RowsArray z,
+void deltanet_decode(Strided qkv, Array conv_w, Array conv, std::optional<Array> conv_every, Strided a,
+                     Strided b, Array A_log, Array dt_bias, Array S, std::optional<Array> S_every, Strided z,
                      Array norm_w, float eps, Array out, int Hk) {
     for (const Array* t : {&conv_w, &conv, &A_log, &dt_bias, &S, &norm_w, &out})
         check_dtype(*t, dtype_code::Float, 32, "deltanet tensors");
-    for (const RowsArray* t : {&qkv, &a, &b, &z})
+    for (const Strided* t : {&qkv, &a, &b, &z})
         check(t->dtype() == nb::dtype<float>(), "deltanet tensors: wrong dtype");
     check(conv_every.has_value() == S_every.has_value(), "conv_every and S_every go together");
     check(qkv.ndim() == 3, "qkv must be [B, T, C]");
