@@ -53,13 +53,18 @@ def apply_repetition_penalty(logits: torch.Tensor, history: list[list[int]], pen
         return logits
     out = logits.float().clone()
     x = out.numpy()
-    p = np.float32(penalty)
     for b, seen in enumerate(history):
-        if seen:
-            idx = np.fromiter(set(seen), dtype=np.int64)
-            vals = x[b, idx]
-            x[b, idx] = np.where(vals > 0, vals / p, vals * p)
+        _penalize(x[b], seen, penalty)
     return out
+
+
+def _penalize(row: np.ndarray, seen: list[int], penalty: float) -> None:
+    """The penalty on one float32 row, in place."""
+    if seen:
+        idx = np.fromiter(set(seen), dtype=np.int64)
+        vals = row[idx]
+        p = np.float32(penalty)
+        row[idx] = np.where(vals > 0, vals / p, vals * p)
 
 
 def greedy_token(logits: torch.Tensor, history: list[int], penalty: float) -> int:
@@ -69,11 +74,8 @@ def greedy_token(logits: torch.Tensor, history: list[int], penalty: float) -> in
     x = logits.float().numpy()
     if penalty == 1.0 or not history:
         return int(x.argmax())
-    idx = np.fromiter(set(history), dtype=np.int64)
-    vals = x[idx]
-    p = np.float32(penalty)
     y = x.copy()
-    y[idx] = np.where(vals > 0, vals / p, vals * p)
+    _penalize(y, history, penalty)
     return int(y.argmax())
 
 
