@@ -41,15 +41,15 @@ def rms_norm_cat(owner: nn.Module, norm_names: tuple[str, ...], xs: list[torch.T
     everything is float32, the norms share eps and none has hooks; otherwise the norms one by
     one. An MTP head's input (the next token's embedding and the hidden state, each normed,
     side by side) is the user: once per draft, so the norms and their stacked weights are
-    kept on `owner` (rebuilt when a weight moves)."""
-    plan = owner.__dict__.get("_rms_norm_cat")
-    if plan is None or plan[0] != norm_names or any(n.weight.data_ptr() != p for n, p in zip(plan[1], plan[2])):
+    kept on `owner` (`kernels.native_views`)."""
+
+    def plan(*weights):
         norms = [owner.get_submodule(n) for n in norm_names]
-        weights = torch.stack([n.weight.detach().float() + (1.0 if n.zero_centered else 0.0) for n in norms])
-        native = (all(n.weight.dtype == torch.float32 for n in norms) and len({n.eps for n in norms}) == 1)
-        ptrs = [n.weight.data_ptr() for n in norms]
-        plan = owner.__dict__["_rms_norm_cat"] = (norm_names, norms, ptrs, weights, native)
-    _, norms, _, weights, native = plan
+        stacked = torch.stack([w.detach().float() + (1.0 if n.zero_centered else 0.0) for w, n in zip(weights, norms)])
+        native = all(w.dtype == torch.float32 for w in weights) and len({n.eps for n in norms}) == 1
+        return norms, stacked, native
+
+    norms, weights, native = kernels.native_views(owner, tuple(f"{n}.weight" for n in norm_names), plan)
     if (native and kernels.native() and all(x.dtype == torch.float32 and x.shape == xs[0].shape for x in xs)
             and not any(n._forward_hooks or n._forward_pre_hooks for n in norms)):
         u = torch.cat(xs, dim=-1)
