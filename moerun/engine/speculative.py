@@ -183,6 +183,14 @@ def check_speculative(net, speculative: str | None) -> None:
         )
 
 
+def check_options(net, speculative: str, draft_tokens, draft_vocab) -> int | str:
+    """All of speculative decoding's choices checked at once (before a server listens, say):
+    the normalised draft_tokens."""
+    check_speculative(net, speculative)
+    check_draft_vocab(net, draft_vocab)
+    return check_draft_tokens(draft_tokens)
+
+
 def check_draft_vocab(net, draft_vocab) -> int | None:
     """None (the whole vocabulary), or a row count 1..V of the LM head."""
     if draft_vocab is None:

@@ -131,11 +131,9 @@ class Server:
                                prefill_budget=prefill_budget, speculative=speculative, draft_tokens=draft_tokens,
                                draft_vocab=draft_vocab)
         if speculative is not None:  # a bad choice fails here, before the server starts
-            from ..engine.speculative import check_draft_tokens, check_draft_vocab, check_speculative
+            from ..engine.speculative import check_options
 
-            check_speculative(llm.net, speculative)
-            check_draft_tokens(draft_tokens)
-            check_draft_vocab(llm.net, draft_vocab)
+            check_options(llm.net, speculative, draft_tokens, draft_vocab)
         self.scheduler: Scheduler | None = None
         self.metrics = ServerMetrics(llm, lambda: self.scheduler)
 

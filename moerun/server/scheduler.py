@@ -90,11 +90,9 @@ class Scheduler:
         self.speculative, self.draft_tokens, self._chooser = speculative, draft_tokens, None
         self.draft_vocab = draft_vocab
         if speculative is not None:
-            from ..engine.speculative import check_draft_tokens, check_draft_vocab, check_speculative, new_draft_length
+            from ..engine.speculative import check_options, new_draft_length
 
-            check_speculative(llm.net, speculative)
-            self.draft_tokens = check_draft_tokens(draft_tokens)
-            check_draft_vocab(llm.net, draft_vocab)
+            self.draft_tokens = check_options(llm.net, speculative, draft_tokens, draft_vocab)
             max_concurrency = 1  # one request at a time (module doc)
             if self.draft_tokens == "auto":
                 self._chooser = new_draft_length(llm.net)  # learns across requests
