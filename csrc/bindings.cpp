@@ -150,6 +150,55 @@ void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq
                         (const uint8_t*)dq.data(), (const uint16_t*)ds.data(), (float*)out.data());
 }
 
+// moe_experts with unquantized weights, all float32 or all bf16 (as uint16); the activations
+// stay float32 throughout. gate, up and down each come as a list: one stack ([E, I, H] and
+// [E, H, I]) or one array per expert ([I, H] and [H, I], wherever each lies).
+void moe_experts_float(Array x, Array ids, Array weights, std::vector<Array> gate, std::vector<Array> up,
+                       std::vector<Array> down, Array out) {
+    check_dtype(x, dtype_code::Float, 32, "x");
+    check(x.ndim() == 2, "x must be [T, H]");
+    const size_t T = x.shape(0), H = x.shape(1);
+    check_dtype(ids, dtype_code::Int, 64, "ids");
+    check(ids.ndim() == 2 && ids.shape(0) == T, "ids must be [T, K]");
+    const size_t K = ids.shape(1);
+    check_dtype(weights, dtype_code::Float, 32, "weights");
+    check_shape(weights, {T, K}, "weights");
+    check(!gate.empty() && gate.size() == up.size() && gate.size() == down.size(),
+          "gate, up, down: as many arrays each");
+    const bool stacked = gate[0].ndim() == 3;
+    check(!stacked || gate.size() == 1, "gate: one stack [E, I, H] or one [I, H] array per expert");
+    const size_t E = stacked ? gate[0].shape(0) : gate.size();
+    const size_t I = gate[0].shape(stacked ? 1 : 0);
+    const bool bf16 = gate[0].dtype() == nb::dtype<uint16_t>();
+    check(bf16 || gate[0].dtype() == nb::dtype<float>(), "gate: must be float32 or bf16 (as uint16)");
+    std::vector<moerun::ExpertW> ex(E);
+    const size_t esz = bf16 ? 2 : 4;
+    for (size_t j = 0; j < gate.size(); ++j) {
+        for (const Array* w : {&gate[j], &up[j], &down[j]}) check(w->dtype() == gate[0].dtype(), "up, down: must have gate's dtype");
+        if (stacked) {
+            check_shape(gate[j], {E, I, H}, "gate");
+            check_shape(up[j], {E, I, H}, "up");
+            check_shape(down[j], {E, H, I}, "down");
+        } else {
+            check_shape(gate[j], {I, H}, "gate");
+            check_shape(up[j], {I, H}, "up");
+            check_shape(down[j], {H, I}, "down");
+        }
+    }
+    for (size_t e = 0; e < E; ++e) {
+        const size_t j = stacked ? 0 : e, off = stacked ? e * I * H * esz : 0;
+        ex[e] = {(const uint8_t*)gate[j].data() + off, (const uint8_t*)up[j].data() + off,
+                 (const uint8_t*)down[j].data() + off, nullptr, nullptr, nullptr};
+    }
+    check_dtype(out, dtype_code::Float, 32, "out");
+    check_shape(out, {T, H}, "out");
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::moe_experts(bf16 ? moerun::FMT_BF16 : moerun::FMT_F32, (int)T, (int)H, (int)I, (int)E, (int)K,
+                        (const float*)x.data(), (const int64_t*)ids.data(), (const float*)weights.data(), ex.data(),
+                        (float*)out.data());
+}
+
 // q [Hq, D]; k [Hkv, S, D] and v [Hkv, S, Dv] may be strided views (a cache's first S
 // positions) with unit stride in their last dimension; out [Hq, Dv]. float32 or bf16 keys and
 // values, or int8 ones with their scales k_scale, v_scale [Hkv, S, 1] (float32 views too).
@@ -456,6 +505,8 @@ NB_MODULE(_native, m) {
           nb::arg("conv_every").none(), nb::arg("a"), nb::arg("b"), nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("S"),
           nb::arg("S_every").none(), nb::arg("z"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("out"), nb::arg("hk"),
           "a few tokens per row through a Gated DeltaNet layer's conv, delta rule and gated norm (float32)");
+    m.def("moe_experts_float", &moe_experts_float, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
+          nb::arg("up"), nb::arg("down"), nb::arg("out"), "fused routed experts with float32 or bf16 weights");
     m.def("moe_experts", &moe_experts, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("gate_scales"), nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"),
           nb::arg("out"), nb::arg("fmt"), nb::arg("intermediate"),

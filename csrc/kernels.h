@@ -21,10 +21,17 @@
 namespace moerun {
 
 constexpr int QK = 32;
-enum Fmt : int { FMT_INT4 = 4, FMT_INT8 = 8 };
+// FMT_BF16 / FMT_F32: unquantized weights (rows of `in` bf16 or float32 values), run against
+// float32 activations as they are (no blocks, no scales)
+enum Fmt : int { FMT_INT4 = 4, FMT_INT8 = 8, FMT_BF16 = 16, FMT_F32 = 32 };
 
+inline bool is_float_fmt(int fmt) { return fmt == FMT_BF16 || fmt == FMT_F32; }
 inline int blocks_of(int n) { return (n + QK - 1) / QK; }
 inline size_t row_bytes(int fmt, int nb) { return (size_t)nb * (fmt == FMT_INT4 ? QK / 2 : QK); }
+// bytes of one weight row of `in` inputs in any format
+inline size_t weight_row_bytes(int fmt, int in) {
+    return fmt == FMT_F32 ? (size_t)in * 4 : fmt == FMT_BF16 ? (size_t)in * 2 : row_bytes(fmt, blocks_of(in));
+}
 
 // One GEMM tile: y[i * y_row + r] = W[r] . X[xidx ? xidx[i] : i] for r < nrows, i < ntok.
 struct GemmArgs {
@@ -39,6 +46,10 @@ struct GemmArgs {
     const int32_t* xidx;  // token i reads activation row xidx[i] (nullptr: row i)
     float* y;
     size_t y_row;
+    // float formats only: the input width and float32 activation row j at xf + j * x_row
+    int in = 0;
+    const float* xf = nullptr;
+    size_t x_row = 0;
 };
 
 // One kv head's attention over one chunk of n cached positions, for its G query heads (one
@@ -96,6 +107,10 @@ struct KernelTable {
     void (*gemm_q8)(const GemmArgs& a);
     void (*attn_chunk)(const AttnArgs& a);
     void (*delta_head)(const DeltaHeadArgs& a);
+    // float32 / bf16 weight rows against float32 activations (GemmArgs' float fields): each
+    // (row, token) dot product in one fixed order, whatever the number of tokens in the call
+    void (*gemm_f32)(const GemmArgs& a);
+    void (*gemm_bf16)(const GemmArgs& a);
 };
 
 extern const KernelTable generic_kernels;

@@ -23,6 +23,6 @@ namespace {
 #include "kernels_x86.inc"
 }  // namespace
 
-const KernelTable avx2_kernels = {"avx2", quantize_row, gemm_q4, gemm_q8, attn_chunk, delta_head};
+const KernelTable avx2_kernels = {"avx2", quantize_row, gemm_q4, gemm_q8, attn_chunk, delta_head, gemm_f32, gemm_bf16};
 
 }  // namespace moerun

@@ -121,6 +121,25 @@ inline float kv_at(int type, const void* base, const float* sc, long ss, long s_
     return ((const float*)base)[i];
 }
 
+// Float weight rows against float32 activations: 8 partial sums, then the tail
+template <int WT>
+void gemm_float_generic(const GemmArgs& a) {
+    const int n = a.in;
+    for (int i = 0; i < a.ntok; ++i) {
+        const float* x = a.xf + (size_t)(a.xidx ? a.xidx[i] : i) * a.x_row;
+        for (int r = 0; r < a.nrows; ++r) {
+            const void* w = a.w + (size_t)r * a.w_row;
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            int j = 0;
+            for (; j + 8 <= n; j += 8)
+                for (int u = 0; u < 8; ++u) acc[u] += kv_at(WT, w, nullptr, 0, 0, 0, j + u) * x[j + u];
+            float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+            for (; j < n; ++j) s += kv_at(WT, w, nullptr, 0, 0, 0, j) * x[j];
+            a.y[(size_t)i * a.y_row + r] = s;
+        }
+    }
+}
+
 void attn_chunk_generic(const AttnArgs& a) {
     for (int g = 0; g < a.G; ++g) {
         const float* q = a.q + (size_t)g * a.D;
@@ -152,7 +171,8 @@ void attn_chunk_generic(const AttnArgs& a) {
 }  // namespace
 
 const KernelTable generic_kernels = {"generic", quantize_row_generic, gemm_q4_generic, gemm_q8_generic,
-                                     attn_chunk_generic, delta_head};
+                                     attn_chunk_generic, delta_head, gemm_float_generic<KV_F32>,
+                                     gemm_float_generic<KV_BF16>};
 
 bool cpu_has_avx2() {
     __builtin_cpu_init();

@@ -47,8 +47,12 @@ int row_tile(int rows, int n_groups, int threads) {
 void gemm(int fmt, const GemmArgs& a) {
     if (fmt == FMT_INT4)
         kern().gemm_q4(a);
-    else
+    else if (fmt == FMT_INT8)
         kern().gemm_q8(a);
+    else if (fmt == FMT_BF16)
+        kern().gemm_bf16(a);
+    else
+        kern().gemm_f32(a);
 }
 
 struct ActQ {
@@ -225,9 +229,22 @@ void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, con
 void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, const int64_t* ids,
                  const float* weights, const uint8_t* gq, const uint16_t* gs, const uint8_t* uq,
                  const uint16_t* us, const uint8_t* dq, const uint16_t* ds, float* out) {
+    const bool fl = is_float_fmt(fmt);
+    const size_t grow = weight_row_bytes(fmt, H) * I, drow = weight_row_bytes(fmt, I) * H;
+    const size_t gsn = (size_t)I * blocks_of(H), dsn = (size_t)H * blocks_of(I);
+    std::vector<ExpertW> ex(E);
+    for (int e = 0; e < E; ++e)
+        ex[e] = {gq + e * grow, uq + e * grow, dq + e * drow, fl ? nullptr : gs + e * gsn,
+                 fl ? nullptr : us + e * gsn, fl ? nullptr : ds + e * dsn};
+    moe_experts(fmt, T, H, I, E, K, x, ids, weights, ex.data(), out);
+}
+
+void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, const int64_t* ids,
+                 const float* weights, const ExpertW* experts, float* out) {
     Workspace& W = ws();
+    const bool fl = is_float_fmt(fmt);  // float weights: float activations, no scales
     const int nbH = blocks_of(H), nbI = blocks_of(I);
-    const size_t growb = row_bytes(fmt, nbH), drowb = row_bytes(fmt, nbI);
+    const size_t growb = weight_row_bytes(fmt, H), drowb = weight_row_bytes(fmt, I);
     const int P = T * K;
 
     // group the (token, expert) pairs by expert: pairs of expert e are [offset[e], offset[e+1])
@@ -250,7 +267,7 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
         }
     }
 
-    quantize_rows(x, H, T, H, nbH, W.x);
+    if (!fl) quantize_rows(x, H, T, H, nbH, W.x);
 
     // tiles over (expert, weight rows, tokens of that expert)
     auto make_tiles = [&](int rows, std::vector<Tile>& tiles) {
@@ -271,29 +288,37 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
     make_tiles(I, tiles);
     pool().parallel_for((int)tiles.size(), [&](int i) {
         const Tile& t = tiles[i];
-        size_t wo = ((size_t)t.e * I + t.r0);
+        const ExpertW& ew = experts[t.e];
         GemmArgs a;
         a.nrows = t.nr;
         a.nb = nbH;
         a.w_row = growb;
         a.ntok = t.nt;
-        a.xq = W.x.q.data();
-        a.xd = W.x.d.data();
-        a.xs = W.x.s.data();
+        if (!fl) {
+            a.xq = W.x.q.data();
+            a.xd = W.x.d.data();
+            a.xs = W.x.s.data();
+        }
         a.xidx = W.pair_tok.data() + W.offset[t.e] + t.t0;
+        a.in = H;
+        a.xf = x;
+        a.x_row = H;
         a.y_row = I;
-        a.w = gq + wo * growb;
-        a.ws = gs + wo * nbH;
+        a.w = ew.gate + t.r0 * growb;
+        a.ws = fl ? nullptr : ew.gate_s + (size_t)t.r0 * nbH;
         a.y = W.g.data() + (size_t)(W.offset[t.e] + t.t0) * I + t.r0;
         gemm(fmt, a);
-        a.w = uq + wo * growb;
-        a.ws = us + wo * nbH;
+        a.w = ew.up + t.r0 * growb;
+        a.ws = fl ? nullptr : ew.up_s + (size_t)t.r0 * nbH;
         a.y = W.u.data() + (size_t)(W.offset[t.e] + t.t0) * I + t.r0;
         gemm(fmt, a);
     });
 
-    // h = silu(g) * u, quantized once per pair for the down projection
-    {
+    // h = silu(g) * u, quantized once per pair for the down projection (float weights: kept
+    // in float, in place of u)
+    if (fl) {
+        for (size_t j = 0; j < (size_t)P * I; ++j) W.u[j] = silu(W.g[j]) * W.u[j];
+    } else {
         W.h.resize(P, nbI);
         auto& k = kern();
         int nt = std::min(P, pool().size());
@@ -315,19 +340,25 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
     make_tiles(H, tiles);
     pool().parallel_for((int)tiles.size(), [&](int i) {
         const Tile& t = tiles[i];
-        size_t wo = ((size_t)t.e * H + t.r0);
+        const ExpertW& ew = experts[t.e];
         size_t p0 = W.offset[t.e] + t.t0;
         GemmArgs a;
         a.nrows = t.nr;
         a.nb = nbI;
-        a.w = dq + wo * drowb;
+        a.w = ew.down + t.r0 * drowb;
         a.w_row = drowb;
-        a.ws = ds + wo * nbI;
         a.ntok = t.nt;
-        a.xq = W.h.q.data() + p0 * nbI * QK;
-        a.xd = W.h.d.data() + p0 * nbI;
-        a.xs = W.h.s.data() + p0 * nbI;
         a.xidx = nullptr;
+        if (fl) {
+            a.in = I;
+            a.xf = W.u.data() + p0 * I;
+            a.x_row = I;
+        } else {
+            a.ws = ew.down_s + (size_t)t.r0 * nbI;
+            a.xq = W.h.q.data() + p0 * nbI * QK;
+            a.xd = W.h.d.data() + p0 * nbI;
+            a.xs = W.h.s.data() + p0 * nbI;
+        }
         a.y = W.y.data() + p0 * H + t.r0;
         a.y_row = H;
         gemm(fmt, a);

@@ -24,8 +24,18 @@ int get_spin_us();
 // y[M, N] = x[M, K] @ W^T, W quantized in fmt with nb = blocks_of(K).
 void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, const uint16_t* ws, float* y);
 
+// One routed expert's weights in fmt: gate and up [I rows of H], down [H rows of I], each
+// with its fp16 scales (null for the float formats).
+struct ExpertW {
+    const uint8_t *gate, *up, *down;
+    const uint16_t *gate_s, *up_s, *down_s;
+};
+
 // Fused routed experts: out[T, H] = sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t),
-// e = ids[t, k]. gate/up are [E, I, blocks_of(H)] and down [E, H, blocks_of(I)].
+// e = ids[t, k] < E, expert e's weights at experts[e] (anywhere in memory).
+void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, const int64_t* ids,
+                 const float* weights, const ExpertW* experts, float* out);
+// The same over stacks: gate/up [E, I, row] and down [E, H, row], scales [E, rows, blocks].
 void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, const int64_t* ids,
                  const float* weights, const uint8_t* gq, const uint16_t* gs, const uint8_t* uq,
                  const uint16_t* us, const uint8_t* dq, const uint16_t* ds, float* out);

@@ -10,6 +10,8 @@ Tolerances (errors relative to the reference's largest magnitude):
   for block formats): int8 2e-2 and int4 0.2 in norm.
 - attn_decode (float32 throughout) against its grouped-matmul reference: 1e-5, summation
   order and the kernel's exp polynomial (relative error ~2e-7) only.
+- moe_experts_float (float32 or bf16 weights, float32 activations) against `expert_mlp` in
+  float32 on the same weights: 1e-5, summation order only.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from moerun import kernels
-from moerun.layers.moe import Experts
+from moerun.layers.moe import Experts, expert_mlp
 from moerun.quant import formats
 from moerun.quant.modules import QuantizedExperts, QuantizedLinear
 
@@ -132,6 +134,73 @@ def test_moe_experts_bf16_in_out(isa):
         y16 = qe(x.bfloat16(), ids, w.bfloat16())
     assert y16.dtype == torch.bfloat16
     assert norm_rel(y16, y32) < 2e-2
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,I,E,K", [(1, 64, 32, 4, 2), (1, 100, 70, 9, 3), (5, 7, 45, 6, 6), (16, 256, 96, 16, 4)])
+def test_moe_experts_float(isa, dtype, T, H, I, E, K):
+    g = torch.Generator().manual_seed(T + H + I + E + K)
+    ex = _experts(E, H, I, seed=T + E).to(dtype)
+    x = torch.randn(T, H, generator=g)
+    ids, w = _route(T, E, K, g)
+    weights = (ex.gate_proj.detach(), ex.up_proj.detach(), ex.down_proj.detach())
+    with torch.no_grad():
+        ref = kernels.moe_experts_float_ref(x, ids, w, *weights)
+    with kernels.use_isa(isa):
+        y = kernels.moe_experts_float(x, ids, w, *weights)
+        # one token per call gives the same bits (a verification pass equals its decode steps)
+        one = torch.cat([kernels.moe_experts_float(x[t : t + 1], ids[t : t + 1], w[t : t + 1], *weights)
+                         for t in range(T)])
+        # the experts given one by one (an expert store's pieces) give the same bits too
+        split = kernels.moe_experts_float(x, ids, w, *(list(p.unbind(0)) for p in weights))
+    assert y.dtype == torch.float32 and y.shape == (T, H)
+    assert max_rel(y, ref) < 1e-5
+    assert torch.equal(one, y)
+    assert torch.equal(split, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_module_runs_decode_natively(dtype):
+    """`Experts` takes the native kernel for a decode-sized pass without autograd and stays
+    on torch with autograd (training) or above FLOAT_EXPERTS_MAX_TOKENS tokens."""
+    g = torch.Generator().manual_seed(1)
+    ex = _experts(8, 64, 48, seed=1).to(dtype)
+    calls = []
+    real = kernels.moe_experts_float
+
+    def spy(*a, **k):
+        calls.append(a[0].shape[0])
+        return real(*a, **k)
+
+    kernels.moe_experts_float = spy
+    try:
+        for T in (1, kernels.FLOAT_EXPERTS_MAX_TOKENS, kernels.FLOAT_EXPERTS_MAX_TOKENS + 1):
+            x = torch.randn(T, 64, generator=g).to(dtype)
+            ids, w = _route(T, 8, 2, g)
+            with torch.inference_mode():
+                y = ex(x, ids, w.to(dtype))
+            ref = expert_mlp(x.float(), ids, w, *(p.detach().float() for p in ex.parameters()))
+            assert y.dtype == dtype
+            assert norm_rel(y, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+        x = torch.randn(1, 64, generator=g).to(dtype)
+        ex(x, *_route(1, 8, 2, g)).sum()  # autograd on: the torch path
+    finally:
+        kernels.moe_experts_float = real
+    assert calls == ([1, kernels.FLOAT_EXPERTS_MAX_TOKENS] if kernels.native() else [])
+
+
+def test_moe_experts_float_refuses_mixed_dtypes():
+    nat = kernels._native()
+    if nat is None:
+        pytest.skip("native extension not in use")
+    g, d = torch.zeros(2, 8, 16).numpy(), torch.zeros(2, 16, 8).numpy()
+    x, out = torch.zeros(1, 16).numpy(), torch.zeros(1, 16).numpy()
+    ids, w = torch.zeros(1, 1, dtype=torch.long).numpy(), torch.ones(1, 1).numpy()
+    with pytest.raises(ValueError, match="gate's dtype"):
+        nat.moe_experts_float(x, ids, w, [g], [g.astype("float64")], [d], out)
+    with pytest.raises(ValueError, match="down"):
+        nat.moe_experts_float(x, ids, w, [g], [g], [g], out)
 
 
 def test_moe_experts_bad_expert_id():

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import kernels
 from ..errors import MoerunError
-from ..layers.moe import Experts, dispatch, group_by_expert, swiglu
+from ..layers.moe import Experts, dispatch, group_by_expert, native_float_experts, swiglu
 from ..quant.modules import QuantizedExperts
 from .store import ExpertStore, LayerExperts, StoreOptions, expert_pieces, quantized_expert_pieces
 
@@ -29,8 +30,11 @@ from .store import ExpertStore, LayerExperts, StoreOptions, expert_pieces, quant
 
 class StoreExperts(nn.Module):
     """Same call as `Experts`: x [N, H], ids [N, K], weights [N, K] -> [N, H]; weights come
-    from the store. The arithmetic is `expert_mlp`'s, op for op, so outputs are
-    bit-identical to the plain model whatever the tiers hold."""
+    from the store. The arithmetic is `Experts`' own, so outputs are bit-identical to the
+    plain model whatever the tiers hold: a decode-sized pass over float experts in CPU memory
+    runs the same native call (`kernels.moe_experts_float`, given each expert's pieces where
+    the store holds them; a pair's arithmetic does not depend on the other experts in the
+    call), the rest expert by expert through `dispatch`, op for op as `expert_mlp`."""
 
     def __init__(self, layer: int, num_experts: int, hidden: int, inter: int):
         super().__init__()
@@ -46,6 +50,10 @@ class StoreExperts(nn.Module):
         needed = [e for e, c in enumerate(counts) if c]
         where: dict[int, str] = {}
         got = self.store.get(self.layer, needed, n_tokens=N, counts=counts, where=where)
+        if native_float_experts(x, got[needed[0]][0]):  # one native call, on the pieces where they lie
+            pieces = list(zip(*(got[e] for e in needed)))  # (gates, ups, downs)
+            return self._native(ids, needed, counts, where,
+                                lambda local: kernels.moe_experts_float(x, local, weights, *pieces).to(x.dtype))
         ran = []
 
         def run_expert(e, xs):
@@ -62,6 +70,21 @@ class StoreExperts(nn.Module):
             return dispatch(x, ids, weights, order, counts, run_expert)
         finally:
             self.store.release(self.layer, needed, ran)
+
+    def _native(self, ids, needed: list[int], counts: list[int], where: dict, run) -> torch.Tensor:
+        """run(ids renumbered 0..n-1 over the needed experts, ascending): one native call over
+        all of them; its time is shared out by each expert's tokens. Releases the experts."""
+        local = torch.empty(self.num_experts, dtype=torch.long)
+        local[needed] = torch.arange(len(needed))
+        ran = []
+        try:
+            t0 = time.perf_counter()
+            y = run(local[ids])
+            sec = (time.perf_counter() - t0) / ids.numel()
+            ran = [(e, where[e], counts[e], sec * counts[e]) for e in needed]
+        finally:
+            self.store.release(self.layer, needed, ran)
+        return y
 
 
 class QuantStoreExperts(StoreExperts):
@@ -82,25 +105,13 @@ class QuantStoreExperts(StoreExperts):
         return f"{super().extra_repr()}, fmt={self.fmt}"
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        from .. import kernels
-
         counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
-        needed = counts.nonzero().flatten()  # [n], ascending
-        local = torch.empty(self.num_experts, dtype=torch.long)
-        local[needed] = torch.arange(len(needed))
-        counts, needed = counts.tolist(), needed.tolist()
+        needed = counts.nonzero().flatten().tolist()  # ascending
+        counts = counts.tolist()
         where: dict[int, str] = {}
         got = self.store.get(self.layer, needed, n_tokens=x.shape[0], counts=counts, where=where)
-        ran = []
-        try:
-            stacks = self.gather([got[e] for e in needed])
-            t0 = time.perf_counter()
-            y = kernels.moe_experts(x, local[ids], weights, *stacks, self.fmt, self.inter)
-            # one call runs them all: its time is shared out by each expert's tokens
-            sec = (time.perf_counter() - t0) / ids.numel()
-            ran = [(e, where[e], counts[e], sec * counts[e]) for e in needed]
-        finally:
-            self.store.release(self.layer, needed, ran)
+        y = self._native(ids, needed, counts, where, lambda local: kernels.moe_experts(
+            x, local, weights, *self.gather([got[e] for e in needed]), self.fmt, self.inter))
         return y.to(x.dtype)
 
 

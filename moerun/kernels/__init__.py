@@ -380,6 +380,40 @@ def moe_experts_ref(x, ids, weights, gate, gate_scales, up, up_scales, down, dow
     return out
 
 
+FLOAT_EXPERTS_MAX_TOKENS = 16  # native float experts for decode-sized passes; prefill's torch GEMMs are better
+
+
+def moe_experts_float(x, ids, weights, gate, up, down, views: tuple | None = None) -> torch.Tensor:
+    """`moe_experts` for unquantized experts, all float32 or all bf16 (read as they are;
+    activations and sums in float32) -> [T, H] float32. gate, up, down: stacks [E, I, H],
+    [E, I, H], [E, H, I], or lists of one [I, H], [I, H], [H, I] tensor per expert (an
+    expert store's, wherever each lies: nothing is copied). Each (token, expert) pair's
+    products run in one fixed order, so a token's output depends neither on the other tokens
+    of the call (a verification pass equals its decode steps) nor on how the experts are
+    given. `views`: `float_expert_views` of the weights, when the caller keeps them."""
+    nat = _native()
+    if nat is None:
+        return moe_experts_float_ref(x, ids, weights, gate, up, down)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    if x.shape[0]:
+        _sync_threads(nat)
+        g, u, d = views or float_expert_views(gate, up, down)
+        nat.moe_experts_float(_np(_f32(x)), _np(ids.to(torch.int64).contiguous()), _np(_f32(weights)), g, u, d, _np(out))
+    return out
+
+
+def float_expert_views(*weights) -> tuple:
+    """gate, up, down (stacks or per-expert lists) as `moe_experts_float` takes them."""
+    return tuple([_np(w)] if torch.is_tensor(w) else [_np(t) for t in w] for w in weights)
+
+
+def moe_experts_float_ref(x, ids, weights, gate, up, down) -> torch.Tensor:
+    from ..layers.moe import expert_mlp  # the model's own reference, in float32
+
+    gate, up, down = (w.float() if torch.is_tensor(w) else torch.stack(w).float() for w in (gate, up, down))
+    return expert_mlp(x.float(), ids, weights.float(), gate, up, down)
+
+
 # -- decode attention ----------------------------------------------------------------------
 
 def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

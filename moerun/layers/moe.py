@@ -27,8 +27,24 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]."""
+        """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]. Decode-sized passes
+        run as one native call (`kernels.moe_experts_float`), the rest expert by expert."""
+        if native_float_experts(x, self.gate_proj):
+            views = kernels.native_views(self, EXPERT_WEIGHTS, kernels.float_expert_views)
+            return kernels.moe_experts_float(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj,
+                                             views=views).to(x.dtype)
         return expert_mlp(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj)
+
+
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def native_float_experts(x: torch.Tensor, gate: torch.Tensor) -> bool:
+    """Whether x [N, H] goes through the native float experts kernel: a decode-sized pass
+    without autograd, float32 or bf16 weights contiguous in CPU memory (up and down are
+    alike wherever gate is), and the extension in use."""
+    return (x.shape[0] <= kernels.FLOAT_EXPERTS_MAX_TOKENS and gate.dtype in (torch.float32, torch.bfloat16)
+            and gate.device.type == "cpu" and gate.is_contiguous() and not torch.is_grad_enabled() and kernels.native())
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int):
