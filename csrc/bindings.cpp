@@ -279,8 +279,17 @@ void norm_rope_heads(Array x, Array w, Array cos, Array sin, Array out, float ep
                             (const float*)sin.data(), (int)rd, (float*)out.data());
 }
 
-moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows, int nb, const char* what) {
+// a weight of `rows` rows of `in` inputs: packed in fmt 4 / 8 with its scales, or float32
+// (fmt 32) / bf16 as uint16 (fmt 16) [rows, in] with no scales (s is ignored)
+moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows, size_t in, const char* what) {
+    if (moerun::is_float_fmt(fmt)) {
+        check(w.dtype() == (fmt == moerun::FMT_F32 ? nb::dtype<float>() : nb::dtype<uint16_t>()),
+              std::string(what) + ": a float32 (fmt 32) or bf16 as uint16 (fmt 16) weight");
+        check_shape(w, {rows, in}, what);
+        return {fmt, (const uint8_t*)w.data(), nullptr};
+    }
     check_fmt(fmt);
+    const int nb = moerun::blocks_of((int)in);
     check_qweight(w, fmt, {rows}, nb, what);
     check_scales(s, {rows}, nb, what);
     return {fmt, (const uint8_t*)w.data(), (const uint16_t*)s.data()};
@@ -301,7 +310,7 @@ void qlinear_multi(Array x, std::vector<Array> weights, std::vector<Array> scale
         check(weights[p].ndim() == 2, "weights must be [rows, bytes per row]");
         rows.push_back((int)weights[p].shape(0));
         N += weights[p].shape(0);
-        qw.push_back(qweight_of(weights[p], scales[p], fmts[p], weights[p].shape(0), nb, "weight"));
+        qw.push_back(qweight_of(weights[p], scales[p], fmts[p], weights[p].shape(0), K, "weight"));
     }
     check_dtype(out, dtype_code::Float, 32, "out");
     check_shape(out, {M, N}, "out");
@@ -337,10 +346,9 @@ void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf,
     check(x.ndim() == 2, "x must be [M, H]");
     check(gw.ndim() == 2, "gate must be [I, bytes per row]");
     const size_t M = x.shape(0), H = x.shape(1), I = gw.shape(0);
-    const int nbH = moerun::blocks_of((int)H), nbI = moerun::blocks_of((int)I);
-    auto g = qweight_of(gw, gs, gf, I, nbH, "gate");
-    auto u = qweight_of(uw, us, uf, I, nbH, "up");
-    auto d = qweight_of(dw, ds, df, H, nbI, "down");
+    auto g = qweight_of(gw, gs, gf, I, H, "gate");
+    auto u = qweight_of(uw, us, uf, I, H, "up");
+    auto d = qweight_of(dw, ds, df, H, I, "down");
     check_dtype(out, dtype_code::Float, 32, "out");
     check_shape(out, {M, H}, "out");
     check_dtype(gate_vec, dtype_code::Float, 32, "gate_vec");
@@ -368,11 +376,10 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
     check_shape(vc, {Hkv, L, D}, "v cache");
     check(Hq > 0 && Hkv > 0 && Hq % Hkv == 0, "q heads must be a multiple of kv heads");
     check(pos >= 0 && (size_t)pos + T <= L, "position outside the cache");
-    const int nbH = moerun::blocks_of((int)H), nbA = moerun::blocks_of((int)(Hq * D));
-    auto q = qweight_of(qw, qs, qf, Hq * D * (gated ? 2 : 1), nbH, "q_proj");
-    auto k = qweight_of(kw, ks, kf, Hkv * D, nbH, "k_proj");
-    auto v = qweight_of(vw, vs, vf, Hkv * D, nbH, "v_proj");
-    auto o = qweight_of(ow, os, of, H, nbA, "o_proj");
+    auto q = qweight_of(qw, qs, qf, Hq * D * (gated ? 2 : 1), H, "q_proj");
+    auto k = qweight_of(kw, ks, kf, Hkv * D, H, "k_proj");
+    auto v = qweight_of(vw, vs, vf, Hkv * D, H, "v_proj");
+    auto o = qweight_of(ow, os, of, H, Hq * D, "o_proj");
     for (const Array* n : {&qn, &kn}) {
         check_dtype(*n, dtype_code::Float, 32, "q/k norm");
         check(n->ndim() == 1 && (n->shape(0) == 0 || n->shape(0) == D), "q/k norm weight must be [D] or empty");

@@ -108,7 +108,9 @@ int get_spin_us() { return pool().spin_us(); }
 void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const float* x, float* y) {
     const int nb = blocks_of(K);
     ActQ& xq = ws().x;
-    quantize_rows(x, K, M, K, nb, xq);
+    bool quantized = false;  // float weights read x as it is; packed ones its int8 blocks
+    for (int p = 0; p < P; ++p) quantized |= !is_float_fmt(w[p].fmt);
+    if (quantized) quantize_rows(x, K, M, K, nb, xq);
     std::vector<int> off(P + 1, 0);
     for (int p = 0; p < P; ++p) off[p + 1] = off[p] + rows[p];
     const int N = off[P];
@@ -122,18 +124,24 @@ void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const
     pool().parallel_for((int)tiles.size(), [&](int i) {
         const Tile& t = tiles[i];
         const QWeight& q = w[t.e];
-        const size_t rb = row_bytes(q.fmt, nb);
+        const size_t rb = weight_row_bytes(q.fmt, K);
         GemmArgs a;
         a.nrows = t.nr;
         a.nb = nb;
         a.w = q.w + (size_t)t.r0 * rb;
         a.w_row = rb;
-        a.ws = q.s + (size_t)t.r0 * nb;
         a.ntok = t.nt;
-        a.xq = xq.q.data() + (size_t)t.t0 * nb * QK;
-        a.xd = xq.d.data() + (size_t)t.t0 * nb;
-        a.xs = xq.s.data() + (size_t)t.t0 * nb;
         a.xidx = nullptr;
+        if (is_float_fmt(q.fmt)) {
+            a.in = K;
+            a.xf = x + (size_t)t.t0 * K;
+            a.x_row = K;
+        } else {
+            a.ws = q.s + (size_t)t.r0 * nb;
+            a.xq = xq.q.data() + (size_t)t.t0 * nb * QK;
+            a.xd = xq.d.data() + (size_t)t.t0 * nb;
+            a.xs = xq.s.data() + (size_t)t.t0 * nb;
+        }
         a.y = y + (size_t)t.t0 * N + off[t.e] + t.r0;
         a.y_row = N;
         gemm(q.fmt, a);

@@ -60,7 +60,8 @@ void rms_norm(int M, int D, const float* x, const float* w, float w_offset, floa
 void norm_rope_heads(int T, int H, int D, const float* x, const float* w, float w_offset, float eps,
                      const float* cos, const float* sin, int rd, float* y);
 
-// A quantized linear's weights: format, packed rows and fp16 scales (blocks_of(in) per row).
+// A linear's weights: format, packed rows and fp16 scales (blocks_of(in) per row), or float32 /
+// bf16 rows (FMT_F32 / FMT_BF16, s null).
 struct QWeight {
     int fmt;
     const uint8_t* w;

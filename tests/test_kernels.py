@@ -691,20 +691,57 @@ def test_qlinear_multi_is_the_separate_calls(isa):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_project_runs_quantized_linears_together_and_others_one_by_one():
+def test_project_runs_packed_linears_together_and_others_one_by_one():
     from moerun.layers.linear import project
 
     g = torch.Generator().manual_seed(8)
     lins = [torch.nn.Linear(64, n, bias=False) for n in (24, 8)]
-    x = torch.randn(2, 3, 64, generator=g)
+    many = torch.randn(2, kernels.FLOAT_LINEAR_MAX_TOKENS, 64, generator=g)  # above the float rows
+    few = torch.randn(2, 3, 64, generator=g)
     with torch.no_grad():
-        for a, b in zip(project(x, *lins), [m(x) for m in lins]):
+        for a, b in zip(project(many, *lins), [m(many) for m in lins]):  # torch's own calls
             assert torch.equal(a, b)
         qs = [QuantizedLinear.from_linear(m, "int8") for m in lins]
-        got = project(x, *qs)
+        got = project(few, *qs)
         assert [t.shape for t in got] == [(2, 3, 24), (2, 3, 8)]
-        for a, b in zip(got, [m(x) for m in qs]):
+        for a, b in zip(got, [m(few) for m in qs]):
             assert torch.equal(a, b)
+    for a, b in zip(project(few, *lins), [m(few) for m in lins]):  # autograd on: torch's calls
+        assert torch.equal(a, b)
+    with torch.no_grad():  # few rows of float linears: one native call, float32 products
+        got = project(few, *lins)
+        assert all(max_rel(a, m(few)) < 1e-6 for a, m in zip(got, lins))
+        lins[1].register_forward_hook(lambda *a: None)  # a hooked module must see its call
+        got = project(few, *lins)
+        assert all(torch.equal(a, m(few)) for a, m in zip(got, lins))
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_weights_in_the_linear_ops(isa, dtype):
+    """float32 / bf16 weights (`kernels.float_packed`) in qlinear_multi, swiglu_mlp and
+    mixed with packed ones: against float32 torch products on the same weights,
+    and a token's output the same whichever rows share its call."""
+    g = torch.Generator().manual_seed(9)
+    K, I = 100, 45
+    wf = [torch.randn(n, K, generator=g).to(dtype) * 0.1 for n in (37, 5)]
+    q8 = formats.quantize(torch.randn(11, K, generator=g) * 0.1, "int8") + ("int8",)
+    x = torch.randn(5, K, generator=g)
+    with kernels.use_isa(isa):
+        got = kernels.qlinear_multi(x, [kernels.float_packed(w) for w in wf] + [q8])
+        one = [kernels.qlinear_multi(x[t : t + 1], [kernels.float_packed(w) for w in wf]) for t in range(5)]
+        want8 = kernels.qlinear(x, *q8[:2], "int8", K)
+    for j, w in enumerate(wf):
+        assert max_rel(got[j], x @ w.float().T) < 1e-5
+        assert torch.equal(torch.cat([o[j] for o in one]), got[j])
+    assert torch.equal(got[2], want8)
+    gate, up = (torch.randn(I, K, generator=g).to(dtype) * 0.1 for _ in range(2))
+    down = torch.randn(K, I, generator=g).to(dtype) * 0.1
+    gv = torch.randn(K, generator=g) * 0.1
+    with kernels.use_isa(isa):
+        y = kernels.swiglu_mlp(x, *(kernels.float_packed(w) for w in (gate, up, down)), gate_vec=gv)
+    ref = (torch.nn.functional.silu(x @ gate.float().T) * (x @ up.float().T)) @ down.float().T
+    assert max_rel(y, ref * torch.sigmoid(x @ gv[:, None])) < 1e-5
 
 
 @pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")

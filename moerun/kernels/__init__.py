@@ -184,6 +184,18 @@ def packed(qweight: torch.Tensor, scales: torch.Tensor, fmt: str) -> Packed:
     return Packed(qweight, scales, fmt, _np(qweight), _np(scales), formats.FORMATS[fmt])
 
 
+FLOAT_FORMATS = {torch.float32: ("float32", 32), torch.bfloat16: ("bfloat16", 16)}  # -> (fmt, native code)
+FLOAT_LINEAR_MAX_TOKENS = 16  # rows for which float linears run natively; torch's GEMM is better above
+
+
+def float_packed(weight: torch.Tensor) -> Packed:
+    """A float32 or bf16 weight [out, in] as the linear ops take a packed one (no scales):
+    `qlinear_multi`, `swiglu_mlp` and `attn_block_decode` read it as it is, with float32
+    activations, each (row, token) product in one fixed order whatever the rows in the call."""
+    fmt, code = FLOAT_FORMATS[weight.dtype]
+    return Packed(weight, _EMPTY, fmt, _np(weight), _np(_EMPTY), code)
+
+
 def numpy_views(*tensors: torch.Tensor) -> tuple:
     """The tensors as the native ops take them (numpy views of their memory)."""
     return tuple(map(_np, tensors))

@@ -11,20 +11,43 @@ from ..quant.modules import QuantizedLinear
 
 def project(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
     """[m(x) for m in mods]. When they are all packed quantized linears without bias
-    (`QuantizedLinear`) and the native kernels run, one call computes them together
-    (`kernels.qlinear_multi`: one activation quantization, one pool job; each output is a
-    column slice of one buffer, bit-identical to the separate calls). In decode, where a
-    small projection's call costs tens of microseconds of overhead, this is the difference."""
-    views = packed_views(*mods) if len(mods) > 1 else None
+    (`QuantizedLinear`), or, for a decode-sized x, plain float linears (`packed_views`), and
+    the native kernels run, one call computes them together (`kernels.qlinear_multi`: one
+    pool job, one activation quantization for packed weights; each output is a column slice
+    of one buffer, bit-identical to the separate calls). In decode, where a small
+    projection's call costs tens of microseconds of overhead, this is the difference."""
+    views = packed_views(*mods, x=x) if len(mods) > 1 else None
     if views is not None:
         outs = kernels.qlinear_multi(x, list(views))
         return outs if x.dtype == torch.float32 else [o.to(x.dtype) for o in outs]
     return [m(x) for m in mods]
 
 
-def packed_views(*mods: nn.Module) -> tuple | None:
-    """Each module's `kernels.Packed` when all are packed quantized linears without bias
-    (`QuantizedLinear`) and the native kernels run; None otherwise."""
-    if not kernels.native() or not all(type(m) is QuantizedLinear and m.bias is None for m in mods):
+def packed_views(*mods: nn.Module, x: torch.Tensor | None = None) -> tuple | None:
+    """Each module's weight as the native ops take it (`kernels.Packed`) when the native
+    kernels run and every module is a packed quantized linear without bias
+    (`QuantizedLinear`) or, given an x of at most `kernels.FLOAT_LINEAR_MAX_TOKENS` rows
+    and no autograd, a `plain_float_linear` (`kernels.float_packed`: read as it is; torch's
+    GEMM is the better one for more rows); None otherwise."""
+    if not kernels.native():
         return None
-    return tuple(m.views() for m in mods)
+    float_ok = (x is not None and x.numel() <= kernels.FLOAT_LINEAR_MAX_TOKENS * x.shape[-1]
+                and not torch.is_grad_enabled())
+    out = []
+    for m in mods:
+        if type(m) is QuantizedLinear and m.bias is None:
+            out.append(m.views())
+        elif float_ok and plain_float_linear(m):
+            out.append(kernels.native_views(m, ("weight",), kernels.float_packed))
+        else:
+            return None
+    return tuple(out)
+
+
+def plain_float_linear(lin: nn.Module) -> bool:
+    """A float32 or bf16 `nn.Linear` without bias or hooks, its weight contiguous in CPU
+    memory: a native op may read the weight in place of calling the module (a predictor's or
+    a profiler's hook must see the call)."""
+    w = lin.weight if type(lin) is nn.Linear else None
+    return (w is not None and lin.bias is None and w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
+            and w.is_contiguous() and not (lin._forward_pre_hooks or lin._forward_hooks))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from .linear import packed_views, project
+from .linear import packed_views, plain_float_linear, project
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
 
@@ -115,11 +115,9 @@ def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tupl
 
 
 def native_float_linear(lin: nn.Linear, x: torch.Tensor) -> bool:
-    """Whether a native op may read this float linear's weight directly in place of calling it
-    on x: float32 weight and input, no bias, no hooks (a predictor's or a profiler's hook
-    must see the call)."""
-    return (x.dtype == lin.weight.dtype == torch.float32 and lin.bias is None
-            and not (lin._forward_pre_hooks or lin._forward_hooks))
+    """Whether a native op taking float32 weights may read this linear's in place of calling
+    it on x: a float32 `plain_float_linear` and a float32 input."""
+    return x.dtype == lin.weight.dtype == torch.float32 and plain_float_linear(lin)
 
 
 class GatedMLP(nn.Module):
@@ -132,8 +130,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        views = self._packed_views()
-        if views is not None:  # packed quantized linears: the whole MLP is one native call
+        views = self._packed_views(x)
+        if views is not None:  # packed quantized linears (or decode-sized float ones): one native call
             y = kernels.swiglu_mlp(x.reshape(-1, x.shape[-1]), *views)
             return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
         g, u = project(x, self.gate_proj, self.up_proj)
@@ -142,10 +140,10 @@ class GatedMLP(nn.Module):
     def gated(self, x: torch.Tensor, gate: nn.Linear) -> torch.Tensor:
         """sigmoid(gate(x)) * self(x), x [N, H]: a shared expert with its scalar gate
         (Qwen2-MoE, Qwen3.5), one native call when the MLP is packed and the gate float32."""
-        views = self._packed_views()
+        views = self._packed_views(x)
         if views is not None and native_float_linear(gate, x):
             return kernels.swiglu_mlp(x, *views, gate_vec=gate._parameters["weight"])
         return torch.sigmoid(gate(x)) * self(x)
 
-    def _packed_views(self) -> tuple | None:
-        return packed_views(self.gate_proj, self.up_proj, self.down_proj)
+    def _packed_views(self, x: torch.Tensor) -> tuple | None:
+        return packed_views(self.gate_proj, self.up_proj, self.down_proj, x=x)
