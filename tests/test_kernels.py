@@ -306,12 +306,19 @@ def test_split_threads_decode_on_one_torch_thread():
     torch.testing.assert_close(step, plain_step, rtol=1e-5, atol=1e-5)
 
 
-def test_split_threads_leaves_float_nets_alone():
+def test_split_threads_takes_float_moe_nets_too():
+    """A float MoE net's decode steps run native kernels too (experts, projections,
+    attention blocks), so its torch ops go on one thread there as well."""
     from test_quant import tiny_model
 
     net = tiny_model()
-    assert not kernels.split_threads(net, threads=2)
-    assert getattr(net, "_split_threads", None) is None
+    try:
+        assert kernels.split_threads(net, threads=2) == kernels.native()
+        assert (getattr(net, "_split_threads", None) is not None) == kernels.native()
+    finally:
+        if getattr(net, "_split_threads", None) is not None:
+            net._split_threads.remove()
+        kernels.set_threads(None)
 
 
 @pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
@@ -376,7 +383,8 @@ def test_attn_decode_bad_shapes_and_fallbacks():
 @pytest.mark.parametrize("isa", NATIVE)
 @pytest.mark.parametrize("head_dim, dtype, tol, cache_tol", [(16, torch.float32, 1e-4, 1e-5), (20, torch.float32, 1e-4, 1e-5),
                                                              (16, torch.bfloat16, 6e-2, 0.1)])
-def test_fused_decode_attention_matches_the_module(isa, head_dim, dtype, tol, cache_tol):
+@pytest.mark.parametrize("quant", ["int4", "none"])
+def test_fused_decode_attention_matches_the_module(isa, head_dim, dtype, tol, cache_tol, quant):
     """kernels.fuse_decode_attention: decode steps and a few-token pass through the native
     attention block give the module's own logits and leave the same keys and values in the
     cache (bf16: within
@@ -394,7 +402,8 @@ def test_fused_decode_attention_matches_the_module(isa, head_dim, dtype, tol, ca
             for nm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 nm.weight.copy_(1 + 0.3 * torch.randn(head_dim, generator=g))
     net.to(dtype)
-    quantize_model(net, "int4")
+    if quant != "none":
+        quantize_model(net, quant)
     ids = torch.randint(0, 101, (1, 14), generator=g)
 
     def run():  # prefill, one-token steps, then a pass of three tokens (a verification pass)
@@ -420,11 +429,15 @@ def test_fused_decode_attention_matches_the_module(isa, head_dim, dtype, tol, ca
     assert list(net.state_dict()) == keys  # the checkpoint layout does not change
 
 
-def test_fused_decode_attention_skips_float_and_biased_modules():
+def test_fused_decode_attention_skips_mixed_and_biased_modules():
     from moerun.quant import quantize_model
     from test_quant import tiny_model
 
-    assert kernels.fuse_decode_attention(tiny_model()) == 0  # float projections
+    net = tiny_model()
+    attn = net.model.layers[0].self_attn
+    attn.o_proj = QuantizedLinear.from_linear(attn.o_proj, "int8")  # one packed projection among float ones
+    attn.q_proj.register_forward_hook(lambda *a: None)  # and a hooked float projection
+    assert kernels.fuse_decode_attention(net) == (1 if kernels.isa() != "torch" else 0)  # only layer 1
     net = tiny_model()
     quantize_model(net, "int4")
     net.model.layers[0].self_attn.q_proj.bias = torch.zeros(net.model.layers[0].self_attn.q_proj.out_features)
@@ -522,7 +535,11 @@ def _qwen3_5_net(tmp_path):
     from conftest import save_and_load
     from test_qwen3_5_moe import make_reference
 
-    return save_and_load(make_reference(), tmp_path).net
+    net = save_and_load(make_reference(), tmp_path).net
+    for m in net.modules():  # loading fused the float attention blocks: back to the modules' own forward
+        if hasattr(m, "_unfused_forward"):
+            del m.forward, m._unfused_forward
+    return net
 
 
 @pytest.mark.parametrize("isa", NATIVE)

@@ -56,7 +56,7 @@ class LLM:
         self.dtype = dtype
         self.generation_config = generation_config
         self.last_stats = GenerationStats()
-        kernels.split_threads(net)  # quantized nets: torch's small decode ops on one thread
+        kernels.split_threads(net)  # torch's small decode ops on one thread while native kernels run
         kernels.fuse_decode_attention(net)  # ... and each attention block's decode step one native call
 
     @classmethod

@@ -36,6 +36,8 @@ class StoreExperts(nn.Module):
     the store holds them; a pair's arithmetic does not depend on the other experts in the
     call), the rest expert by expert through `dispatch`, op for op as `expert_mlp`."""
 
+    native_kernels = True  # decode-sized passes over float experts in RAM: kernels.moe_experts_float
+
     def __init__(self, layer: int, num_experts: int, hidden: int, inter: int):
         super().__init__()
         self.layer, self.num_experts, self.hidden, self.inter = layer, num_experts, hidden, inter
@@ -94,8 +96,6 @@ class QuantStoreExperts(StoreExperts):
     order. The kernel's tiles depend only on each expert's pairs and the number of experts
     in use, and its weighted sum runs in k order, so the output is bit-identical to
     `QuantizedExperts` on the full stack (tests/test_expert_store_quant.py checks it)."""
-
-    native_kernels = True  # kernels.split_threads: torch's decode ops on one thread
 
     def __init__(self, layer: int, num_experts: int, hidden: int, inter: int, fmt: str, gather: "Gather"):
         super().__init__(layer, num_experts, hidden, inter)

@@ -231,7 +231,8 @@ def _own_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
 
 
 def split_threads(net: torch.nn.Module, threads: int | None = None, max_tokens: int = 32) -> bool:
-    """For a net with native quantized modules (those with `native_kernels = True`): native
+    """For a net with modules that run native kernels (`native_kernels = True`: packed ones,
+    and float experts, whose decode-sized passes are native too): native
     ops on `threads` (default: torch's current count), torch's own ops on one thread in
     forward passes of at most `max_tokens` tokens (decode, short drafts), on `threads`
     otherwise (prefill, where attention is big enough to share). Returns False (and changes
@@ -588,10 +589,12 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
     (a bf16 model's own forward rounds q and k to bf16 on the way). The module keeps its own
     forward for everything else (prefill, batches, int8 caches) and its
     weights and state_dict are untouched: only the instance's forward is wrapped. Applies
-    where q/k/v/o are QuantizedLinear without bias and q_norm/k_norm (if any) are per-head
-    RMSNorms; returns how many modules it wrapped."""
+    where q/k/v/o are all QuantizedLinear without bias or all `plain_float_linear` (float32
+    or bf16 weights read as they are; without autograd) and q_norm/k_norm (if any) are
+    per-head RMSNorms; returns how many modules it wrapped."""
     if _native() is None:
         return 0
+    from ..layers.linear import plain_float_linear
     from ..quant.modules import QuantizedLinear
 
     n = 0
@@ -599,7 +602,8 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
         if not getattr(m, "fused_decode", False) or hasattr(m, "_unfused_forward"):
             continue
         projs = [getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        if not all(isinstance(p, QuantizedLinear) and p.bias is None for p in projs):
+        if not (all(isinstance(p, QuantizedLinear) and p.bias is None for p in projs)
+                or all(plain_float_linear(p) for p in projs)):
             continue
         norms = [getattr(m, name, None) for name in ("q_norm", "k_norm")]
         if any(nm is not None and nm.weight.numel() != m.head_dim for nm in norms):
@@ -615,7 +619,7 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
 
     B, T, H = x.shape
     if (B != 1 or T > FUSED_MAX_TOKENS or type(kv) is not KVCache or kv.k.dtype not in (torch.float32, torch.bfloat16)
-            or _native() is None):
+            or _native() is None or torch.is_grad_enabled()):
         return self._unfused_forward(x, cos_sin, kv, slots, pos0)
     s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
     cos, sin = (t.reshape(T, -1).float() for t in cos_sin)
@@ -625,7 +629,7 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
     out = torch.empty(T, H, dtype=torch.float32)
     nat = _native()
     _sync_threads(nat)
-    q, k, v, o = qp.views(), kp.views(), vp.views(), op.views()
+    q, k, v, o = (p.views() if hasattr(p, "views") else native_views(p, ("weight",), float_packed) for p in (qp, kp, vp, op))
     nat.attn_block_decode(
         _np(_f32(x.reshape(T, H))), q.w, q.s, q.code, k.w, k.s, k.code, v.w, v.s, v.code, o.w, o.s, o.code,
         _np(qn), _np(kn), eps,

@@ -19,6 +19,8 @@ from .linear import packed_views, plain_float_linear, project
 
 
 class Experts(nn.Module):
+    native_kernels = True  # decode-sized passes run kernels.moe_experts_float (kernels.split_threads)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.num_experts = num_experts
