@@ -104,11 +104,12 @@ def expert_mlp(
 def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The softmax top-k routing of Qwen-MoE, Mixtral and OLMoE: probabilities over all experts
     in fp32, the k largest, renormalised over them when `renorm` -> (weights [N, k] in h's
-    dtype, ids [N, k]). Decode-sized float32 passes through a float32 router without hooks
-    run as one native call (`kernels.route_softmax_topk`); hooks on the router (predictors,
-    profilers) see it called as before."""
+    dtype, ids [N, k]). Decode-sized passes through a float router without hooks run as one
+    native call (`kernels.route_softmax_topk`, logits in float32 from the weights as they
+    are); hooks on the router (predictors, profilers) see it called as before."""
     if h.shape[0] <= kernels.ROUTE_MAX_TOKENS and native_float_linear(gate, h) and kernels.native():
-        return kernels.route_softmax_topk(h, gate._parameters["weight"], k, renorm)
+        weights, ids = kernels.route_softmax_topk(h, float32_weight(gate), k, renorm)
+        return weights.to(h.dtype), ids
     probs = gate(h).float().softmax(-1)  # [N, E]
     weights, ids = probs.topk(k, dim=-1)  # [N, k]
     if renorm:
@@ -117,9 +118,18 @@ def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tupl
 
 
 def native_float_linear(lin: nn.Linear, x: torch.Tensor) -> bool:
-    """Whether a native op taking float32 weights may read this linear's in place of calling
-    it on x: a float32 `plain_float_linear` and a float32 input."""
-    return x.dtype == lin.weight.dtype == torch.float32 and plain_float_linear(lin)
+    """Whether a native op taking float32 weights may read this linear's (`float32_weight`)
+    in place of calling it on x: a `plain_float_linear`, a float32 or bf16 input of its
+    dtype, no autograd."""
+    return (x.dtype == lin.weight.dtype and x.dtype in (torch.float32, torch.bfloat16) and plain_float_linear(lin)
+            and not torch.is_grad_enabled())
+
+
+def float32_weight(lin: nn.Linear) -> torch.Tensor:
+    """The linear's weight in float32: itself, or a float32 copy of a bf16 one kept on the
+    module (`kernels.native_views`: a router or a shared expert's gate, small)."""
+    w = lin._parameters["weight"]
+    return w if w.dtype == torch.float32 else kernels.native_views(lin, ("weight",), lambda w: w.detach().float())
 
 
 class GatedMLP(nn.Module):
@@ -141,10 +151,11 @@ class GatedMLP(nn.Module):
 
     def gated(self, x: torch.Tensor, gate: nn.Linear) -> torch.Tensor:
         """sigmoid(gate(x)) * self(x), x [N, H]: a shared expert with its scalar gate
-        (Qwen2-MoE, Qwen3.5), one native call when the MLP is packed and the gate float32."""
+        (Qwen2-MoE, Qwen3.5), one native call when the MLP runs natively (`packed_views`)
+        and the gate is a plain float linear."""
         views = self._packed_views(x)
         if views is not None and native_float_linear(gate, x):
-            return kernels.swiglu_mlp(x, *views, gate_vec=gate._parameters["weight"])
+            return kernels.swiglu_mlp(x, *views, gate_vec=float32_weight(gate)).to(x.dtype)
         return torch.sigmoid(gate(x)) * self(x)
 
     def _packed_views(self, x: torch.Tensor) -> tuple | None:
