@@ -925,6 +925,42 @@ def test_native_views_follow_replaced_buffers():
     assert kernels.native_views(m, names, make) == 2
     m.child.weight.data = torch.ones(2, 2)
     assert kernels.native_views(m, names, make) == 3 and made[-1][1] is m.child.weight
+    # another kind of view of the same tensors keeps its own entry, and leaves this one alone
+    assert kernels.native_views(m, names, lambda *ts: "other") == "other"
+    assert kernels.native_views(m, names, make) == 3
+
+
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_float_linears(dtype):
+    """Plain float linears run their few-row calls natively once wrapped: outputs within
+    float32 summation order of torch's (bf16: within its rounding), hooks see every call,
+    and more rows, autograd, biased or hooked modules keep torch's forward."""
+    g = torch.Generator().manual_seed(14)
+    net = torch.nn.Sequential(torch.nn.Linear(40, 24, bias=False), torch.nn.Linear(24, 8), torch.nn.Linear(8, 8, bias=False))
+    net.to(dtype)
+    net[2].register_forward_pre_hook(lambda *a: None)
+    assert kernels.native_float_linears(net) == 1  # the biased and the hooked ones are left alone
+    assert kernels.native_float_linears(net) == 0  # already wrapped
+    lin = net[0]
+    seen = []
+    lin.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    few, many = torch.randn(2, 3, 40, generator=g).to(dtype), torch.randn(kernels.FLOAT_LINEAR_MAX_TOKENS + 1, 40, generator=g).to(dtype)
+    ref = torch.nn.functional.linear
+    native_calls = []
+    real = kernels.qlinear_multi
+    kernels.qlinear_multi = lambda x, ws: native_calls.append(x.shape) or real(x, ws)
+    try:
+        with torch.inference_mode():
+            y = lin(few)
+            assert y.dtype == dtype and y.shape == (2, 3, 24)
+            assert max_rel(y, few.float() @ lin.weight.float().T) < (1e-6 if dtype == torch.float32 else 1e-2)
+            assert torch.equal(lin(many), ref(many, lin.weight))
+        assert torch.equal(lin(few), ref(few, lin.weight))  # autograd on
+    finally:
+        kernels.qlinear_multi = real
+    assert native_calls == [(2, 3, 40)]
+    assert seen == [(2, 3, 24), (kernels.FLOAT_LINEAR_MAX_TOKENS + 1, 24), (2, 3, 24)]
 
 
 @pytest.mark.parametrize("isa", NATIVE)
@@ -962,14 +998,20 @@ def test_rms_norm_cat_is_the_separate_norms():
     owner.a, owner.b = RMSNorm(16, 1e-6, zero_centered=True), RMSNorm(16, 1e-6)
     for n in (owner.a, owner.b):
         torch.nn.init.normal_(n.weight)
-    xs = [torch.randn(2, 3, 16), torch.randn(2, 3, 16)]
-    want = torch.cat([owner.a(xs[0]), owner.b(xs[1])], dim=-1)
-    with torch.inference_mode():
-        assert torch.equal(rms_norm_cat(owner, ("a", "b"), xs), want)
-        seen = []
-        h = owner.b.register_forward_hook(lambda m, a, o: seen.append(o.shape))
-        assert torch.equal(rms_norm_cat(owner, ("a", "b"), xs), want) and seen == [torch.Size([2, 3, 16])]
-        h.remove()
+    for dtype in (torch.float32, torch.bfloat16):  # bf16: float32 inside, rounded once, both ways
+        xs = [torch.randn(2, 3, 16).to(dtype), torch.randn(2, 3, 16).to(dtype)]
+        with torch.inference_mode():
+            want = torch.cat([owner.a(xs[0]), owner.b(xs[1])], dim=-1)
+            assert want.dtype == dtype
+            assert torch.equal(rms_norm_cat(owner, ("a", "b"), xs), want)
+            seen = []
+            h = owner.b.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+            assert torch.equal(rms_norm_cat(owner, ("a", "b"), xs), want) and seen == [torch.Size([2, 3, 16])]
+            h.remove()
+    # with autograd (training) the torch ops run, and gradients reach the inputs and weights
+    xs = [torch.randn(2, 3, 16, requires_grad=True), torch.randn(2, 3, 16, requires_grad=True)]
+    rms_norm_cat(owner, ("a", "b"), xs).sum().backward()
+    assert all(x.grad is not None for x in xs) and owner.a.weight.grad is not None
 
 
 def test_rms_norm_falls_back_for_other_dtypes_and_large_inputs():

@@ -58,6 +58,7 @@ class LLM:
         self.last_stats = GenerationStats()
         kernels.split_threads(net)  # torch's small decode ops on one thread while native kernels run
         kernels.fuse_decode_attention(net)  # ... and each attention block's decode step one native call
+        kernels.native_float_linears(net)  # ... and each other float linear's
 
     @classmethod
     def load(cls, path=None, dtype="auto", threads: int | None = None, quant: str | None = None,

@@ -90,6 +90,7 @@ from typing import Iterator
 
 import torch
 
+from .. import kernels
 from ..errors import MoerunError
 from ..layers.moe import Experts
 from .cache import Cache, RecurrentState
@@ -223,6 +224,7 @@ def draft_head(lm_head: torch.nn.Module, n: int) -> torch.nn.Module:
         sub.weight = torch.nn.Parameter(lm_head.weight.detach()[:n], requires_grad=False)
         if lm_head.bias is not None:
             sub.bias = torch.nn.Parameter(lm_head.bias.detach()[:n], requires_grad=False)
+        kernels.native_float_linears(sub)  # as the head itself runs (`LLM` wraps the net's)
         return sub
     return _FirstRows(lm_head, n)
 

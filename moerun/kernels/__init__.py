@@ -205,8 +205,12 @@ def native_views(module: torch.nn.Module, names: tuple[str, ...], make):
     """`make(*tensors)` for a module's named buffers or parameters, kept on the module until one
     of them moves to other memory (`.to()`, a new tensor, `.data` replaced): a decode step
     would otherwise rebuild the numpy views of every weight it touches, a few microseconds
-    each, hundreds of times. The cache holds the tensors, so no other can take their address."""
-    cached = module.__dict__.get("_native_views")
+    each, hundreds of times. One entry per kind of `make` (its code: a lambda written once
+    is one kind), so that two uses of one module (a linear's packed view and its float32
+    copy) keep theirs apart. The cache holds the tensors, so no other can take their address."""
+    kind = getattr(make, "__code__", make)
+    cache = module.__dict__.get("_native_views")
+    cached = cache.get(kind) if cache is not None else None
     if cached is not None:
         bufs, params = module._buffers, module._parameters
         for name, ptr in zip(names, cached[0]):
@@ -217,8 +221,10 @@ def native_views(module: torch.nn.Module, names: tuple[str, ...], make):
         else:
             return cached[1]
     tensors = tuple(_own_tensor(module, n) for n in names)
-    cached = module.__dict__["_native_views"] = (tuple(t.data_ptr() for t in tensors), make(*tensors), tensors)
-    return cached[1]
+    if cache is None:
+        cache = module.__dict__["_native_views"] = {}
+    cache[kind] = (tuple(t.data_ptr() for t in tensors), make(*tensors), tensors)
+    return cache[kind][1]
 
 
 def _own_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
@@ -480,7 +486,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     of at most RMS_NORM_MAX elements: one call instead of the 3-5 torch ops (25-40 us for a
     decode row) a norm costs; otherwise `rms_norm_ref`."""
     nat = _native()
-    if nat is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.numel() > RMS_NORM_MAX:
+    if (nat is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.numel() > RMS_NORM_MAX
+            or torch.is_grad_enabled()):
         return rms_norm_ref(x, weight, eps, offset)
     x2 = _f32(x).view(-1, x.shape[-1])
     out = torch.empty(x.shape)
@@ -636,6 +643,35 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
         _np(cos.contiguous()), _np(sin.contiguous()), _np(kv.k[s]), _np(kv.v[s]), p, self.n_heads, float(self.scale),
         _np(out), bool(getattr(self, "output_gate", False)))
     return out.view(1, T, H).to(x.dtype)
+
+
+def native_float_linears(net: torch.nn.Module) -> int:
+    """Run each plain float linear's few-row calls (`layers.linear.plain_float_linear`:
+    float32 or bf16 weight, no bias, no hooks when wrapped; at most FLOAT_LINEAR_MAX_TOKENS
+    rows, no autograd) as one native call over its weight as it is (`qlinear_multi` with
+    `float_packed`), where torch's bf16 product of one row costs ~0.2 ms on a CPU without
+    bf16 arithmetic. Other calls, and the module's weights and state_dict, are untouched:
+    only the instance's forward is wrapped (hooks still see every call). Returns how many
+    modules it wrapped."""
+    if _native() is None:
+        return 0
+    from ..layers.linear import plain_float_linear
+
+    n = 0
+    for m in net.modules():
+        if type(m) is torch.nn.Linear and plain_float_linear(m) and "forward" not in m.__dict__:
+            m.forward = _float_linear_forward.__get__(m)
+            n += 1
+    return n
+
+
+def _float_linear_forward(self, x):
+    w = self._parameters["weight"]
+    if (x.dtype != w.dtype or x.numel() > FLOAT_LINEAR_MAX_TOKENS * x.shape[-1] or torch.is_grad_enabled()
+            or not w.is_cpu or self.bias is not None or _native() is None):
+        return F.linear(x, w, self.bias)
+    y = qlinear_multi(x, [native_views(self, ("weight",), float_packed)])[0]
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 _EMPTY = torch.empty(0)

@@ -43,20 +43,22 @@ def rms_norm_cat(owner: nn.Module, norm_names: tuple[str, ...], xs: list[torch.T
     """torch.cat([owner.<name>(x) for name, x in zip(norm_names, xs)], dim=-1) for inputs of one
     shape: as one native call over the concatenation (each column block normed with its own
     weight, `kernels.rms_norm` with a [G, D] weight; bit-identical to the separate norms) when
-    everything is float32, the norms share eps and none has hooks; otherwise the norms one by
-    one. An MTP head's input (the next token's embedding and the hidden state, each normed,
+    the inputs are float32 (or bf16 of decode size), the norms share eps, none has hooks and
+    autograd is off; otherwise the norms one by one. An MTP head's input (the next token's embedding and the hidden state, each normed,
     side by side) is the user: once per draft, so the norms and their stacked weights are
     kept on `owner` (`kernels.native_views`)."""
 
     def plan(*weights):
         norms = [owner.get_submodule(n) for n in norm_names]
         stacked = torch.stack([w.detach().float() + (1.0 if n.zero_centered else 0.0) for w, n in zip(weights, norms)])
-        native = all(w.dtype == torch.float32 for w in weights) and len({n.eps for n in norms}) == 1
-        return norms, stacked, native
+        return norms, stacked, len({n.eps for n in norms}) == 1
 
     norms, weights, native = kernels.native_views(owner, tuple(f"{n}.weight" for n in norm_names), plan)
-    if (native and kernels.native() and all(x.dtype == torch.float32 and x.shape == xs[0].shape for x in xs)
-            and not any(n._forward_hooks or n._forward_pre_hooks for n in norms)):
-        u = torch.cat(xs, dim=-1)
-        return kernels.rms_norm(u.view(-1, len(xs), xs[0].shape[-1]), weights, norms[0].eps).view(u.shape)
+    dtype = xs[0].dtype
+    if (native and kernels.native() and all(x.dtype == dtype and x.shape == xs[0].shape for x in xs)
+            and (dtype == torch.float32 or (dtype == torch.bfloat16 and xs[0].numel() * len(xs) <= kernels.RMS_NORM_MAX))
+            and not torch.is_grad_enabled() and not any(n._forward_hooks or n._forward_pre_hooks for n in norms)):
+        # bf16 (decode sizes): float32 in, rounded once at the end, as each RMSNorm's own bf16 path
+        u = torch.cat(xs, dim=-1).float()
+        return kernels.rms_norm(u.view(-1, len(xs), xs[0].shape[-1]), weights, norms[0].eps).view(u.shape).to(dtype)
     return torch.cat([n(x) for n, x in zip(norms, xs)], dim=-1)
