@@ -208,9 +208,9 @@ def native_views(module: torch.nn.Module, names: tuple[str, ...], make):
     each, hundreds of times. One entry per kind of `make` (its code: a lambda written once
     is one kind), so that two uses of one module (a linear's packed view and its float32
     copy) keep theirs apart. The cache holds the tensors, so no other can take their address."""
-    kind = getattr(make, "__code__", make)
+    kind = make.__code__  # make: a Python function or lambda
     cache = module.__dict__.get("_native_views")
-    cached = cache.get(kind) if cache is not None else None
+    cached = cache[kind] if cache is not None and kind in cache else None
     if cached is not None:
         bufs, params = module._buffers, module._parameters
         for name, ptr in zip(names, cached[0]):

@@ -31,17 +31,14 @@ def packed_views(*mods: nn.Module, x: torch.Tensor | None = None) -> tuple | Non
     GEMM is the better one for more rows); None otherwise."""
     if not kernels.native():
         return None
-    float_ok = (x is not None and x.numel() <= kernels.FLOAT_LINEAR_MAX_TOKENS * x.shape[-1]
-                and not torch.is_grad_enabled())
-    out = []
-    for m in mods:
-        if type(m) is QuantizedLinear and m.bias is None:
-            out.append(m.views())
-        elif float_ok and plain_float_linear(m):
-            out.append(kernels.native_views(m, ("weight",), kernels.float_packed))
-        else:
-            return None
-    return tuple(out)
+    packed = [type(m) is QuantizedLinear and m.bias is None for m in mods]  # (list comprehensions: one call each)
+    if all(packed):
+        return tuple([m.views() for m in mods])
+    if (x is None or x.numel() > kernels.FLOAT_LINEAR_MAX_TOKENS * x.shape[-1] or torch.is_grad_enabled()
+            or not all([p or plain_float_linear(m) for p, m in zip(packed, mods)])):
+        return None
+    return tuple([m.views() if p else kernels.native_views(m, ("weight",), kernels.float_packed)
+                  for p, m in zip(packed, mods)])
 
 
 def plain_float_linear(lin: nn.Module) -> bool:

@@ -109,7 +109,7 @@ def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tupl
     are); hooks on the router (predictors, profilers) see it called as before."""
     if h.shape[0] <= kernels.ROUTE_MAX_TOKENS and native_float_linear(gate, h) and kernels.native():
         weights, ids = kernels.route_softmax_topk(h, float32_weight(gate), k, renorm)
-        return weights.to(h.dtype), ids
+        return (weights if h.dtype == torch.float32 else weights.to(h.dtype)), ids
     probs = gate(h).float().softmax(-1)  # [N, E]
     weights, ids = probs.topk(k, dim=-1)  # [N, k]
     if renorm:
