@@ -345,6 +345,24 @@ def test_deepseek_v3_greedy_identical(tmp_path, monkeypatch):
     assert llm.last_stats.acceptance_rate > 0.4
 
 
+def test_auto_draft_length_shrugs_off_a_preempted_step():
+    """Step times are priced by the median of the last few: one step that a shared machine
+    stalled for 10x its time does not move the choice (an average carried it for many steps)."""
+    from moerun.engine.speculative import DraftLength
+
+    d = DraftLength(explore_every=10**9)
+    d.accept = [0.9, 0.8, 0.3, 0.2]
+    for _ in range(5):
+        for n in range(5):
+            d.observe_time(n, 1.0 + 0.1 * n)
+    assert d.best() == 2
+    d.observe_time(2, 12.0)  # preempted
+    assert d.best() == 2 and d.step_s[2] == pytest.approx(1.2)
+    for _ in range(DraftLength.TIME_WINDOW):  # a lasting change does move it, within a window
+        d.observe_time(2, 12.0)
+    assert d.best() != 2
+
+
 def test_auto_draft_length_follows_acceptance_and_cost():
     from moerun.engine.speculative import DraftLength
 

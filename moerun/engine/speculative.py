@@ -53,8 +53,8 @@ tokens per second,
 a_i being the measured acceptance of draft i given drafts < i were accepted (EMA, prior
 0.6), and
     t(N) = c(N) + w * U(N)
-c(N) the measured seconds of a step with N drafts (EMA over draft + verification +
-rollback) less its waits for the expert store, U(N) the routed-expert bytes of its
+c(N) the measured seconds of a step with N drafts (the median of its last 15: draft +
+verification + rollback) less its waits for the expert store, U(N) the routed-expert bytes of its
 verification pass (measured per N; before that, the expected union of N+1 tokens routed
 uniformly, one token's bytes * (1-(1-K/E)^(N+1)) / (K/E)), and w the measured seconds
 waited per union byte (the store's stall time over the pass's union bytes: the miss rate
@@ -84,6 +84,7 @@ the tokens those seconds give at the best expected rate.
 from __future__ import annotations
 
 import bisect
+import collections
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -341,6 +342,7 @@ class DraftLength:
     """`draft_tokens="auto"`: the N in 0..4 with the most expected tokens per second (module doc)."""
 
     CONFIDENCE_EDGES = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # bins of a draft's probability under the head
+    TIME_WINDOW = 15  # step times per N whose median prices that N
 
     def __init__(self, max_n: int = MAX_DRAFT_TOKENS, prior: float = 0.6, expert_cost: float = 1.0,
                  draft_cost: float = 0.1, decay: float = 0.9, explore_every: int = 8):
@@ -351,7 +353,8 @@ class DraftLength:
         self.forced = False  # the last choice measures or explores an N: draft exactly that many
         self.expert_cost, self.draft_cost, self.decay = expert_cost, draft_cost, decay
         self.union: dict[int, float] = {}  # N -> EMA of verify-pass bytes / one token's bytes
-        self.step_s: dict[int, float] = {}  # N -> EMA of a step's seconds, waits for experts excluded
+        self.step_s: dict[int, float] = {}  # N -> a step's seconds, waits for experts excluded (`observe_time`)
+        self._times: dict[int, collections.deque] = {}  # N -> the last TIME_WINDOW of them
         self.token_bytes = 0  # one token's routed-expert bytes
         self.wait_s_per_byte = 0.0  # EMA: seconds waited for experts per byte of a verification union
         self.k_over_e = 0.0
@@ -456,9 +459,12 @@ class DraftLength:
     def observe_time(self, n: int, seconds: float, wait_s: float = 0.0, union_bytes: int = 0) -> None:
         """A step with n drafts took `seconds`, `wait_s` of them waiting for the expert store
         while reading `union_bytes` of routed experts in its verification pass."""
-        old = self.step_s.get(n)
-        compute = seconds - wait_s
-        self.step_s[n] = compute if old is None else 0.7 * old + 0.3 * compute
+        window = self._times.setdefault(n, collections.deque(maxlen=self.TIME_WINDOW))
+        window.append(seconds - wait_s)
+        # the median of the last few: on a shared machine one preempted step is several times
+        # the others, and an average would carry it for many steps (it priced one draft at 2x
+        # its real cost here, and auto chose too few)
+        self.step_s[n] = sorted(window)[len(window) // 2]
         if union_bytes:
             self.wait_s_per_byte = self.decay * self.wait_s_per_byte + (1 - self.decay) * wait_s / union_bytes
 
