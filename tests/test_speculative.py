@@ -149,13 +149,13 @@ def plain_cache(net, ids, max_len):
     return cache
 
 
-@pytest.mark.parametrize("dtype,quant", [("bfloat16", None), ("float32", "int4")])
+@pytest.mark.parametrize("dtype,quant", [("bfloat16", None), ("float32", None), ("float32", "int4")])
 def test_verification_pass_is_decode_steps_bit_for_bit(qwen, dtype, quant):
     """A pass over a few tokens gives at each position exactly the logits of decoding them one
     at a time (attention query by query, DeltaNet token by token, the native kernels row by
-    row), so greedy verification cannot flip a near-tie, in bf16 (the demo model's dtype) and
-    with the int4 kernels; greedy speculative output equals plain there too. (float32 torch
-    matmuls round a one-row product differently from a several-row one, ~1e-7.)"""
+    row, float weights as packed ones), so greedy verification cannot flip a near-tie, in
+    bf16 (the demo model's dtype), float32 and with the int4 kernels; greedy speculative
+    output equals plain there too."""
     llm = moerun.load(qwen.path, dtype=dtype, threads=1, quant=quant)
     torch.set_num_threads(1)
     net = llm.net
