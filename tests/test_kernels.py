@@ -190,7 +190,7 @@ def test_experts_module_runs_decode_natively(dtype):
     assert calls == ([1, kernels.FLOAT_EXPERTS_MAX_TOKENS] if kernels.native() else [])
 
 
-def test_moe_experts_float_refuses_mixed_dtypes():
+def test_float_weights_refused_when_they_do_not_match():
     nat = kernels._native()
     if nat is None:
         pytest.skip("native extension not in use")
@@ -201,6 +201,12 @@ def test_moe_experts_float_refuses_mixed_dtypes():
         nat.moe_experts_float(x, ids, w, [g], [g.astype("float64")], [d], out)
     with pytest.raises(ValueError, match="down"):
         nat.moe_experts_float(x, ids, w, [g], [g], [g], out)
+    # a float weight with the other float format's code, and with the wrong width
+    f32 = kernels.float_packed(torch.zeros(4, 16))
+    with pytest.raises(ValueError, match="float32 \\(fmt 32\\) or bf16"):
+        nat.qlinear_multi(x, [f32.w], [f32.s], [16], torch.zeros(1, 4).numpy())
+    with pytest.raises(ValueError, match="weight"):
+        nat.qlinear_multi(torch.zeros(1, 8).numpy(), [f32.w], [f32.s], [32], torch.zeros(1, 4).numpy())
 
 
 def test_moe_experts_bad_expert_id():

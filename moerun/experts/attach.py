@@ -52,7 +52,7 @@ class StoreExperts(nn.Module):
         needed = [e for e, c in enumerate(counts) if c]
         where: dict[int, str] = {}
         got = self.store.get(self.layer, needed, n_tokens=N, counts=counts, where=where)
-        if native_float_experts(x, got[needed[0]][0]):  # one native call, on the pieces where they lie
+        if needed and native_float_experts(x, got[needed[0]][0]):  # one native call, on the pieces where they lie
             pieces = list(zip(*(got[e] for e in needed)))  # (gates, ups, downs)
             return self._native(ids, needed, counts, where,
                                 lambda local: kernels.moe_experts_float(x, local, weights, *pieces).to(x.dtype))

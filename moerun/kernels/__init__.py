@@ -196,6 +196,23 @@ def float_packed(weight: torch.Tensor) -> Packed:
     return Packed(weight, _EMPTY, fmt, _np(weight), _np(_EMPTY), code)
 
 
+def float_linear_views(lin: torch.nn.Module) -> Packed:
+    """A float linear's weight as the linear ops take it (`float_packed`, kept on the module)."""
+    return native_views(lin, ("weight",), float_packed)
+
+
+def float32_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The module's `weight` in float32: itself, or a float32 copy of a bf16 one kept on the
+    module (`native_views`; small weights read by the float32 native ops: norms, routers,
+    a shared expert's gate)."""
+    w = module._parameters["weight"]
+    return w if w.dtype == torch.float32 else native_views(module, ("weight",), _detached_float)
+
+
+def _detached_float(w: torch.Tensor) -> torch.Tensor:
+    return w.detach().float()
+
+
 def numpy_views(*tensors: torch.Tensor) -> tuple:
     """The tensors as the native ops take them (numpy views of their memory)."""
     return tuple(map(_np, tensors))
@@ -636,7 +653,7 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
     out = torch.empty(T, H, dtype=torch.float32)
     nat = _native()
     _sync_threads(nat)
-    q, k, v, o = (p.views() if hasattr(p, "views") else native_views(p, ("weight",), float_packed) for p in (qp, kp, vp, op))
+    q, k, v, o = (float_linear_views(p) if type(p) is torch.nn.Linear else p.views() for p in (qp, kp, vp, op))
     nat.attn_block_decode(
         _np(_f32(x.reshape(T, H))), q.w, q.s, q.code, k.w, k.s, k.code, v.w, v.s, v.code, o.w, o.s, o.code,
         _np(qn), _np(kn), eps,
@@ -670,7 +687,7 @@ def _float_linear_forward(self, x):
     if (x.dtype != w.dtype or x.numel() > FLOAT_LINEAR_MAX_TOKENS * x.shape[-1] or torch.is_grad_enabled()
             or not w.is_cpu or self.bias is not None or _native() is None):
         return F.linear(x, w, self.bias)
-    y = qlinear_multi(x, [native_views(self, ("weight",), float_packed)])[0]
+    y = qlinear_multi(x, [float_linear_views(self)])[0]
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 

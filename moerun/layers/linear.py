@@ -27,7 +27,7 @@ def packed_views(*mods: nn.Module, x: torch.Tensor | None = None) -> tuple | Non
     """Each module's weight as the native ops take it (`kernels.Packed`) when the native
     kernels run and every module is a packed quantized linear without bias
     (`QuantizedLinear`) or, given an x of at most `kernels.FLOAT_LINEAR_MAX_TOKENS` rows
-    and no autograd, a `plain_float_linear` (`kernels.float_packed`: read as it is; torch's
+    and no autograd, a `plain_float_linear` (`kernels.float_linear_views`: read as it is; torch's
     GEMM is the better one for more rows); None otherwise."""
     if not kernels.native():
         return None
@@ -37,8 +37,7 @@ def packed_views(*mods: nn.Module, x: torch.Tensor | None = None) -> tuple | Non
     if (x is None or x.numel() > kernels.FLOAT_LINEAR_MAX_TOKENS * x.shape[-1] or torch.is_grad_enabled()
             or not all([p or plain_float_linear(m) for p, m in zip(packed, mods)])):
         return None
-    return tuple([m.views() if p else kernels.native_views(m, ("weight",), kernels.float_packed)
-                  for p, m in zip(packed, mods)])
+    return tuple([m.views() if p else kernels.float_linear_views(m) for p, m in zip(packed, mods)])
 
 
 def plain_float_linear(lin: nn.Module) -> bool:

@@ -108,7 +108,7 @@ def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tupl
     native call (`kernels.route_softmax_topk`, logits in float32 from the weights as they
     are); hooks on the router (predictors, profilers) see it called as before."""
     if h.shape[0] <= kernels.ROUTE_MAX_TOKENS and native_float_linear(gate, h) and kernels.native():
-        weights, ids = kernels.route_softmax_topk(h, float32_weight(gate), k, renorm)
+        weights, ids = kernels.route_softmax_topk(h, kernels.float32_weight(gate), k, renorm)
         return (weights if h.dtype == torch.float32 else weights.to(h.dtype)), ids
     probs = gate(h).float().softmax(-1)  # [N, E]
     weights, ids = probs.topk(k, dim=-1)  # [N, k]
@@ -118,18 +118,11 @@ def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tupl
 
 
 def native_float_linear(lin: nn.Linear, x: torch.Tensor) -> bool:
-    """Whether a native op taking float32 weights may read this linear's (`float32_weight`)
+    """Whether a native op taking float32 weights may read this linear's (`kernels.float32_weight`)
     in place of calling it on x: a `plain_float_linear`, a float32 or bf16 input of its
     dtype, no autograd."""
     return (x.dtype == lin.weight.dtype and x.dtype in (torch.float32, torch.bfloat16) and plain_float_linear(lin)
             and not torch.is_grad_enabled())
-
-
-def float32_weight(lin: nn.Linear) -> torch.Tensor:
-    """The linear's weight in float32: itself, or a float32 copy of a bf16 one kept on the
-    module (`kernels.native_views`: a router or a shared expert's gate, small)."""
-    w = lin._parameters["weight"]
-    return w if w.dtype == torch.float32 else kernels.native_views(lin, ("weight",), lambda w: w.detach().float())
 
 
 class GatedMLP(nn.Module):
@@ -155,7 +148,7 @@ class GatedMLP(nn.Module):
         and the gate is a plain float linear."""
         views = self._packed_views(x)
         if views is not None and native_float_linear(gate, x):
-            return kernels.swiglu_mlp(x, *views, gate_vec=float32_weight(gate)).to(x.dtype)
+            return kernels.swiglu_mlp(x, *views, gate_vec=kernels.float32_weight(gate)).to(x.dtype)
         return torch.sigmoid(gate(x)) * self(x)
 
     def _packed_views(self, x: torch.Tensor) -> tuple | None:

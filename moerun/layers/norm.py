@@ -21,9 +21,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and x.numel() <= kernels.RMS_NORM_MAX and kernels.native() and not torch.is_grad_enabled():
-            # a bf16 decode step: the native norm in float32 (a float32 copy of the weight kept
-            # here), rounded once at the end, where torch's ops cost ~100 us a row in bf16
-            w = kernels.native_views(self, ("weight",), lambda w: w.detach().float())
+            # a bf16 decode step: the native norm in float32, rounded once at the end, where
+            # torch's ops cost ~100 us a row in bf16
+            w = kernels.float32_weight(self)
             return kernels.rms_norm(x.float(), w, self.eps, 1.0 if self.zero_centered else 0.0).to(x.dtype)
         return rms_norm(x, self.weight, self.eps, self.zero_centered)
 
