@@ -14,6 +14,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "kernels.h"
 #include "ops.h"
@@ -119,9 +120,8 @@ void qlinear(Array x, Array w, Array scales, Array out, int fmt) {
                     (const uint16_t*)scales.data(), (float*)out.data());
 }
 
-void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq, Array us, Array dq, Array ds,
-                 Array out, int fmt, int intermediate) {
-    check_fmt(fmt);
+// x [T, H] float32 with each token's expert ids [T, K] int64 and weights [T, K] float32 -> (T, H, K)
+std::tuple<size_t, size_t, size_t> routed_tokens(const Array& x, const Array& ids, const Array& weights) {
     check_dtype(x, dtype_code::Float, 32, "x");
     check(x.ndim() == 2, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
@@ -130,6 +130,13 @@ void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq
     const size_t K = ids.shape(1);
     check_dtype(weights, dtype_code::Float, 32, "weights");
     check_shape(weights, {T, K}, "weights");
+    return {T, H, K};
+}
+
+void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq, Array us, Array dq, Array ds,
+                 Array out, int fmt, int intermediate) {
+    check_fmt(fmt);
+    const auto [T, H, K] = routed_tokens(x, ids, weights);
     check(gq.ndim() == 3, "gate must be [E, I, bytes per row]");
     const size_t E = gq.shape(0), I = (size_t)intermediate;
     check(gq.shape(1) == I, "gate: dimension 1 must be the expert width");
@@ -155,14 +162,7 @@ void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq
 // [E, H, I]) or one array per expert ([I, H] and [H, I], wherever each lies).
 void moe_experts_float(Array x, Array ids, Array weights, std::vector<Array> gate, std::vector<Array> up,
                        std::vector<Array> down, Array out) {
-    check_dtype(x, dtype_code::Float, 32, "x");
-    check(x.ndim() == 2, "x must be [T, H]");
-    const size_t T = x.shape(0), H = x.shape(1);
-    check_dtype(ids, dtype_code::Int, 64, "ids");
-    check(ids.ndim() == 2 && ids.shape(0) == T, "ids must be [T, K]");
-    const size_t K = ids.shape(1);
-    check_dtype(weights, dtype_code::Float, 32, "weights");
-    check_shape(weights, {T, K}, "weights");
+    const auto [T, H, K] = routed_tokens(x, ids, weights);
     check(!gate.empty() && gate.size() == up.size() && gate.size() == down.size(),
           "gate, up, down: as many arrays each");
     const bool stacked = gate[0].ndim() == 3;
