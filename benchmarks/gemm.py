@@ -1,8 +1,8 @@
-"""Throughput of the native quantized GEMM (`kernels.qlinear`) at decode, verification and
-prefill shapes, for int4 and int8.
+"""Throughput of the native GEMM (`kernels.qlinear`; float weights through `qlinear_multi`)
+at decode, verification and prefill shapes, for int4 and int8, and float32 / bfloat16 rows.
 
     python benchmarks/gemm.py [--threads 1] [--shapes 1x32768x2048,4x32768x2048,48x768x2048]
-                              [--rounds 5] [--import-from DIR]
+                              [--formats int4,int8,bfloat16,float32] [--rounds 5] [--import-from DIR]
 
 A shape is TOKENSxROWSxINPUTS. Weights with many rows come from DRAM (decode streams them);
 for rows that fit in the caches the same matrix is reused, as a prefill tile reuses an
@@ -42,13 +42,20 @@ def main(argv=None) -> int:
     for fmt in a.formats.split(","):
         for shape in a.shapes.split(","):
             T, N, K = map(int, shape.split("x"))
-            w, s = formats.quantize(torch.randn(N, K) * 0.02, fmt)
             x = torch.randn(T, K)
-            kernels.qlinear(x, w, s, fmt, K)  # warm-up (and the workspace)
+            if fmt in ("float32", "bfloat16"):  # unquantized rows, read as they are
+                w = (torch.randn(N, K) * 0.02).to(getattr(torch, fmt))
+                s = torch.empty(0)
+                p = kernels.float_packed(w)
+                run = lambda: kernels.qlinear_multi(x, [p])  # noqa: E731
+            else:
+                w, s = formats.quantize(torch.randn(N, K) * 0.02, fmt)
+                run = lambda: kernels.qlinear(x, w, s, fmt, K)  # noqa: E731
+            run()  # warm-up (and the workspace)
             best = float("inf")
             for _ in range(a.rounds):
                 t = time.perf_counter()
-                kernels.qlinear(x, w, s, fmt, K)
+                run()
                 best = min(best, time.perf_counter() - t)
             nbytes = w.numel() * w.element_size() + s.numel() * s.element_size()
             print(f"| {fmt} | {shape} | {T * N * K / best / 1e9:.1f} | {nbytes / best / 1e9:.1f} |")
