@@ -12,7 +12,10 @@ Ops: quantized linears (`qlinear`, and `qlinear_multi` for several weights of on
 the fused routed experts of a layer (`moe_experts`), decode attention over a cache
 (`attn_decode`) and a whole attention block for a few tokens of one row
 (`fuse_decode_attention`), Gated DeltaNet's conv + delta rule + gated norm for a few tokens
-(`deltanet_decode`) and RMSNorm of a few rows (`rms_norm`). Decode on a small model is
+(`deltanet_decode`) and RMSNorm of a few rows (`rms_norm`). The linear ops and the experts
+also take float32 and bf16 weights as they are (`float_packed`, `moe_experts_float`,
+`native_float_linears`), so a float model's decode steps run natively too; prefill keeps
+torch's GEMMs for them. Decode on a small model is
 mostly per-call overhead (a native call with its tensor conversions costs ~20-40 us, a
 small torch op ~3-5 us), so the decode-side ops exist to make one call out of many.
 
@@ -21,7 +24,8 @@ Threads: the native pool is resized to `torch.get_num_threads()` before each op,
 at once, because each native op is a synchronous call inside the model's forward. Taking
 turns is not free in decode, where a step alternates dozens of tiny torch ops with native
 ops: torch's OpenMP workers keep spinning after each of their ops and steal the cores our
-workers need. `split_threads(net)` fixes that for a quantized model: the native pool is
+workers need. `split_threads(net)` fixes that for a model with native modules (quantized,
+or float MoE, whose decode steps are native too): the native pool is
 pinned to N threads and torch runs its own (small) ops on one thread whenever a forward
 pass carries few tokens (measured: decode 1.7x faster with 2 threads,
 benchmarks/vs_llamacpp.py prints both). In those passes the native workers also spin for
