@@ -156,6 +156,10 @@ def test_verification_pass_is_decode_steps_bit_for_bit(qwen, dtype, quant):
     row, float weights as packed ones), so greedy verification cannot flip a near-tie, in
     bf16 (the demo model's dtype), float32 and with the int4 kernels; greedy speculative
     output equals plain there too."""
+    from moerun import kernels
+
+    if dtype == "float32" and quant is None and not kernels.native():
+        pytest.skip("float32 products are torch's without the native kernels (a row alone rounds differently)")
     llm = moerun.load(qwen.path, dtype=dtype, threads=1, quant=quant)
     torch.set_num_threads(1)
     net = llm.net
