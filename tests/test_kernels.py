@@ -163,7 +163,7 @@ def test_moe_experts_float(isa, dtype, T, H, I, E, K):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_experts_module_runs_decode_natively(dtype):
     """`Experts` takes the native kernel for a decode-sized pass without autograd and stays
-    on torch with autograd (training) or above FLOAT_EXPERTS_MAX_TOKENS tokens."""
+    on torch with autograd (training) or above FLOAT_LINEAR_MAX_TOKENS tokens."""
     g = torch.Generator().manual_seed(1)
     ex = _experts(8, 64, 48, seed=1).to(dtype)
     calls = []
@@ -175,7 +175,7 @@ def test_experts_module_runs_decode_natively(dtype):
 
     kernels.moe_experts_float = spy
     try:
-        for T in (1, kernels.FLOAT_EXPERTS_MAX_TOKENS, kernels.FLOAT_EXPERTS_MAX_TOKENS + 1):
+        for T in (1, kernels.FLOAT_LINEAR_MAX_TOKENS, kernels.FLOAT_LINEAR_MAX_TOKENS + 1):
             x = torch.randn(T, 64, generator=g).to(dtype)
             ids, w = _route(T, 8, 2, g)
             with torch.inference_mode():
@@ -187,7 +187,7 @@ def test_experts_module_runs_decode_natively(dtype):
         ex(x, *_route(1, 8, 2, g)).sum()  # autograd on: the torch path
     finally:
         kernels.moe_experts_float = real
-    assert calls == ([1, kernels.FLOAT_EXPERTS_MAX_TOKENS] if kernels.native() else [])
+    assert calls == ([1, kernels.FLOAT_LINEAR_MAX_TOKENS] if kernels.native() else [])
 
 
 def test_float_weights_refused_when_they_do_not_match():

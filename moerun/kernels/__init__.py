@@ -189,7 +189,7 @@ def packed(qweight: torch.Tensor, scales: torch.Tensor, fmt: str) -> Packed:
 
 
 FLOAT_FORMATS = {torch.float32: ("float32", 32), torch.bfloat16: ("bfloat16", 16)}  # -> (fmt, native code)
-FLOAT_LINEAR_MAX_TOKENS = 16  # rows for which float linears run natively; torch's GEMM is better above
+FLOAT_LINEAR_MAX_TOKENS = 16  # rows for which float linears and experts run natively; torch's GEMMs are better above
 
 
 def float_packed(weight: torch.Tensor) -> Packed:
@@ -198,6 +198,13 @@ def float_packed(weight: torch.Tensor) -> Packed:
     activations, each (row, token) product in one fixed order whatever the rows in the call."""
     fmt, code = FLOAT_FORMATS[weight.dtype]
     return Packed(weight, _EMPTY, fmt, _np(weight), _np(_EMPTY), code)
+
+
+def float_decode_rows(x: torch.Tensor) -> bool:
+    """Whether x's rows (all but its last dimension) are few enough for the native float ops
+    (FLOAT_LINEAR_MAX_TOKENS; more: torch's GEMMs are better) and autograd is off (the native
+    ops have no backward): a decode step or a verification pass."""
+    return x.numel() <= FLOAT_LINEAR_MAX_TOKENS * x.shape[-1] and not torch.is_grad_enabled()
 
 
 def float_linear_views(lin: torch.nn.Module) -> Packed:
@@ -418,9 +425,6 @@ def moe_experts_ref(x, ids, weights, gate, gate_scales, up, up_scales, down, dow
         out.index_add_(0, rows, y * w_sorted[start : start + c, None])
         start += c
     return out
-
-
-FLOAT_EXPERTS_MAX_TOKENS = 16  # native float experts for decode-sized passes; prefill's torch GEMMs are better
 
 
 def moe_experts_float(x, ids, weights, gate, up, down, views: tuple | None = None) -> torch.Tensor:
@@ -688,8 +692,8 @@ def native_float_linears(net: torch.nn.Module) -> int:
 
 def _float_linear_forward(self, x):
     w = self._parameters["weight"]
-    if (x.dtype != w.dtype or x.numel() > FLOAT_LINEAR_MAX_TOKENS * x.shape[-1] or torch.is_grad_enabled()
-            or not w.is_cpu or self.bias is not None or _native() is None):
+    if (x.dtype != w.dtype or not float_decode_rows(x) or not w.is_cpu or self.bias is not None
+            or _native() is None):
         return F.linear(x, w, self.bias)
     y = qlinear_multi(x, [float_linear_views(self)])[0]
     return y if x.dtype == torch.float32 else y.to(x.dtype)

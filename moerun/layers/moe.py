@@ -43,10 +43,10 @@ EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 def native_float_experts(x: torch.Tensor, gate: torch.Tensor) -> bool:
     """Whether x [N, H] goes through the native float experts kernel: a decode-sized pass
-    without autograd, float32 or bf16 weights contiguous in CPU memory (up and down are
+    without autograd (`kernels.float_decode_rows`), float32 or bf16 weights contiguous in CPU memory (up and down are
     alike wherever gate is), and the extension in use."""
-    return (x.shape[0] <= kernels.FLOAT_EXPERTS_MAX_TOKENS and gate.dtype in (torch.float32, torch.bfloat16)
-            and gate.device.type == "cpu" and gate.is_contiguous() and not torch.is_grad_enabled() and kernels.native())
+    return (gate.dtype in (torch.float32, torch.bfloat16) and gate.device.type == "cpu" and gate.is_contiguous()
+            and kernels.float_decode_rows(x) and kernels.native())
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int):
