@@ -70,10 +70,7 @@ class Rope(torch.nn.Module):
         # a decode step then indexes two tables instead of running the eight ops that compute
         # them (~130 us a step on a busy 2-core machine), and a position's values are the
         # same whichever pass asks for it
-        table = self._tables(int(positions.max()) + 1 if positions.numel() else 0)
-        cos, sin = table[0][positions], table[1][positions]
-        if dtype != cos.dtype:
-            cos, sin = cos.to(dtype), sin.to(dtype)
+        cos, sin = self._rows(positions, int(positions.max()) + 1 if positions.numel() else 0, dtype)
         return cos[:, None], sin[:, None]
 
     def span(self, pos0: torch.Tensor, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,20 +80,19 @@ class Rope(torch.nn.Module):
         if pos0.numel() != 1:
             return self(pos0[:, None] + torch.arange(T), dtype)
         p = int(pos0[0])
-        table = self._tables(p + T)
-        cos, sin = table[0][p : p + T], table[1][p : p + T]
-        if dtype != cos.dtype:
-            cos, sin = cos.to(dtype), sin.to(dtype)
+        cos, sin = self._rows(slice(p, p + T), p + T, dtype)
         return cos[None, None], sin[None, None]
 
     _table: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _tables(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (cos, sin) tables, grown to hold positions 0..need-1."""
+    def _rows(self, index, need: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) rows at `index` (positions, or a slice of them) of the tables, grown to
+        hold positions 0..need-1, in dtype."""
         table = self._table
         if table is None or table[0].shape[0] < need or table[0].device != self.inv_freq.device:
             table = self._grow(need)
-        return table
+        cos, sin = table[0][index], table[1][index]
+        return (cos, sin) if dtype == cos.dtype else (cos.to(dtype), sin.to(dtype))
 
     def _grow(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [n, rotary_dim] float32 for positions 0..n-1, n >= need (doubling)."""
