@@ -24,7 +24,7 @@ the trunk):
    - Gated DeltaNet conv and recurrent states cannot be truncated. A verification pass (a
      few tokens) runs the delta rule token by token, the same update as one-token decode,
      and leaves the state after every token in the layer's `RecurrentState.positions`
-     (`set_every`); a rejection copies back the state after the last kept token: no copy
+     (`keep_every`); a rejection copies back the state after the last kept token: no copy
      before verification, no re-run. Cost: the pass holds N+1 states per row and DeltaNet
      layer instead of one until the next pass (for Qwen3.6-35B-A3B, 30 layers x (32 x 128
      x 128 fp32 + conv 8192 x 3) ~ 61 MiB per token of the pass; ~0.1 MiB on the demo
@@ -428,7 +428,10 @@ class DraftLength:
 
     def confidence_accept(self, confidence: float) -> float:
         """The measured acceptance of a draft with this probability under the head."""
-        return self.calibration[bisect.bisect_right(self.CONFIDENCE_EDGES, confidence)]
+        return self.calibration[self._bin(confidence)]
+
+    def _bin(self, confidence: float) -> int:
+        return bisect.bisect_right(self.CONFIDENCE_EDGES, confidence)
 
     def more(self, n: int, all_accepted: float) -> bool:
         """After n drafts that the trunk accepts all of with probability `all_accepted` (the
@@ -447,7 +450,7 @@ class DraftLength:
             hit = 1.0 if i < accepted else 0.0
             self.accept[i] = self.decay * self.accept[i] + (1 - self.decay) * hit
             if confidences is not None:
-                b = bisect.bisect_right(self.CONFIDENCE_EDGES, confidences[i])
+                b = self._bin(confidences[i])
                 self.calibration[b] = self.decay * self.calibration[b] + (1 - self.decay) * hit
 
     def observe_union(self, n: int, ratio: float, k_over_e: float, token_bytes: int = 0) -> None:
@@ -527,7 +530,7 @@ class SpeculativeDecoder:
         self.cache = cache = Cache(net.cache_spec(), B, max_len, self.dtype, self.kv_dtype)
         self.mtp_cache = Cache(net.mtp_cache_spec(), B, max_len, self.dtype, self.kv_dtype)
         recurrent = [layer for layer in cache.layers if isinstance(layer, RecurrentState)]
-        for layer in recurrent:  # verification passes leave every token's state here (set_every)
+        for layer in recurrent:  # verification passes leave every token's state here (keep_every)
             layer.positions = {}
         tracker = ExpertTracker(net)
         # per row: trunk hidden states not yet given to the MTP head, and the token after each
