@@ -15,7 +15,7 @@ import argparse
 import cProfile
 import pstats
 
-from checkout import add_import_from, import_from
+from checkout import parse_args
 
 
 def main(argv=None) -> None:
@@ -24,9 +24,7 @@ def main(argv=None) -> None:
     ap.add_argument("--quant", default="int4")
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    add_import_from(ap)
-    a = ap.parse_args(argv)
-    import_from(a.import_from)
+    a = parse_args(ap, argv)
     import moerun
     from moerun import kernels
 

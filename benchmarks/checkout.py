@@ -8,8 +8,13 @@ import argparse
 import sys
 
 
-def add_import_from(ap: argparse.ArgumentParser) -> None:
+def parse_args(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """ap's arguments plus --import-from, parsed; that checkout's moerun is then the one
+    imported (call before the first `import moerun`)."""
     ap.add_argument("--import-from", default=None, help="a checkout whose moerun package to import instead")
+    a = ap.parse_args(argv)
+    import_from(a.import_from)
+    return a
 
 
 def import_from(path: str | None) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from checkout import add_import_from, import_from
+from checkout import parse_args
 
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv):\n    parser = ",
@@ -29,9 +29,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quant", default="none")
     ap.add_argument("--threads", type=int, default=2)
-    add_import_from(ap)
-    a = ap.parse_args(argv)
-    import_from(a.import_from)
+    a = parse_args(ap, argv)
     import torch
 
     import moerun

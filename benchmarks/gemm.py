@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from checkout import add_import_from, import_from
+from checkout import parse_args
 
 
 def main(argv=None) -> int:
@@ -26,9 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="1x32768x2048,4x32768x2048,48x768x2048")
     ap.add_argument("--formats", default="int4,int8")
     ap.add_argument("--rounds", type=int, default=5)
-    add_import_from(ap)
-    a = ap.parse_args(argv)
-    import_from(a.import_from)
+    a = parse_args(ap, argv)
     import torch
 
     from moerun import kernels
