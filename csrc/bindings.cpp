@@ -11,6 +11,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -52,6 +53,58 @@ void check_dtype(const Array& a, dtype_code code, int bits, const char* what) {
     check(a.dtype().code == (uint8_t)code && a.dtype().bits == bits && a.dtype().lanes == 1,
           std::string(what) + ": wrong dtype");
 }
+
+// Activations in a bf16 model's dtype: an op's x and out may be bf16 (passed as their bits,
+// uint16) as well as float32. x is widened exactly into a per-thread buffer; the op writes
+// float32 into another and out gets it rounded to nearest even (as torch's .to(bfloat16)).
+// Bit-identical to converting in torch around a float32 call, without the two torch
+// conversions (~3-7 us each, several per layer of a decode step).
+bool is_bf16(const Array& a) { return a.dtype() == nb::dtype<uint16_t>(); }
+
+struct ActIn {
+    const float* p;
+    ActIn(const Array& a, const char* what) {
+        if (!is_bf16(a)) {
+            check_dtype(a, dtype_code::Float, 32, what);
+            p = (const float*)a.data();
+            return;
+        }
+        thread_local std::vector<float> buf;
+        buf.resize(a.size());
+        const uint16_t* s = (const uint16_t*)a.data();
+        for (size_t i = 0; i < buf.size(); ++i) {
+            const uint32_t u = (uint32_t)s[i] << 16;
+            std::memcpy(&buf[i], &u, 4);
+        }
+        p = buf.data();
+    }
+};
+
+struct ActOut {
+    Array& a;
+    float* p;
+    ActOut(Array& out, const char* what) : a(out) {
+        if (!is_bf16(out)) {
+            check_dtype(out, dtype_code::Float, 32, what);
+            p = (float*)out.data();
+            return;
+        }
+        thread_local std::vector<float> buf;
+        buf.resize(out.size());
+        p = buf.data();
+    }
+    // after the op: round into a bf16 out (nothing to do for a float32 one)
+    void finish() {
+        if (p == (float*)a.data()) return;
+        uint16_t* d = (uint16_t*)a.data();
+        for (size_t i = 0; i < a.size(); ++i) {
+            uint32_t u;
+            std::memcpy(&u, &p[i], 4);
+            d[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0  // NaN: torch's one quiet NaN
+                                                   : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+    }
+};
 
 void check_shape(const Array& a, std::initializer_list<size_t> shape, const char* what) {
     check(a.ndim() == shape.size(), std::string(what) + ": wrong number of dimensions");
@@ -122,7 +175,6 @@ void qlinear(Array x, Array w, Array scales, Array out, int fmt) {
 
 // x [T, H] float32 with each token's expert ids [T, K] int64 and weights [T, K] float32 -> (T, H, K)
 std::tuple<size_t, size_t, size_t> routed_tokens(const Array& x, const Array& ids, const Array& weights) {
-    check_dtype(x, dtype_code::Float, 32, "x");
     check(x.ndim() == 2, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
     check_dtype(ids, dtype_code::Int, 64, "ids");
@@ -147,14 +199,16 @@ void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq
     check_scales(gs, {E, I}, nbH, "gate scales");
     check_scales(us, {E, I}, nbH, "up scales");
     check_scales(ds, {E, H}, nbI, "down scales");
-    check_dtype(out, dtype_code::Float, 32, "out");
     check_shape(out, {T, H}, "out");
+    ActIn xin(x, "x");
+    ActOut o(out, "out");
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::moe_experts(fmt, (int)T, (int)H, (int)I, (int)E, (int)K, (const float*)x.data(),
+    moerun::moe_experts(fmt, (int)T, (int)H, (int)I, (int)E, (int)K, xin.p,
                         (const int64_t*)ids.data(), (const float*)weights.data(), (const uint8_t*)gq.data(),
                         (const uint16_t*)gs.data(), (const uint8_t*)uq.data(), (const uint16_t*)us.data(),
-                        (const uint8_t*)dq.data(), (const uint16_t*)ds.data(), (float*)out.data());
+                        (const uint8_t*)dq.data(), (const uint16_t*)ds.data(), o.p);
+    o.finish();
 }
 
 // moe_experts with unquantized weights, all float32 or all bf16 (as uint16); the activations
@@ -190,13 +244,14 @@ void moe_experts_float(Array x, Array ids, Array weights, std::vector<Array> gat
         ex[e] = {(const uint8_t*)gate[j].data() + off, (const uint8_t*)up[j].data() + off,
                  (const uint8_t*)down[j].data() + off, nullptr, nullptr, nullptr};
     }
-    check_dtype(out, dtype_code::Float, 32, "out");
     check_shape(out, {T, H}, "out");
+    ActIn xin(x, "x");
+    ActOut o(out, "out");
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
     moerun::moe_experts(bf16 ? moerun::FMT_BF16 : moerun::FMT_F32, (int)T, (int)H, (int)I, (int)E, (int)K,
-                        (const float*)x.data(), (const int64_t*)ids.data(), (const float*)weights.data(), ex.data(),
-                        (float*)out.data());
+                        xin.p, (const int64_t*)ids.data(), (const float*)weights.data(), ex.data(), o.p);
+    o.finish();
 }
 
 // q [Hq, D]; k [Hkv, S, D] and v [Hkv, S, Dv] may be strided views (a cache's first S
@@ -244,9 +299,7 @@ void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::opt
 
 // x [M, D]; w [D], or [G, D] for row m to take w[m % G]; out [M, D]; float32
 void rms_norm(Array x, Array w, Array out, float eps, float w_offset) {
-    check_dtype(x, dtype_code::Float, 32, "x");
     check_dtype(w, dtype_code::Float, 32, "w");
-    check_dtype(out, dtype_code::Float, 32, "out");
     check(x.ndim() == 2, "x must be [M, D]");
     const size_t M = x.shape(0), D = x.shape(1);
     check((w.ndim() == 1 || (w.ndim() == 2 && w.shape(0) > 0)) && w.shape(w.ndim() - 1) == D,
@@ -254,10 +307,12 @@ void rms_norm(Array x, Array w, Array out, float eps, float w_offset) {
     const size_t G = w.ndim() == 2 ? w.shape(0) : 1;
     check(M % G == 0, "w: the rows must be a multiple of G");
     check_shape(out, {M, D}, "out");
+    ActIn xin(x, "x");
+    ActOut o(out, "out");
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::rms_norm((int)M, (int)D, (const float*)x.data(), (const float*)w.data(), w_offset, eps, (float*)out.data(),
-                     (int)G);
+    moerun::rms_norm((int)M, (int)D, xin.p, (const float*)w.data(), w_offset, eps, o.p, (int)G);
+    o.finish();
 }
 
 // x [T, H, D]; w [D] or empty (no norm); cos, sin [T, rd]; out [H, T, D]; float32
@@ -297,7 +352,6 @@ moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows,
 
 // x [M, K]; weights[p] [rows_p, bytes] with scales[p] [rows_p, nb] in fmts[p]; out [M, sum rows_p]
 void qlinear_multi(Array x, std::vector<Array> weights, std::vector<Array> scales, std::vector<int> fmts, Array out) {
-    check_dtype(x, dtype_code::Float, 32, "x");
     check(x.ndim() == 2, "x must be [M, K]");
     const size_t M = x.shape(0), K = x.shape(1);
     const size_t P = weights.size();
@@ -312,16 +366,17 @@ void qlinear_multi(Array x, std::vector<Array> weights, std::vector<Array> scale
         N += weights[p].shape(0);
         qw.push_back(qweight_of(weights[p], scales[p], fmts[p], weights[p].shape(0), K, "weight"));
     }
-    check_dtype(out, dtype_code::Float, 32, "out");
     check_shape(out, {M, N}, "out");
+    ActIn xin(x, "x");
+    ActOut o(out, "out");
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::qlinear_multi((int)M, (int)K, (int)P, qw.data(), rows.data(), (const float*)x.data(), (float*)out.data());
+    moerun::qlinear_multi((int)M, (int)K, (int)P, qw.data(), rows.data(), xin.p, o.p);
+    o.finish();
 }
 
 // x [T, H]; router [E, H] float32; ids [T, K] int64 and weights [T, K] float32 are written
 void route_softmax_topk(Array x, Array router, Array ids, Array weights, bool renorm) {
-    check_dtype(x, dtype_code::Float, 32, "x");
     check(x.ndim() == 2, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
     check_dtype(router, dtype_code::Float, 32, "router");
@@ -333,30 +388,32 @@ void route_softmax_topk(Array x, Array router, Array ids, Array weights, bool re
     const size_t K = ids.shape(1);
     check_dtype(weights, dtype_code::Float, 32, "weights");
     check_shape(weights, {T, K}, "weights");
+    ActIn xin(x, "x");
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::route_softmax_topk((int)T, (int)H, (int)E, (int)K, renorm, (const float*)x.data(),
+    moerun::route_softmax_topk((int)T, (int)H, (int)E, (int)K, renorm, xin.p,
                                (const float*)router.data(), (int64_t*)ids.data(), (float*)weights.data());
 }
 
 // x [M, H]; gate/up [I, bytes] + scales, down [H, bytes] + scales; out [M, H]; gate_vec [H] or empty
 void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf, Array dw, Array ds, int df, Array out,
                 Array gate_vec) {
-    check_dtype(x, dtype_code::Float, 32, "x");
     check(x.ndim() == 2, "x must be [M, H]");
     check(gw.ndim() == 2, "gate must be [I, bytes per row]");
     const size_t M = x.shape(0), H = x.shape(1), I = gw.shape(0);
     auto g = qweight_of(gw, gs, gf, I, H, "gate");
     auto u = qweight_of(uw, us, uf, I, H, "up");
     auto d = qweight_of(dw, ds, df, H, I, "down");
-    check_dtype(out, dtype_code::Float, 32, "out");
     check_shape(out, {M, H}, "out");
     check_dtype(gate_vec, dtype_code::Float, 32, "gate_vec");
     check(gate_vec.ndim() == 1 && (gate_vec.shape(0) == 0 || gate_vec.shape(0) == H), "gate_vec must be [H] or empty");
+    ActIn xin(x, "x");
+    ActOut o(out, "out");
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::swiglu_mlp((int)M, (int)H, (int)I, g, u, d, (const float*)x.data(), (float*)out.data(),
+    moerun::swiglu_mlp((int)M, (int)H, (int)I, g, u, d, xin.p, o.p,
                        gate_vec.shape(0) ? (const float*)gate_vec.data() : nullptr);
+    o.finish();
 }
 
 // x [T, H]; q/k/v/o quantized [rows, bytes] + scales (q: Hq * D rows, 2 * Hq * D when gated);
@@ -365,7 +422,6 @@ void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf,
 void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf,
                        Array ow, Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc,
                        Array vc, int pos, int Hq, float scale, Array out, bool gated) {
-    check_dtype(x, dtype_code::Float, 32, "x");
     check(x.ndim() == 2 && x.shape(0) >= 1, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
     const bool bf16 = kc.dtype() == nb::dtype<uint16_t>();
@@ -379,7 +435,7 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
     auto q = qweight_of(qw, qs, qf, Hq * D * (gated ? 2 : 1), H, "q_proj");
     auto k = qweight_of(kw, ks, kf, Hkv * D, H, "k_proj");
     auto v = qweight_of(vw, vs, vf, Hkv * D, H, "v_proj");
-    auto o = qweight_of(ow, os, of, H, Hq * D, "o_proj");
+    auto o_proj = qweight_of(ow, os, of, H, Hq * D, "o_proj");
     for (const Array* n : {&qn, &kn}) {
         check_dtype(*n, dtype_code::Float, 32, "q/k norm");
         check(n->ndim() == 1 && (n->shape(0) == 0 || n->shape(0) == D), "q/k norm weight must be [D] or empty");
@@ -390,15 +446,17 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
           "cos, sin must be [T, rd]");
     const size_t rd = cos.shape(1);
     check(rd % 2 == 0 && rd <= D, "rotary dims must be even and at most the head dim");
-    check_dtype(out, dtype_code::Float, 32, "out");
     check_shape(out, {T, H}, "out");
+    ActIn xin(x, "x");
+    ActOut o(out, "out");
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::attn_block_decode((int)H, Hq, (int)Hkv, (int)D, (const float*)x.data(), q, k, v, o,
+    moerun::attn_block_decode((int)H, Hq, (int)Hkv, (int)D, xin.p, q, k, v, o_proj,
                               qn.shape(0) ? (const float*)qn.data() : nullptr,
                               kn.shape(0) ? (const float*)kn.data() : nullptr, eps, (const float*)cos.data(),
                               (const float*)sin.data(), (int)rd, kc.data(), vc.data(), (long)(L * D), pos, scale,
-                              (float*)out.data(), bf16 ? moerun::KV_BF16 : moerun::KV_F32, gated, (int)T);
+                              o.p, bf16 ? moerun::KV_BF16 : moerun::KV_F32, gated, (int)T);
+    o.finish();
 }
 
 // qkv [B, T, C]; conv_w [C, K]; conv [B, C, K-1]; a, b [B, T, Hv]; A_log, dt_bias [Hv];

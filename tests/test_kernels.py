@@ -767,6 +767,51 @@ def test_float_weights_in_the_linear_ops(isa, dtype):
     assert max_rel(y, ref * torch.sigmoid(x @ gv[:, None])) < 1e-5
 
 
+@pytest.mark.parametrize("isa", NATIVE)
+def test_bf16_activations_in_and_out(isa):
+    """Each op that takes a bf16 model's activations as they are (`kernels.ACT_DTYPES`) gives,
+    with bf16 x and dtype=bf16, the float32 call on x.float() rounded by torch's .to(bf16),
+    bit for bit: the widening and the rounding (to nearest even; NaN stays NaN) happen inside."""
+    g = torch.Generator().manual_seed(21)
+    bf = torch.bfloat16
+    H, I, E, K, T = 96, 40, 6, 2, 3
+    x = torch.randn(T, H, generator=g).to(bf)
+    x[0, 5] = float("nan")  # a NaN row must come out NaN where torch's rounding makes it NaN
+    x32 = x.float()
+    wq = formats.quantize(torch.randn(33, H, generator=g) * 0.1, "int8") + ("int8",)
+    wf = kernels.float_packed(torch.randn(17, H, generator=g).to(bf) * 0.1)
+    gate, up = (torch.randn(I, H, generator=g).to(bf) * 0.1 for _ in range(2))
+    down = torch.randn(H, I, generator=g).to(bf) * 0.1
+    mlp = [kernels.float_packed(w) for w in (gate, up, down)]
+    ex = _experts(E, H, I, seed=21)
+    qe = QuantizedExperts.from_experts(ex, "int4")
+    qviews = (qe.gate_q, qe.gate_scales, qe.up_q, qe.up_scales, qe.down_q, qe.down_scales)
+    stacks = [p.detach().to(bf) for p in (ex.gate_proj, ex.up_proj, ex.down_proj)]
+    ids, w = _route(T, E, K, g)
+    norm_w = torch.rand(H, generator=g) + 0.5
+    cases = {
+        "qlinear_multi": lambda a, **k: torch.cat(kernels.qlinear_multi(a, [wq, wf], **k), dim=-1),
+        "swiglu_mlp": lambda a, **k: kernels.swiglu_mlp(a, *mlp, **k),
+        "moe_experts": lambda a, **k: kernels.moe_experts(a, ids, w, *qviews, "int4", I, **k),
+        "moe_experts_float": lambda a, **k: kernels.moe_experts_float(a, ids, w, *stacks, **k),
+        "rms_norm": lambda a, **k: kernels.rms_norm(a, norm_w, 1e-6, 1.0, **k),
+    }
+    with kernels.use_isa(isa):
+        for name, op in cases.items():
+            want = op(x32)
+            assert want.dtype == torch.float32, name
+            got = op(x, dtype=bf)
+            assert got.dtype == bf, name
+            assert not want.isnan().all(), name
+            torch.testing.assert_close(got, want.to(bf), rtol=0, atol=0, equal_nan=True, msg=name)
+            torch.testing.assert_close(op(x), want, rtol=0, atol=0, equal_nan=True, msg=name)  # bf16 in, float32 out
+        assert kernels.rms_norm(x, norm_w, 1e-6, dtype=bf)[0].isnan().all()  # NaN in, NaN out (0x7fc0)
+        rows = slice(1, None)  # routing: the rows without the NaN, bf16 in -> the float32 call's choice
+        router = torch.randn(E, H, generator=g)
+        assert all(torch.equal(a, b) for a, b in zip(kernels.route_softmax_topk(x[rows], router, K, True),
+                                                     kernels.route_softmax_topk(x32[rows], router, K, True)))
+
+
 @pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
 def test_qlinear_multi_refuses_bad_arguments():
     nat = kernels._native()
@@ -879,7 +924,7 @@ def test_gated_mlp_of_quantized_linears_is_one_call(monkeypatch):
             setattr(mlp, name, QuantizedLinear.from_linear(getattr(mlp, name), "int8"))
         calls = []
         real = kernels.swiglu_mlp
-        monkeypatch.setattr(kernels, "swiglu_mlp", lambda *a: calls.append(1) or real(*a))
+        monkeypatch.setattr(kernels, "swiglu_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
         got = mlp(x)
     assert got.shape == x.shape and max_rel(got, ref) < 5e-2
     assert calls == ([1] if kernels.isa() != "torch" else [])
@@ -955,7 +1000,7 @@ def test_native_float_linears(dtype):
     ref = torch.nn.functional.linear
     native_calls = []
     real = kernels.qlinear_multi
-    kernels.qlinear_multi = lambda x, ws: native_calls.append(x.shape) or real(x, ws)
+    kernels.qlinear_multi = lambda x, ws, **k: native_calls.append(x.shape) or real(x, ws, **k)
     try:
         with torch.inference_mode():
             y = lin(few)

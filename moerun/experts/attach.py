@@ -55,7 +55,8 @@ class StoreExperts(nn.Module):
         if needed and native_float_experts(x, got[needed[0]][0]):  # one native call, on the pieces where they lie
             pieces = list(zip(*(got[e] for e in needed)))  # (gates, ups, downs)
             return self._native(ids, needed, counts, where,
-                                lambda local: kernels.moe_experts_float(x, local, weights, *pieces).to(x.dtype))
+                                lambda local: kernels.moe_experts_float(x, local, weights, *pieces,
+                                                                               dtype=x.dtype).to(x.dtype))
         ran = []
 
         def run_expert(e, xs):
@@ -111,7 +112,7 @@ class QuantStoreExperts(StoreExperts):
         where: dict[int, str] = {}
         got = self.store.get(self.layer, needed, n_tokens=x.shape[0], counts=counts, where=where)
         y = self._native(ids, needed, counts, where, lambda local: kernels.moe_experts(
-            x, local, weights, *self.gather([got[e] for e in needed]), self.fmt, self.inter))
+            x, local, weights, *self.gather([got[e] for e in needed]), self.fmt, self.inter, dtype=x.dtype))
         return y.to(x.dtype)
 
 

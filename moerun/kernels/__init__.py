@@ -149,6 +149,28 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
 
 
+ACT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _act(t: torch.Tensor) -> torch.Tensor:
+    """An activation as the ops that read bf16 ones take it (qlinear_multi, swiglu_mlp,
+    route_softmax_topk, moe_experts, moe_experts_float, rms_norm, the fused attention): a
+    contiguous float32 or bf16 tensor as it is (bf16 is widened exactly inside), else float32.
+    A bf16 model's decode step then skips a torch conversion before each op."""
+    return t if t.dtype in ACT_DTYPES and t.is_contiguous() else t.to(torch.float32).contiguous()
+
+
+def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """An op's output dtype when `dtype` is asked: bf16 (the op rounds its float32 result to
+    nearest even at the end, bit-identical to `.to(torch.bfloat16)` after a float32 call), or
+    float32 for anything else."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def _out(shape, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=_out_dtype(dtype))
+
+
 def _f32_rows(t: torch.Tensor) -> torch.Tensor:
     """float32 and contiguous within each [B, T] entry (a column slice of a wider buffer
     passes as it is), for the ops that take row and token strides."""
@@ -306,42 +328,46 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: s
     return out
 
 
-def qlinear_multi(x: torch.Tensor, weights: list) -> list[torch.Tensor]:
+def qlinear_multi(x: torch.Tensor, weights: list, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """x [..., K] through several packed weights (qweight, scales, fmt), or their `Packed`, of
-    the same input width in one native call -> [..., N_p] float32 each, column slices of one
-    [..., sum N_p] buffer."""
+    the same input width in one native call -> [..., N_p] each, column slices of one
+    [..., sum N_p] buffer (one weight: that buffer). Outputs in float32, or in bf16 with
+    `dtype=torch.bfloat16` (a bf16 model's: rounded once at the end)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     sizes = [w[0].shape[0] for w in weights]
     nat = _native()
     if nat is None:
-        out = torch.cat([qlinear_ref(x2, w[0], w[1], w[2], K) for w in weights], dim=-1)
+        out = torch.cat([qlinear_ref(x2, w[0], w[1], w[2], K) for w in weights], dim=-1).to(_out_dtype(dtype))
     else:
-        out = torch.empty(x2.shape[0], sum(sizes), dtype=torch.float32)
+        out = _out((x2.shape[0], sum(sizes)), dtype)
         if x2.shape[0]:
             _sync_threads(nat)
             v = [w if isinstance(w, Packed) else packed(*w) for w in weights]
-            nat.qlinear_multi(_np(_f32(x2)), [p.w for p in v], [p.s for p in v], [p.code for p in v], _np(out))
-    return list(out.view(*lead, out.shape[-1]).split(sizes, dim=-1))
+            nat.qlinear_multi(_np(_act(x2)), [p.w for p in v], [p.s for p in v], [p.code for p in v], _np(out))
+    out = out.view(*lead, out.shape[-1])
+    return [out] if len(sizes) == 1 else list(out.split(sizes, dim=-1))
 
 
 def qlinear_ref(x, qweight, scales, fmt, in_features) -> torch.Tensor:
     return formats.matmul_ref(x, qweight, scales, fmt, in_features, quantize_x=True)
 
 
-def swiglu_mlp(x: torch.Tensor, gate, up, down, gate_vec: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, H] -> down(silu(gate x) * up x) [M, H] float32 in one native call; gate, up and
+def swiglu_mlp(x: torch.Tensor, gate, up, down, gate_vec: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, H] -> down(silu(gate x) * up x) [M, H] in one native call; gate, up and
     down are packed weights [I, .], [I, .], [H, .] as (qweight, scales, fmt) or `Packed`. With
-    gate_vec (float32, H values: a shared expert's gate) each row is scaled by sigmoid(x . gate_vec)."""
+    gate_vec (float32, H values: a shared expert's gate) each row is scaled by sigmoid(x . gate_vec).
+    Out in float32, or bf16 with `dtype=torch.bfloat16` (rounded once at the end)."""
     nat = _native()
     if nat is None:
-        return swiglu_mlp_ref(x, gate, up, down, gate_vec)
-    out = torch.empty(x.shape[0], down[0].shape[0], dtype=torch.float32)
+        return swiglu_mlp_ref(x, gate, up, down, gate_vec).to(_out_dtype(dtype))
+    out = _out((x.shape[0], down[0].shape[0]), dtype)
     if x.shape[0]:
         _sync_threads(nat)
         g, u, d = (w if isinstance(w, Packed) else packed(*w) for w in (gate, up, down))
         gv = _EMPTY if gate_vec is None else gate_vec.reshape(-1)
-        nat.swiglu_mlp(_np(_f32(x)), g.w, g.s, g.code, u.w, u.s, u.code, d.w, d.s, d.code, _np(out), _np(gv))
+        nat.swiglu_mlp(_np(_act(x)), g.w, g.s, g.code, u.w, u.s, u.code, d.w, d.s, d.code, _np(out), _np(gv))
     return out
 
 
@@ -359,7 +385,7 @@ ROUTE_MAX_TOKENS = 16  # native routing for decode-sized passes; prefill's torch
 
 def route_softmax_topk(x: torch.Tensor, router: torch.Tensor, k: int,
                        renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] float32, router [E, H] float32 -> (weights [T, k] float32, ids [T, k] long):
+    """x [T, H] float32 or bf16, router [E, H] float32 -> (weights [T, k] float32, ids [T, k] long):
     the k most probable experts of softmax(x router^T), largest first, renormalised to sum 1
     when `renorm`. One native call for the seven torch ops of the reference."""
     nat = _native()
@@ -370,7 +396,7 @@ def route_softmax_topk(x: torch.Tensor, router: torch.Tensor, k: int,
     w = torch.empty(T, k, dtype=torch.float32)
     if T:
         _sync_threads(nat)
-        nat.route_softmax_topk(_np(_f32(x)), _np(router), _np(ids), _np(w), bool(renorm))
+        nat.route_softmax_topk(_np(_act(x)), _np(router), _np(ids), _np(w), bool(renorm))
     return w, ids
 
 
@@ -383,8 +409,9 @@ def route_softmax_topk_ref(x, router, k, renorm):
 # -- fused routed experts ------------------------------------------------------------------
 
 def moe_experts(x, ids, weights, gate, gate_scales, up, up_scales, down, down_scales, fmt: str,
-                intermediate: int, views: tuple | None = None) -> torch.Tensor:
-    """sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, k] -> [T, H] float32.
+                intermediate: int, views: tuple | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, k] -> [T, H] float32
+    (or bf16 with `dtype=torch.bfloat16`, rounded once at the end).
 
     x [T, H]; ids [T, K] long; weights [T, K]; gate/up [E, I, bytes] with scales [E, I, nb];
     down [E, H, bytes] with scales [E, H, nb]. One call per layer: the native kernel groups
@@ -393,12 +420,13 @@ def moe_experts(x, ids, weights, gate, gate_scales, up, up_scales, down, down_sc
     """
     nat = _native()
     if nat is None:
-        return moe_experts_ref(x, ids, weights, gate, gate_scales, up, up_scales, down, down_scales, fmt, intermediate)
-    out = torch.empty(x.shape, dtype=torch.float32)
+        return moe_experts_ref(x, ids, weights, gate, gate_scales, up, up_scales, down, down_scales, fmt,
+                               intermediate).to(_out_dtype(dtype))
+    out = _out(x.shape, dtype)
     if x.shape[0]:
         _sync_threads(nat)
         w = views or tuple(map(_np, (gate, gate_scales, up, up_scales, down, down_scales)))
-        nat.moe_experts(_np(_f32(x)), _np(ids.to(torch.int64).contiguous()), _np(_f32(weights)), *w, _np(out),
+        nat.moe_experts(_np(_act(x)), _np(ids.to(torch.int64).contiguous()), _np(_f32(weights)), *w, _np(out),
                         formats.FORMATS[fmt], intermediate)
     return out
 
@@ -427,9 +455,10 @@ def moe_experts_ref(x, ids, weights, gate, gate_scales, up, up_scales, down, dow
     return out
 
 
-def moe_experts_float(x, ids, weights, gate, up, down, views: tuple | None = None) -> torch.Tensor:
+def moe_experts_float(x, ids, weights, gate, up, down, views: tuple | None = None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`moe_experts` for unquantized experts, all float32 or all bf16 (read as they are;
-    activations and sums in float32) -> [T, H] float32. gate, up, down: stacks [E, I, H],
+    activations and sums in float32) -> [T, H] float32 (or bf16 with `dtype`, rounded at the end). gate, up, down: stacks [E, I, H],
     [E, I, H], [E, H, I], or lists of one [I, H], [I, H], [H, I] tensor per expert (an
     expert store's, wherever each lies: nothing is copied). Each (token, expert) pair's
     products run in one fixed order, so a token's output depends neither on the other tokens
@@ -437,12 +466,12 @@ def moe_experts_float(x, ids, weights, gate, up, down, views: tuple | None = Non
     given. `views`: `float_expert_views` of the weights, when the caller keeps them."""
     nat = _native()
     if nat is None:
-        return moe_experts_float_ref(x, ids, weights, gate, up, down)
-    out = torch.empty(x.shape, dtype=torch.float32)
+        return moe_experts_float_ref(x, ids, weights, gate, up, down).to(_out_dtype(dtype))
+    out = _out(x.shape, dtype)
     if x.shape[0]:
         _sync_threads(nat)
         g, u, d = views or float_expert_views(gate, up, down)
-        nat.moe_experts_float(_np(_f32(x)), _np(ids.to(torch.int64).contiguous()), _np(_f32(weights)), g, u, d, _np(out))
+        nat.moe_experts_float(_np(_act(x)), _np(ids.to(torch.int64).contiguous()), _np(_f32(weights)), g, u, d, _np(out))
     return out
 
 
@@ -504,18 +533,20 @@ def attn_decode_ref(q, k, v, scale, k_scale=None, v_scale=None) -> torch.Tensor:
 RMS_NORM_MAX = 1 << 16  # elements: above this (prefill) torch's multi-threaded op runs
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """x / rms(x) * (weight + offset) over the last dim, float32 (offset 1: the zero-centred
-    form). weight [D], or [G, D]: the rows of x taken as [..., G, D], group g normed with
-    weight[g] (several norms over the column blocks of one buffer). Native for float32 inputs
-    of at most RMS_NORM_MAX elements: one call instead of the 3-5 torch ops (25-40 us for a
-    decode row) a norm costs; otherwise `rms_norm_ref`."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x / rms(x) * (weight + offset) over the last dim, computed in float32 (offset 1: the
+    zero-centred form), out in float32 or, with `dtype=torch.bfloat16`, rounded once to bf16.
+    weight [D], or [G, D]: the rows of x taken as [..., G, D], group g normed with
+    weight[g] (several norms over the column blocks of one buffer). Native for float32 or bf16
+    inputs of at most RMS_NORM_MAX elements and a float32 weight: one call instead of the 3-5
+    torch ops (25-40 us for a decode row) a norm costs; otherwise `rms_norm_ref`."""
     nat = _native()
-    if (nat is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.numel() > RMS_NORM_MAX
+    if (nat is None or x.dtype not in ACT_DTYPES or weight.dtype != torch.float32 or x.numel() > RMS_NORM_MAX
             or torch.is_grad_enabled()):
-        return rms_norm_ref(x, weight, eps, offset)
-    x2 = _f32(x).view(-1, x.shape[-1])
-    out = torch.empty(x.shape)
+        return rms_norm_ref(x, weight, eps, offset).to(_out_dtype(dtype))
+    x2 = _act(x).view(-1, x.shape[-1])
+    out = _out(x.shape, dtype)
     nat.rms_norm(_np(x2), _np(weight), _np(out.view(x2.shape)), float(eps), float(offset))
     return out
 
@@ -641,6 +672,8 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
         if any(nm is not None and nm.weight.numel() != m.head_dim for nm in norms):
             continue
         m._unfused_forward = m.forward
+        m._fused_eps = float(getattr(getattr(m, "q_norm", None), "eps", 1e-6))
+        m._fused_gate = bool(getattr(m, "output_gate", False))
         m.forward = _fused_forward.__get__(m)
         n += 1
     return n
@@ -654,20 +687,49 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
             or _native() is None or torch.is_grad_enabled()):
         return self._unfused_forward(x, cos_sin, kv, slots, pos0)
     s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
-    cos, sin = (t.reshape(T, -1).float() for t in cos_sin)
     qp, kp, vp, op = self.q_proj, self.k_proj, self.v_proj, self.o_proj
+    q, k, v, o = (float_linear_views(m) if type(m) is torch.nn.Linear else m.views() for m in (qp, kp, vp, op))
     qn, kn = (_norm_weight(getattr(self, name, None)) for name in ("q_norm", "k_norm"))
-    eps = float(getattr(getattr(self, "q_norm", None), "eps", 1e-6))
-    out = torch.empty(T, H, dtype=torch.float32)
+    cos, sin = _rope_rows(cos_sin, T)
+    kc, vc = _cache_slot(kv, s)
+    out = _out((T, H), x.dtype)
     nat = _native()
     _sync_threads(nat)
-    q, k, v, o = (float_linear_views(p) if type(p) is torch.nn.Linear else p.views() for p in (qp, kp, vp, op))
     nat.attn_block_decode(
-        _np(_f32(x.reshape(T, H))), q.w, q.s, q.code, k.w, k.s, k.code, v.w, v.s, v.code, o.w, o.s, o.code,
-        _np(qn), _np(kn), eps,
-        _np(cos.contiguous()), _np(sin.contiguous()), _np(kv.k[s]), _np(kv.v[s]), p, self.n_heads, float(self.scale),
-        _np(out), bool(getattr(self, "output_gate", False)))
+        _np(_act(x.reshape(T, H))), q.w, q.s, q.code, k.w, k.s, k.code, v.w, v.s, v.code, o.w, o.s, o.code,
+        qn, kn, self._fused_eps, cos, sin, kc, vc, p, self.n_heads, float(self.scale), _np(out), self._fused_gate)
     return out.view(1, T, H).to(x.dtype)
+
+
+def _norm_weight(norm):
+    """A per-head RMSNorm's effective float32 weight (1 + w when zero-centred) as the fused
+    attention takes it (kept on the norm: `native_views`), an empty one for none."""
+    if norm is None:
+        return _EMPTY_NP
+    offset = 1.0 if getattr(norm, "zero_centered", False) else 0.0
+    return native_views(norm, ("weight",), lambda w: _np(w.detach().float() + offset))
+
+
+_rope_np: dict = {}
+
+
+def _rope_rows(cos_sin: tuple, T: int) -> tuple:
+    """A pass's rope tables (cos, sin) as float32 [T, rd] numpy views, made once per pass:
+    every layer of a forward gets the same tuple (kept here, with the tuple, until the next)."""
+    if _rope_np.get("of") is not cos_sin:
+        _rope_np["of"] = cos_sin
+        _rope_np["rows"] = tuple(_np(t.reshape(T, -1).float().contiguous()) for t in cos_sin)
+    return _rope_np["rows"]
+
+
+def _cache_slot(kv, s: int) -> tuple:
+    """Numpy views of one slot of a KV cache's keys and values, kept on the cache while its
+    tensors stay where they are."""
+    views = kv.__dict__.setdefault("_slot_views", {})
+    got = views.get(s)
+    if got is None or got[0] != (kv.k.data_ptr(), kv.v.data_ptr()):
+        got = views[s] = ((kv.k.data_ptr(), kv.v.data_ptr()), _np(kv.k[s]), _np(kv.v[s]))
+    return got[1], got[2]
 
 
 def native_float_linears(net: torch.nn.Module) -> int:
@@ -695,20 +757,12 @@ def _float_linear_forward(self, x):
     if (x.dtype != w.dtype or not float_decode_rows(x) or not w.is_cpu or self.bias is not None
             or _native() is None):
         return F.linear(x, w, self.bias)
-    y = qlinear_multi(x, [float_linear_views(self)])[0]
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
+    return qlinear_multi(x, [float_linear_views(self)], dtype=x.dtype)[0]
 
 
 _EMPTY = torch.empty(0)
+_EMPTY_NP = _EMPTY.numpy()
 FUSED_MAX_TOKENS = 5  # a decode step, or a speculative verification pass of up to 4 drafts
-
-
-def _norm_weight(norm) -> torch.Tensor:
-    """A per-head RMSNorm's effective float32 weight (1 + w when zero-centred), empty for none."""
-    if norm is None:
-        return _EMPTY
-    w = norm.weight.detach().float()
-    return 1.0 + w if getattr(norm, "zero_centered", False) else w
 
 
 __all__ = [

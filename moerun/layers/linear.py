@@ -18,8 +18,8 @@ def project(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
     projection's call costs tens of microseconds of overhead, this is the difference."""
     views = packed_views(*mods, x=x) if len(mods) > 1 else None
     if views is not None:
-        outs = kernels.qlinear_multi(x, list(views))
-        return outs if x.dtype == torch.float32 else [o.to(x.dtype) for o in outs]
+        outs = kernels.qlinear_multi(x, list(views), dtype=x.dtype)
+        return outs if x.dtype in kernels.ACT_DTYPES else [o.to(x.dtype) for o in outs]
     return [m(x) for m in mods]
 
 

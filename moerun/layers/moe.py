@@ -34,7 +34,7 @@ class Experts(nn.Module):
         if native_float_experts(x, self.gate_proj):
             views = kernels.native_views(self, EXPERT_WEIGHTS, kernels.float_expert_views)
             return kernels.moe_experts_float(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj,
-                                             views=views).to(x.dtype)
+                                             views=views, dtype=x.dtype).to(x.dtype)
         return expert_mlp(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj)
 
 
@@ -137,7 +137,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         views = self._packed_views(x)
         if views is not None:  # packed quantized linears (or decode-sized float ones): one native call
-            y = kernels.swiglu_mlp(x.reshape(-1, x.shape[-1]), *views)
+            y = kernels.swiglu_mlp(x.reshape(-1, x.shape[-1]), *views, dtype=x.dtype)
             return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
         g, u = project(x, self.gate_proj, self.up_proj)
         return self.down_proj(F.silu(g) * u)
@@ -148,7 +148,7 @@ class GatedMLP(nn.Module):
         and the gate is a plain float linear."""
         views = self._packed_views(x)
         if views is not None and native_float_linear(gate, x):
-            return kernels.swiglu_mlp(x, *views, gate_vec=kernels.float32_weight(gate)).to(x.dtype)
+            return kernels.swiglu_mlp(x, *views, gate_vec=kernels.float32_weight(gate), dtype=x.dtype).to(x.dtype)
         return torch.sigmoid(gate(x)) * self(x)
 
     def _packed_views(self, x: torch.Tensor) -> tuple | None:

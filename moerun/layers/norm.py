@@ -23,8 +23,8 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.bfloat16 and x.numel() <= kernels.RMS_NORM_MAX and kernels.native() and not torch.is_grad_enabled():
             # a bf16 decode step: the native norm in float32, rounded once at the end, where
             # torch's ops cost ~100 us a row in bf16
-            w = kernels.float32_weight(self)
-            return kernels.rms_norm(x.float(), w, self.eps, 1.0 if self.zero_centered else 0.0).to(x.dtype)
+            return kernels.rms_norm(x, kernels.float32_weight(self), self.eps, 1.0 if self.zero_centered else 0.0,
+                                    dtype=x.dtype)
         return rms_norm(x, self.weight, self.eps, self.zero_centered)
 
 
@@ -59,6 +59,6 @@ def rms_norm_cat(owner: nn.Module, norm_names: tuple[str, ...], xs: list[torch.T
             and (dtype == torch.float32 or (dtype == torch.bfloat16 and xs[0].numel() * len(xs) <= kernels.RMS_NORM_MAX))
             and not torch.is_grad_enabled() and not any(n._forward_hooks or n._forward_pre_hooks for n in norms)):
         # bf16 (decode sizes): float32 in, rounded once at the end, as each RMSNorm's own bf16 path
-        u = torch.cat(xs, dim=-1).float()
-        return kernels.rms_norm(u.view(-1, len(xs), xs[0].shape[-1]), weights, norms[0].eps).view(u.shape).to(dtype)
+        u = torch.cat(xs, dim=-1)
+        return kernels.rms_norm(u.view(-1, len(xs), xs[0].shape[-1]), weights, norms[0].eps, dtype=dtype).view(u.shape)
     return torch.cat([n(x) for n, x in zip(norms, xs)], dim=-1)

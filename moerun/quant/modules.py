@@ -100,7 +100,7 @@ class QuantizedExperts(nn.Module):
         """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]."""
         views = kernels.native_views(self, BUFFERS, kernels.numpy_views) if kernels.native() else None
         y = kernels.moe_experts(x, ids, weights, self.gate_q, self.gate_scales, self.up_q, self.up_scales,
-                                self.down_q, self.down_scales, self.fmt, self.intermediate_size, views)
+                                self.down_q, self.down_scales, self.fmt, self.intermediate_size, views, dtype=x.dtype)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
