@@ -280,8 +280,9 @@ def native_views(module: torch.nn.Module, names: tuple[str, ...], make):
 def _own_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     """A buffer or parameter by (dotted) name, without nn.Module's attribute lookup."""
     if "." in name:
-        path, _, name = name.rpartition(".")
-        module = module.get_submodule(path)
+        *path, name = name.split(".")
+        for part in path:  # what get_submodule does, without its checks (a few us a name in decode)
+            module = module._modules[part]
     t = module._buffers.get(name)
     return module._parameters[name] if t is None else t
 
@@ -603,9 +604,9 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
     may be bf16 (a bf16 model), widened exactly, and everything between the projections then
     runs in float32 (o is float32), where the bf16 reference rounds after each op. Otherwise
     `moerun.layers.deltanet.few_tokens_ref` (o in qkv's dtype)."""
-    from ..layers.deltanet import few_tokens_ref
-
     if not deltanet_decode_is_native(qkv, conv, S):
+        from ..layers.deltanet import few_tokens_ref
+
         o, conv_now, S_now = few_tokens_ref(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps, key_heads,
                                             every)
         last = (conv_now[:, -1], S_now[:, -1]) if every else (conv_now, S_now)
@@ -680,10 +681,8 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
 
 
 def _fused_forward(self, x, cos_sin, kv, slots, pos0):
-    from ..engine.cache import KVCache
-
     B, T, H = x.shape
-    if (B != 1 or T > FUSED_MAX_TOKENS or type(kv) is not KVCache or kv.k.dtype not in (torch.float32, torch.bfloat16)
+    if (B != 1 or T > FUSED_MAX_TOKENS or type(kv) is not _kv_cache_class() or kv.k.dtype not in (torch.float32, torch.bfloat16)
             or _native() is None or torch.is_grad_enabled()):
         return self._unfused_forward(x, cos_sin, kv, slots, pos0)
     s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
@@ -699,6 +698,17 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
         _np(_act(x.reshape(T, H))), q.w, q.s, q.code, k.w, k.s, k.code, v.w, v.s, v.code, o.w, o.s, o.code,
         qn, kn, self._fused_eps, cos, sin, kc, vc, p, self.n_heads, float(self.scale), _np(out), self._fused_gate)
     return out.view(1, T, H).to(x.dtype)
+
+
+def _kv_cache_class():
+    """engine.cache.KVCache (imported on first use: the engine imports this module; an import
+    statement in the decode path costs ~10 us a call on the machines we measure)."""
+    cls = _state.get("KVCache")
+    if cls is None:
+        from ..engine.cache import KVCache as cls
+
+        _state["KVCache"] = cls
+    return cls
 
 
 def _norm_weight(norm):

@@ -44,6 +44,14 @@ def plain_float_linear(lin: nn.Module) -> bool:
     """A float32 or bf16 `nn.Linear` without bias or hooks, its weight contiguous in CPU
     memory: a native op may read the weight in place of calling the module (a predictor's or
     a profiler's hook must see the call)."""
-    w = lin.weight if type(lin) is nn.Linear else None
-    return (w is not None and lin.bias is None and w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
-            and w.is_contiguous() and not (lin._forward_pre_hooks or lin._forward_hooks))
+    if type(lin) is not nn.Linear:
+        return False
+    # the dicts behind nn.Module's attribute lookup, read directly: decode asks this of a few
+    # dozen linears a token, and the lookup costs more than the checks
+    params = lin._parameters
+    w = params.get("weight")
+    return (w is not None and "bias" in params and params["bias"] is None and w.dtype in FLOAT_DTYPES and w.is_cpu and w.is_contiguous()
+            and not (lin._forward_pre_hooks or lin._forward_hooks))
+
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16)
