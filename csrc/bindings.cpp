@@ -106,6 +106,34 @@ struct ActOut {
     }
 };
 
+// A [B, T, ...] activation with strides over B and T (contiguous within a token: checked by
+// check_rows) as the DeltaNet op reads it: float32 where it lies, or bf16 (uint16) widened
+// into buf as a packed [B, T, inner] array. -> (data, stride over B, stride over T).
+struct RowsIn {
+    const float* p;
+    long s0, s1;
+};
+
+RowsIn rows_in(const nb::ndarray<nb::device::cpu>& t, std::vector<float>& buf, const char* what) {
+    if (t.dtype() == nb::dtype<float>()) return {(const float*)t.data(), (long)t.stride(0), (long)t.stride(1)};
+    check(t.dtype() == nb::dtype<uint16_t>(), std::string(what) + ": wrong dtype");
+    const size_t B = t.shape(0), T = t.shape(1);
+    size_t inner = 1;
+    for (size_t j = 2; j < t.ndim(); ++j) inner *= t.shape(j);
+    buf.resize(B * T * inner);
+    const uint16_t* src = (const uint16_t*)t.data();
+    for (size_t b = 0; b < B; ++b)
+        for (size_t i = 0; i < T; ++i) {
+            const uint16_t* row = src + b * t.stride(0) + i * t.stride(1);
+            float* dst = buf.data() + (b * T + i) * inner;
+            for (size_t j = 0; j < inner; ++j) {
+                const uint32_t u = (uint32_t)row[j] << 16;
+                std::memcpy(&dst[j], &u, 4);
+            }
+        }
+    return {buf.data(), (long)(T * inner), (long)inner};
+}
+
 void check_shape(const Array& a, std::initializer_list<size_t> shape, const char* what) {
     check(a.ndim() == shape.size(), std::string(what) + ": wrong number of dimensions");
     size_t i = 0;
@@ -460,17 +488,18 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
 }
 
 // qkv [B, T, C]; conv_w [C, K]; conv [B, C, K-1]; a, b [B, T, Hv]; A_log, dt_bias [Hv];
-// S [B, Hv, Dk, Dv]; z, out [B, T, Hv, Dv]; norm_w [Dv]; all float32. conv and S end as the
+// S [B, Hv, Dk, Dv]; z, out [B, T, Hv, Dv]; norm_w [Dv]; all float32 but qkv, a, b, z and out,
+// which may be bf16 (a bf16 model's activations: widened exactly, out rounded). conv and S end as the
 // state after the last token; with conv_every [B, T, C, K-1] and S_every [B, T, Hv, Dk, Dv]
 // (both or neither) every token's state goes there too. qkv, a, b and z may be strided over
 // their first two dimensions (column slices of one projection buffer); the rest is contiguous.
 void deltanet_decode(Strided qkv, Array conv_w, Array conv, std::optional<Array> conv_every, Strided a,
                      Strided b, Array A_log, Array dt_bias, Array S, std::optional<Array> S_every, Strided z,
                      Array norm_w, float eps, Array out, int Hk) {
-    for (const Array* t : {&conv_w, &conv, &A_log, &dt_bias, &S, &norm_w, &out})
+    for (const Array* t : {&conv_w, &conv, &A_log, &dt_bias, &S, &norm_w})
         check_dtype(*t, dtype_code::Float, 32, "deltanet tensors");
-    for (const Strided* t : {&qkv, &a, &b, &z})
-        check(t->dtype() == nb::dtype<float>(), "deltanet tensors: wrong dtype");
+    for (const Strided* t : {&qkv, &a, &b, &z})  // activations: float32, or a bf16 model's (uint16)
+        check(t->dtype() == nb::dtype<float>() || t->dtype() == nb::dtype<uint16_t>(), "deltanet tensors: wrong dtype");
     check(conv_every.has_value() == S_every.has_value(), "conv_every and S_every go together");
     check(qkv.ndim() == 3, "qkv must be [B, T, C]");
     const size_t B = qkv.shape(0), T = qkv.shape(1), C = qkv.shape(2);
@@ -495,17 +524,21 @@ void deltanet_decode(Strided qkv, Array conv_w, Array conv, std::optional<Array>
         check_shape(*conv_every, {B, T, C, K - 1}, "conv_every");
         check_shape(*S_every, {B, T, Hv, Dk, Dv}, "S_every");
     }
+    thread_local std::vector<float> bufs[4];
+    const RowsIn xq = rows_in(qkv, bufs[0], "qkv"), xa = rows_in(a, bufs[1], "a"), xb = rows_in(b, bufs[2], "b"),
+                 xz = rows_in(z, bufs[3], "z");
+    ActOut o(out, "out");
     moerun::DeltaArgs d{(int)B, (int)T, (int)C, (int)K, Hk, (int)Hv, (int)Dk, (int)Dv,
-                        (const float*)qkv.data(), (long)qkv.stride(0), (long)qkv.stride(1),
+                        xq.p, xq.s0, xq.s1,
                         (const float*)conv_w.data(), (float*)conv.data(),
-                        conv_every ? (float*)conv_every->data() : nullptr, (const float*)a.data(),
-                        (const float*)b.data(), (long)a.stride(0), (long)a.stride(1), (long)b.stride(0),
-                        (long)b.stride(1), (const float*)A_log.data(), (const float*)dt_bias.data(),
-                        (float*)S.data(), S_every ? (float*)S_every->data() : nullptr, (const float*)z.data(),
-                        (long)z.stride(0), (long)z.stride(1), (const float*)norm_w.data(), eps, (float*)out.data()};
+                        conv_every ? (float*)conv_every->data() : nullptr, xa.p,
+                        xb.p, xa.s0, xa.s1, xb.s0, xb.s1, (const float*)A_log.data(), (const float*)dt_bias.data(),
+                        (float*)S.data(), S_every ? (float*)S_every->data() : nullptr, xz.p,
+                        xz.s0, xz.s1, (const float*)norm_w.data(), eps, o.p};
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
     moerun::deltanet_decode(d);
+    o.finish();
 }
 
 std::vector<std::string> available_isas() {

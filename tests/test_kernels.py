@@ -622,13 +622,16 @@ def test_deltanet_decode(isa, shape, every):
 
 @pytest.mark.parametrize("isa", NATIVE)
 @pytest.mark.parametrize("every", [False, True])
-def test_deltanet_decode_reads_column_slices(isa, every):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deltanet_decode_reads_column_slices(isa, every, dtype):
     """qkv, z, a and b as column slices of one projection buffer (as `project` returns them),
-    read in place: the same results as contiguous copies, bit for bit."""
+    read in place (bf16 ones widened where they lie): the same results as contiguous copies,
+    bit for bit."""
     B, T, Hk, Hv, Dk, Dv, K = 2, 3, 2, 4, 8, 12, 4
     inp = _delta_inputs(B, T, Hk, Hv, Dk, Dv, K, seed=3)
+    inp = {k: (v.to(dtype) if k in ("qkv", "a", "b", "z") else v) for k, v in inp.items()}
     C = 2 * Hk * Dk + Hv * Dv
-    buf = torch.randn(B, T, C + Hv * Dv + 2 * Hv + 5)  # 5 unused columns
+    buf = torch.randn(B, T, C + Hv * Dv + 2 * Hv + 5).to(dtype)  # 5 unused columns
     qkv, z, a, b = buf[..., :-5].split([C, Hv * Dv, Hv, Hv], dim=-1)
     for t, name in ((qkv, "qkv"), (z, "z"), (a, "a"), (b, "b")):
         t.copy_(inp[name].reshape(t.shape))
@@ -653,10 +656,17 @@ def test_deltanet_decode_bf16_inputs(isa):
     want = few_tokens_ref(**{k: v.float().clone() for k, v in bf.items()}, eps=1e-6, key_heads=2, every=True)
     with kernels.use_isa(isa):
         assert kernels.deltanet_decode_is_native(bf["qkv"], bf["conv"], bf["S"])
+        wide = kernels.deltanet_decode(**{k: v.float().clone() for k, v in bf.items()}, eps=1e-6, key_heads=2, every=True)
+        out16 = kernels.deltanet_decode(**{k: v.clone() for k, v in bf.items()}, eps=1e-6, key_heads=2, every=True,
+                                        dtype=torch.bfloat16)
         got = kernels.deltanet_decode(**bf, eps=1e-6, key_heads=2, every=True)
     assert got[0].dtype == torch.float32
     for a, b in zip(got, want):
         assert max_rel(a, b) < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(got, wide))  # widened exactly: the float32 call's bits
+    # dtype=bf16: o rounded once, as .to(bfloat16) rounds the float32 o; the states as before
+    assert out16[0].dtype == torch.bfloat16 and torch.equal(out16[0], got[0].bfloat16())
+    assert torch.equal(out16[1], got[1]) and torch.equal(out16[2], got[2])
 
 
 def test_deltanet_decode_falls_back_and_refuses_bad_arguments():

@@ -171,10 +171,10 @@ def _out(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=_out_dtype(dtype))
 
 
-def _f32_rows(t: torch.Tensor) -> torch.Tensor:
-    """float32 and contiguous within each [B, T] entry (a column slice of a wider buffer
-    passes as it is), for the ops that take row and token strides."""
-    if t.dtype == torch.float32:
+def _act_rows(t: torch.Tensor) -> torch.Tensor:
+    """float32 or bf16 (`_act`) and contiguous within each [B, T] entry (a column slice of a
+    wider buffer passes as it is), for the ops that take row and token strides."""
+    if t.dtype in ACT_DTYPES:
         inner = 1
         for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:])):
             if size > 1 and stride != inner:
@@ -585,7 +585,8 @@ def norm_rope_heads_ref(x, weight, eps, offset, cos, sin) -> torch.Tensor:
 # -- Gated DeltaNet, a few tokens ---------------------------------------------------------
 
 def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: float, key_heads: int,
-                    every: bool = False, every_out: tuple | None = None, views: tuple | None = None):
+                    every: bool = False, every_out: tuple | None = None, views: tuple | None = None,
+                    dtype: torch.dtype = torch.float32):
     """A few tokens per row through a Gated DeltaNet layer between its projections, token
     after token: conv + SiLU, q/k L2 norms, the gated delta rule, RMSNorm(o) * norm_w * silu(z).
 
@@ -602,7 +603,8 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
 
     Native when both states are contiguous float32 (`deltanet_decode_is_native`): the inputs
     may be bf16 (a bf16 model), widened exactly, and everything between the projections then
-    runs in float32 (o is float32), where the bf16 reference rounds after each op. Otherwise
+    runs in float32, where the bf16 reference rounds after each op; o is float32, or bf16
+    (rounded once) with `dtype=torch.bfloat16`. Otherwise
     `moerun.layers.deltanet.few_tokens_ref` (o in qkv's dtype)."""
     if not deltanet_decode_is_native(qkv, conv, S):
         from ..layers.deltanet import few_tokens_ref
@@ -617,15 +619,15 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
     nat = _native()
     B, T, C = qkv.shape
     Hv, Dk, Dv = S.shape[1:]
-    out = torch.empty(B, T, Hv, Dv)
+    out = _out((B, T, Hv, Dv), dtype)
     conv_every = S_every = None
     if every:
         conv_every, S_every = every_out or (torch.empty(B, T, C, conv.shape[-1]), torch.empty(B, T, Hv, Dk, Dv))
     _sync_threads(nat)
     cw, al, dt, nw = views or deltanet_weight_views(conv_w, A_log, dt_bias, norm_w)
-    nat.deltanet_decode(_np(_f32_rows(qkv)), cw, _np(conv), None if conv_every is None else _np(conv_every),
-                        _np(_f32_rows(a)), _np(_f32_rows(b)), al, dt, _np(S), None if S_every is None else _np(S_every),
-                        _np(_f32_rows(z)), nw, float(eps), _np(out), key_heads)
+    nat.deltanet_decode(_np(_act_rows(qkv)), cw, _np(conv), None if conv_every is None else _np(conv_every),
+                        _np(_act_rows(a)), _np(_act_rows(b)), al, dt, _np(S), None if S_every is None else _np(S_every),
+                        _np(_act_rows(z)), nw, float(eps), _np(out), key_heads)
     return (out, conv_every, S_every) if every else (out, conv, S)
 
 
@@ -725,11 +727,12 @@ _rope_np: dict = {}
 
 def _rope_rows(cos_sin: tuple, T: int) -> tuple:
     """A pass's rope tables (cos, sin) as float32 [T, rd] numpy views, made once per pass:
-    every layer of a forward gets the same tuple (kept here, with the tuple, until the next)."""
-    if _rope_np.get("of") is not cos_sin:
-        _rope_np["of"] = cos_sin
-        _rope_np["rows"] = tuple(_np(t.reshape(T, -1).float().contiguous()) for t in cos_sin)
-    return _rope_np["rows"]
+    every layer of a forward gets the same tuple (kept here with the tuple, which `Rope`
+    makes anew for each pass, until the next one; one entry, replaced whole)."""
+    got = _rope_np.get("last")
+    if got is None or got[0] is not cos_sin:
+        got = _rope_np["last"] = (cos_sin, tuple(_np(t.reshape(T, -1).float().contiguous()) for t in cos_sin))
+    return got[1]
 
 
 def _cache_slot(kv, s: int) -> tuple:

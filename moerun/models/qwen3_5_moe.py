@@ -214,7 +214,7 @@ class GatedDeltaNet(nn.Module):
         views = kernels.native_views(self, DELTA_WEIGHTS, kernels.deltanet_weight_views)
         o, conv_all, rec_all = kernels.deltanet_decode(
             qkv, self.conv1d.weight, conv, a, b, self.A_log, self.dt_bias, rec, z.reshape(B, T, self.n_v, self.dv),
-            self.norm.weight, self.norm.eps, self.n_k, every, bufs, views)
+            self.norm.weight, self.norm.eps, self.n_k, every, bufs, views, dtype=x.dtype)
         state.set("conv", slots, conv)  # the states after the last token, written in place: nothing
         state.set("recurrent", slots, rec)  # to copy when `get` gave views of the cache
         if every:
