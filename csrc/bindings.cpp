@@ -61,6 +61,14 @@ void check_dtype(const Array& a, dtype_code code, int bits, const char* what) {
 // conversions (~3-7 us each, several per layer of a decode step).
 bool is_bf16(const Array& a) { return a.dtype() == nb::dtype<uint16_t>(); }
 
+// n bf16 values (their bits) widened exactly to float32
+void widen_bf16(const uint16_t* s, float* d, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+        const uint32_t u = (uint32_t)s[i] << 16;
+        std::memcpy(&d[i], &u, 4);
+    }
+}
+
 struct ActIn {
     const float* p;
     ActIn(const Array& a, const char* what) {
@@ -71,11 +79,7 @@ struct ActIn {
         }
         thread_local std::vector<float> buf;
         buf.resize(a.size());
-        const uint16_t* s = (const uint16_t*)a.data();
-        for (size_t i = 0; i < buf.size(); ++i) {
-            const uint32_t u = (uint32_t)s[i] << 16;
-            std::memcpy(&buf[i], &u, 4);
-        }
+        widen_bf16((const uint16_t*)a.data(), buf.data(), buf.size());
         p = buf.data();
     }
 };
@@ -123,14 +127,8 @@ RowsIn rows_in(const nb::ndarray<nb::device::cpu>& t, std::vector<float>& buf, c
     buf.resize(B * T * inner);
     const uint16_t* src = (const uint16_t*)t.data();
     for (size_t b = 0; b < B; ++b)
-        for (size_t i = 0; i < T; ++i) {
-            const uint16_t* row = src + b * t.stride(0) + i * t.stride(1);
-            float* dst = buf.data() + (b * T + i) * inner;
-            for (size_t j = 0; j < inner; ++j) {
-                const uint32_t u = (uint32_t)row[j] << 16;
-                std::memcpy(&dst[j], &u, 4);
-            }
-        }
+        for (size_t i = 0; i < T; ++i)
+            widen_bf16(src + b * t.stride(0) + i * t.stride(1), buf.data() + (b * T + i) * inner, inner);
     return {buf.data(), (long)(T * inner), (long)inner};
 }
 
@@ -201,7 +199,7 @@ void qlinear(Array x, Array w, Array scales, Array out, int fmt) {
                     (const uint16_t*)scales.data(), (float*)out.data());
 }
 
-// x [T, H] float32 with each token's expert ids [T, K] int64 and weights [T, K] float32 -> (T, H, K)
+// x [T, H] (float32 or bf16: ActIn) with each token's expert ids [T, K] int64 and weights [T, K] float32 -> (T, H, K)
 std::tuple<size_t, size_t, size_t> routed_tokens(const Array& x, const Array& ids, const Array& weights) {
     check(x.ndim() == 2, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
@@ -325,7 +323,7 @@ void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::opt
                         st[1], vs, st[2], st[3]);
 }
 
-// x [M, D]; w [D], or [G, D] for row m to take w[m % G]; out [M, D]; float32
+// x [M, D]; w [D], or [G, D] for row m to take w[m % G]; out [M, D]; float32 (x and out may be bf16: ActIn, ActOut)
 void rms_norm(Array x, Array w, Array out, float eps, float w_offset) {
     check_dtype(w, dtype_code::Float, 32, "w");
     check(x.ndim() == 2, "x must be [M, D]");
