@@ -700,6 +700,8 @@ def test_deltanet_decode_falls_back_and_refuses_bad_arguments():
         call(conv_every=n(torch.zeros(1, 2, inp["qkv"].shape[-1], 3)))
     with pytest.raises(ValueError, match="wrong dtype"):
         call(z=inp["z"].double())
+    with pytest.raises(ValueError, match="out: wrong dtype"):
+        call(out=torch.empty(1, 2, 4, 12, dtype=torch.float64))
     with pytest.raises(ValueError, match="out: dimension 1"):
         call(out=torch.empty(1, 3, 4, 12))
     with pytest.raises(ValueError, match="z: must be contiguous within a token"):  # heads strided apart
@@ -1096,6 +1098,8 @@ def test_rms_norm_refuses_bad_arguments():
         nat.rms_norm(x.numpy(), w.numpy(), torch.zeros(3, 8).numpy(), 1e-6)
     with pytest.raises(ValueError, match="x: wrong dtype"):
         nat.rms_norm(x.double().numpy(), w.numpy(), out.numpy(), 1e-6)
+    with pytest.raises(ValueError, match="out: wrong dtype"):  # float32 or bf16 (uint16) only
+        nat.rms_norm(x.numpy(), w.numpy(), out.double().numpy(), 1e-6)
     with pytest.raises(ValueError, match=r"x must be \[M, D\]"):
         nat.rms_norm(torch.zeros(8).numpy(), w.numpy(), out.numpy(), 1e-6)
 
