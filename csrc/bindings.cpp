@@ -59,7 +59,8 @@ void check_dtype(const Array& a, dtype_code code, int bits, const char* what) {
 // float32 into another and out gets it rounded to nearest even (as torch's .to(bfloat16)).
 // Bit-identical to converting in torch around a float32 call, without the two torch
 // conversions (~3-7 us each, several per layer of a decode step).
-bool is_bf16(const Array& a) { return a.dtype() == nb::dtype<uint16_t>(); }
+template <class A>  // Array or Strided
+bool is_bf16(const A& a) { return a.dtype() == nb::dtype<uint16_t>(); }
 
 // n bf16 values (their bits) widened exactly to float32
 void widen_bf16(const uint16_t* s, float* d, size_t n) {
@@ -118,9 +119,9 @@ struct RowsIn {
     long s0, s1;
 };
 
-RowsIn rows_in(const nb::ndarray<nb::device::cpu>& t, std::vector<float>& buf, const char* what) {
+RowsIn rows_in(const Strided& t, std::vector<float>& buf, const char* what) {
     if (t.dtype() == nb::dtype<float>()) return {(const float*)t.data(), (long)t.stride(0), (long)t.stride(1)};
-    check(t.dtype() == nb::dtype<uint16_t>(), std::string(what) + ": wrong dtype");
+    check(is_bf16(t), std::string(what) + ": wrong dtype");
     const size_t B = t.shape(0), T = t.shape(1);
     size_t inner = 1;
     for (size_t j = 2; j < t.ndim(); ++j) inner *= t.shape(j);
@@ -249,7 +250,7 @@ void moe_experts_float(Array x, Array ids, Array weights, std::vector<Array> gat
     check(!stacked || gate.size() == 1, "gate: one stack [E, I, H] or one [I, H] array per expert");
     const size_t E = stacked ? gate[0].shape(0) : gate.size();
     const size_t I = gate[0].shape(stacked ? 1 : 0);
-    const bool bf16 = gate[0].dtype() == nb::dtype<uint16_t>();
+    const bool bf16 = is_bf16(gate[0]);
     check(bf16 || gate[0].dtype() == nb::dtype<float>(), "gate: must be float32 or bf16 (as uint16)");
     std::vector<moerun::ExpertW> ex(E);
     const size_t esz = bf16 ? 2 : 4;
@@ -290,7 +291,7 @@ void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::opt
     const size_t Hq = q.shape(0), D = q.shape(1);
     const bool i8 = k.dtype() == nb::dtype<int8_t>();
     // bf16 arrives as raw 16-bit words (numpy has no bf16): uint16
-    const bool bf16 = k.dtype() == nb::dtype<uint16_t>();
+    const bool bf16 = is_bf16(k);
     check(k.dtype() == v.dtype() && (i8 || bf16 || k.dtype() == nb::dtype<float>()),
           "k, v: must be both float32, both bf16 (as uint16) or both int8");
     check(i8 == k_scale.has_value() && i8 == v_scale.has_value(), "int8 k, v need k_scale and v_scale (and only they)");
@@ -450,7 +451,7 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
                        Array vc, int pos, int Hq, float scale, Array out, bool gated) {
     check(x.ndim() == 2 && x.shape(0) >= 1, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
-    const bool bf16 = kc.dtype() == nb::dtype<uint16_t>();
+    const bool bf16 = is_bf16(kc);
     check((bf16 || kc.dtype() == nb::dtype<float>()) && vc.dtype() == kc.dtype(),
           "k, v cache: must be both float32 or both bf16 (as uint16)");
     check(kc.ndim() == 3, "k cache must be [kv heads, max_len, D]");
@@ -497,7 +498,7 @@ void deltanet_decode(Strided qkv, Array conv_w, Array conv, std::optional<Array>
     for (const Array* t : {&conv_w, &conv, &A_log, &dt_bias, &S, &norm_w})
         check_dtype(*t, dtype_code::Float, 32, "deltanet tensors");
     for (const Strided* t : {&qkv, &a, &b, &z})  // activations: float32, or a bf16 model's (uint16)
-        check(t->dtype() == nb::dtype<float>() || t->dtype() == nb::dtype<uint16_t>(), "deltanet tensors: wrong dtype");
+        check(t->dtype() == nb::dtype<float>() || is_bf16(*t), "deltanet tensors: wrong dtype");
     check(conv_every.has_value() == S_every.has_value(), "conv_every and S_every go together");
     check(qkv.ndim() == 3, "qkv must be [B, T, C]");
     const size_t B = qkv.shape(0), T = qkv.shape(1), C = qkv.shape(2);

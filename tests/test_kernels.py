@@ -781,7 +781,7 @@ def test_float_weights_in_the_linear_ops(isa, dtype):
 
 @pytest.mark.parametrize("isa", NATIVE)
 def test_bf16_activations_in_and_out(isa):
-    """Each op that takes a bf16 model's activations as they are (`kernels.ACT_DTYPES`) gives,
+    """Each op that takes a bf16 model's activations as they are (`kernels.FLOAT_DTYPES`) gives,
     with bf16 x and dtype=bf16, the float32 call on x.float() rounded by torch's .to(bf16),
     bit for bit: the widening and the rounding (to nearest even; NaN stays NaN) happen inside."""
     g = torch.Generator().manual_seed(21)

@@ -149,7 +149,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
 
 
-ACT_DTYPES = (torch.float32, torch.bfloat16)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16)  # what the native ops read as they are: weights, activations, caches
 
 
 def _act(t: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,7 @@ def _act(t: torch.Tensor) -> torch.Tensor:
     route_softmax_topk, moe_experts, moe_experts_float, rms_norm, the fused attention): a
     contiguous float32 or bf16 tensor as it is (bf16 is widened exactly inside), else float32.
     A bf16 model's decode step then skips a torch conversion before each op."""
-    return t if t.dtype in ACT_DTYPES and t.is_contiguous() else t.to(torch.float32).contiguous()
+    return t if t.dtype in FLOAT_DTYPES and t.is_contiguous() else t.to(torch.float32).contiguous()
 
 
 def _out_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -174,7 +174,7 @@ def _out(shape, dtype: torch.dtype) -> torch.Tensor:
 def _act_rows(t: torch.Tensor) -> torch.Tensor:
     """float32 or bf16 (`_act`) and contiguous within each [B, T] entry (a column slice of a
     wider buffer passes as it is), for the ops that take row and token strides."""
-    if t.dtype in ACT_DTYPES:
+    if t.dtype in FLOAT_DTYPES:
         inner = 1
         for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:])):
             if size > 1 and stride != inner:
@@ -543,7 +543,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     inputs of at most RMS_NORM_MAX elements and a float32 weight: one call instead of the 3-5
     torch ops (25-40 us for a decode row) a norm costs; otherwise `rms_norm_ref`."""
     nat = _native()
-    if (nat is None or x.dtype not in ACT_DTYPES or weight.dtype != torch.float32 or x.numel() > RMS_NORM_MAX
+    if (nat is None or x.dtype not in FLOAT_DTYPES or weight.dtype != torch.float32 or x.numel() > RMS_NORM_MAX
             or torch.is_grad_enabled()):
         return rms_norm_ref(x, weight, eps, offset).to(_out_dtype(dtype))
     x2 = _act(x).view(-1, x.shape[-1])
@@ -639,7 +639,7 @@ def deltanet_weight_views(conv_w, A_log, dt_bias, norm_w) -> tuple:
 
 def deltanet_decode_is_native(qkv, conv, S) -> bool:
     """Whether deltanet_decode runs natively: float32 or bf16 inputs with contiguous float32 states."""
-    return (_native() is not None and qkv.dtype in (torch.float32, torch.bfloat16) and conv.dtype == S.dtype == torch.float32
+    return (_native() is not None and qkv.dtype in FLOAT_DTYPES and conv.dtype == S.dtype == torch.float32
             and conv.is_contiguous() and S.is_contiguous())
 
 
@@ -684,7 +684,7 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
 
 def _fused_forward(self, x, cos_sin, kv, slots, pos0):
     B, T, H = x.shape
-    if (B != 1 or T > FUSED_MAX_TOKENS or type(kv) is not _kv_cache_class() or kv.k.dtype not in (torch.float32, torch.bfloat16)
+    if (B != 1 or T > FUSED_MAX_TOKENS or type(kv) is not _kv_cache_class() or kv.k.dtype not in FLOAT_DTYPES
             or _native() is None or torch.is_grad_enabled()):
         return self._unfused_forward(x, cos_sin, kv, slots, pos0)
     s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache

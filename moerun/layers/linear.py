@@ -19,7 +19,7 @@ def project(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
     views = packed_views(*mods, x=x) if len(mods) > 1 else None
     if views is not None:
         outs = kernels.qlinear_multi(x, list(views), dtype=x.dtype)
-        return outs if x.dtype in kernels.ACT_DTYPES else [o.to(x.dtype) for o in outs]
+        return outs if x.dtype in kernels.FLOAT_DTYPES else [o.to(x.dtype) for o in outs]
     return [m(x) for m in mods]
 
 
@@ -50,8 +50,5 @@ def plain_float_linear(lin: nn.Module) -> bool:
     # dozen linears a token, and the lookup costs more than the checks
     params = lin._parameters
     w = params.get("weight")
-    return (w is not None and "bias" in params and params["bias"] is None and w.dtype in FLOAT_DTYPES and w.is_cpu and w.is_contiguous()
-            and not (lin._forward_pre_hooks or lin._forward_hooks))
-
-
-FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+    return (w is not None and "bias" in params and params["bias"] is None and w.dtype in kernels.FLOAT_DTYPES
+            and w.is_cpu and w.is_contiguous() and not (lin._forward_pre_hooks or lin._forward_hooks))

@@ -45,7 +45,7 @@ def native_float_experts(x: torch.Tensor, gate: torch.Tensor) -> bool:
     """Whether x [N, H] goes through the native float experts kernel: a decode-sized pass
     without autograd (`kernels.float_decode_rows`), float32 or bf16 weights contiguous in CPU memory (up and down are
     alike wherever gate is), and the extension in use."""
-    return (gate.dtype in (torch.float32, torch.bfloat16) and gate.device.type == "cpu" and gate.is_contiguous()
+    return (gate.dtype in kernels.FLOAT_DTYPES and gate.is_cpu and gate.is_contiguous()
             and kernels.float_decode_rows(x) and kernels.native())
 
 
@@ -121,7 +121,7 @@ def native_float_linear(lin: nn.Linear, x: torch.Tensor) -> bool:
     """Whether a native op taking float32 weights may read this linear's (`kernels.float32_weight`)
     in place of calling it on x: a `plain_float_linear`, a float32 or bf16 input of its
     dtype, no autograd."""
-    return (x.dtype == lin.weight.dtype and x.dtype in (torch.float32, torch.bfloat16) and plain_float_linear(lin)
+    return (x.dtype == lin.weight.dtype and x.dtype in kernels.FLOAT_DTYPES and plain_float_linear(lin)
             and not torch.is_grad_enabled())
 
 
