@@ -71,6 +71,13 @@ def test_greedy_token_is_the_argmax_of_the_penalized_row():
                 row.bfloat16().float()[None], [seen], penalty))[0])
     assert greedy_token(logits[5], [17], 100.0) != 17 and greedy_token(logits[5], [17], 1.0) == 17
     assert torch.equal(logits, before)
+    # tied maxima, seen and unseen, before and after one another; a float32 numpy row too
+    tied = torch.tensor([1.0, 3.0, 3.0, -3.0, 3.0, 0.0])
+    for seen in ([1], [2], [1, 2], [4, 1, 1], [3, 5], [1, 2, 4], []):
+        for penalty in (1.3, 0.7):
+            want = int(argmax(apply_repetition_penalty(tied[None], [seen], penalty))[0])
+            assert greedy_token(tied, seen, penalty) == want
+            assert greedy_token(tied.numpy(), seen, penalty) == want
 
 
 def test_greedy_is_argmax_and_seed_reproduces():

@@ -59,21 +59,25 @@ def apply_repetition_penalty(logits: torch.Tensor, history: list[list[int]], pen
 
 
 def _penalize(row: np.ndarray, seen: list[int], penalty: float) -> None:
-    """The penalty on one float32 row, in place."""
+    """The penalty on one float32 row, in place. A token seen twice is listed twice: both
+    writes put the same value, computed from the row before any of them."""
     if seen:
-        idx = np.fromiter(set(seen), dtype=np.int64)
+        idx = np.asarray(seen, dtype=np.int64)
         vals = row[idx]
         p = np.float32(penalty)
         row[idx] = np.where(vals > 0, vals / p, vals * p)
 
 
-def greedy_token(logits: torch.Tensor, history: list[int], penalty: float) -> int:
-    """One row's greedy pick: the first maximum of logits [V] after the repetition penalty over
-    `history`, as `sample` picks it (same arithmetic), without copying the row when there is
-    no penalty: all numpy, a few microseconds (a speculative step picks one per draft)."""
-    x = logits.float().numpy()
-    if penalty == 1.0 or not history:
-        return int(x.argmax())
+def greedy_token(logits: torch.Tensor | np.ndarray, history: list[int], penalty: float) -> int:
+    """One row's greedy pick: the first maximum of logits [V] (a tensor, or a float32 numpy
+    row) after the repetition penalty over `history`, as `sample` picks it (same arithmetic).
+    A penalty above 1 only lowers seen tokens, so when the row's own first maximum is unseen
+    it is the pick and nothing is copied; otherwise the penalised copy decides. All numpy: a
+    few microseconds (a speculative step picks one per draft)."""
+    x = logits if isinstance(logits, np.ndarray) else logits.float().numpy()
+    top = int(x.argmax())
+    if penalty == 1.0 or not history or (penalty > 1.0 and top not in history):
+        return top
     y = x.copy()
     _penalize(y, history, penalty)
     return int(y.argmax())

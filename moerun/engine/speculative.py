@@ -724,8 +724,9 @@ class SpeculativeDecoder:
         history = s.prompt_ids + s.out_ids
         n = len(drafts)
         if p_.greedy:  # the trunk's pick at each position (history ending with drafts[:j]) up to the first miss
+            rows = logits.float().numpy()  # one conversion for every position
             for j in range(n + 1):
-                target = greedy_token(logits[j], history + drafts[:j], p_.repetition_penalty)
+                target = greedy_token(rows[j], history + drafts[:j], p_.repetition_penalty)
                 if j == n or target != drafts[j]:
                     return drafts[:j] + [target], j
         out: list[int] = []
