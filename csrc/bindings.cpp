@@ -102,12 +102,7 @@ struct ActOut {
     void finish() {
         if (p == (float*)a.data()) return;
         uint16_t* d = (uint16_t*)a.data();
-        for (size_t i = 0; i < a.size(); ++i) {
-            uint32_t u;
-            std::memcpy(&u, &p[i], 4);
-            d[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0  // NaN: torch's one quiet NaN
-                                                   : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-        }
+        for (size_t i = 0; i < a.size(); ++i) d[i] = moerun::bf16_bits(p[i]);
     }
 };
 
@@ -238,46 +233,91 @@ void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq
     o.finish();
 }
 
+// Routed experts' weights as the ops take them: gate, up and down each a list of one stack
+// ([E, I, row] and [E, H, row]) or of one array per expert ([I, row] and [H, row], wherever
+// each lies), in fmt: float32 or bf16 (as uint16) rows of H / I values with no scales (the
+// scale lists empty), or int4 / int8 rows with their scales lists alike. -> (table, I).
+std::pair<std::vector<moerun::ExpertW>, size_t> expert_table(int fmt, size_t H, const std::vector<Array>& gate,
+                                                             const std::vector<Array>& gs, const std::vector<Array>& up,
+                                                             const std::vector<Array>& us, const std::vector<Array>& down,
+                                                             const std::vector<Array>& ds) {
+    check(!gate.empty() && gate.size() == up.size() && gate.size() == down.size(),
+          "gate, up, down: as many arrays each");
+    const bool fl = moerun::is_float_fmt(fmt);
+    if (!fl) check_fmt(fmt);
+    check(fl ? gs.empty() && us.empty() && ds.empty() : gs.size() == gate.size() && us.size() == gate.size() &&
+                                                          ds.size() == gate.size(),
+          "scales: one per weight array for int4 / int8 experts, none for float ones");
+    const bool stacked = gate[0].ndim() == 3;
+    check(!stacked || gate.size() == 1, "gate: one stack [E, I, row] or one [I, row] array per expert");
+    const size_t E = stacked ? gate[0].shape(0) : gate.size();
+    const size_t I = gate[0].shape(stacked ? 1 : 0);
+    const int nbH = moerun::blocks_of((int)H), nbI = moerun::blocks_of((int)I);
+    std::vector<size_t> lead_gu = stacked ? std::vector<size_t>{E, I} : std::vector<size_t>{I};
+    std::vector<size_t> lead_d = stacked ? std::vector<size_t>{E, H} : std::vector<size_t>{H};
+    auto check_w = [&](const Array& w, const std::vector<size_t>& lead, size_t in, int nb, const char* what) {
+        if (fl) {
+            check(w.dtype() == (fmt == moerun::FMT_F32 ? nb::dtype<float>() : nb::dtype<uint16_t>()),
+                  std::string(what) + ": must be float32 (fmt 32) or bf16 as uint16 (fmt 16)");
+            check(w.ndim() == lead.size() + 1, std::string(what) + ": wrong number of dimensions");
+            for (size_t i = 0; i < lead.size(); ++i) check(w.shape(i) == lead[i], std::string(what) + ": wrong shape");
+            check(w.shape(lead.size()) == in, std::string(what) + ": wrong shape");
+        } else {
+            check(w.ndim() == lead.size() + 1, std::string(what) + ": wrong number of dimensions");
+            check((w.dtype().code == (uint8_t)dtype_code::UInt || w.dtype().code == (uint8_t)dtype_code::Int) &&
+                      w.dtype().bits == 8, std::string(what) + ": must be uint8 or int8");
+            for (size_t i = 0; i < lead.size(); ++i) check(w.shape(i) == lead[i], std::string(what) + ": wrong shape");
+            check(w.shape(lead.size()) == moerun::row_bytes(fmt, nb), std::string(what) + ": wrong shape");
+        }
+    };
+    auto check_s = [&](const Array& sc, const std::vector<size_t>& lead, int nb, const char* what) {
+        check_dtype(sc, dtype_code::Float, 16, what);
+        check(sc.ndim() == lead.size() + 1, std::string(what) + ": wrong number of dimensions");
+        for (size_t i = 0; i < lead.size(); ++i) check(sc.shape(i) == lead[i], std::string(what) + ": wrong shape");
+        check(sc.shape(lead.size()) == (size_t)nb, std::string(what) + ": wrong shape");
+    };
+    for (size_t j = 0; j < gate.size(); ++j) {
+        check_w(gate[j], lead_gu, H, nbH, "gate");
+        check_w(up[j], lead_gu, H, nbH, "up");
+        check_w(down[j], lead_d, I, nbI, "down");
+        if (!fl) {
+            check_s(gs[j], lead_gu, nbH, "gate scales");
+            check_s(us[j], lead_gu, nbH, "up scales");
+            check_s(ds[j], lead_d, nbI, "down scales");
+        }
+    }
+    const size_t grow = moerun::weight_row_bytes(fmt, (int)H) * I, drow = moerun::weight_row_bytes(fmt, (int)I) * H;
+    const size_t gsn = I * nbH, dsn = H * nbI;
+    std::vector<moerun::ExpertW> ex(E);
+    for (size_t e = 0; e < E; ++e) {
+        const size_t j = stacked ? 0 : e, k = stacked ? e : 0;
+        ex[e] = {(const uint8_t*)gate[j].data() + k * grow, (const uint8_t*)up[j].data() + k * grow,
+                 (const uint8_t*)down[j].data() + k * drow,
+                 fl ? nullptr : (const uint16_t*)gs[j].data() + k * gsn,
+                 fl ? nullptr : (const uint16_t*)us[j].data() + k * gsn,
+                 fl ? nullptr : (const uint16_t*)ds[j].data() + k * dsn};
+    }
+    return {std::move(ex), I};
+}
+
 // moe_experts with unquantized weights, all float32 or all bf16 (as uint16); the activations
 // stay float32 throughout. gate, up and down each come as a list: one stack ([E, I, H] and
 // [E, H, I]) or one array per expert ([I, H] and [H, I], wherever each lies).
 void moe_experts_float(Array x, Array ids, Array weights, std::vector<Array> gate, std::vector<Array> up,
                        std::vector<Array> down, Array out) {
     const auto [T, H, K] = routed_tokens(x, ids, weights);
-    check(!gate.empty() && gate.size() == up.size() && gate.size() == down.size(),
-          "gate, up, down: as many arrays each");
-    const bool stacked = gate[0].ndim() == 3;
-    check(!stacked || gate.size() == 1, "gate: one stack [E, I, H] or one [I, H] array per expert");
-    const size_t E = stacked ? gate[0].shape(0) : gate.size();
-    const size_t I = gate[0].shape(stacked ? 1 : 0);
+    check(!gate.empty(), "gate: one stack [E, I, H] or one [I, H] array per expert");
     const bool bf16 = is_bf16(gate[0]);
     check(bf16 || gate[0].dtype() == nb::dtype<float>(), "gate: must be float32 or bf16 (as uint16)");
-    std::vector<moerun::ExpertW> ex(E);
-    const size_t esz = bf16 ? 2 : 4;
-    for (size_t j = 0; j < gate.size(); ++j) {
-        for (const Array* w : {&gate[j], &up[j], &down[j]}) check(w->dtype() == gate[0].dtype(), "up, down: must have gate's dtype");
-        if (stacked) {
-            check_shape(gate[j], {E, I, H}, "gate");
-            check_shape(up[j], {E, I, H}, "up");
-            check_shape(down[j], {E, H, I}, "down");
-        } else {
-            check_shape(gate[j], {I, H}, "gate");
-            check_shape(up[j], {I, H}, "up");
-            check_shape(down[j], {H, I}, "down");
-        }
-    }
-    for (size_t e = 0; e < E; ++e) {
-        const size_t j = stacked ? 0 : e, off = stacked ? e * I * H * esz : 0;
-        ex[e] = {(const uint8_t*)gate[j].data() + off, (const uint8_t*)up[j].data() + off,
-                 (const uint8_t*)down[j].data() + off, nullptr, nullptr, nullptr};
-    }
+    const int fmt = bf16 ? moerun::FMT_BF16 : moerun::FMT_F32;
+    const auto [ex, I] = expert_table(fmt, H, gate, {}, up, {}, down, {});
     check_shape(out, {T, H}, "out");
     ActIn xin(x, "x");
     ActOut o(out, "out");
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::moe_experts(bf16 ? moerun::FMT_BF16 : moerun::FMT_F32, (int)T, (int)H, (int)I, (int)E, (int)K,
-                        xin.p, (const int64_t*)ids.data(), (const float*)weights.data(), ex.data(), o.p);
+    moerun::moe_experts(fmt, (int)T, (int)H, (int)I, (int)ex.size(), (int)K, xin.p, (const int64_t*)ids.data(),
+                        (const float*)weights.data(), ex.data(), o.p);
     o.finish();
 }
 
@@ -443,6 +483,89 @@ void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf,
     o.finish();
 }
 
+// The MoE half of a decoder layer for a few tokens (moerun::moe_block_decode): out = x +
+// experts(h) [+ shared expert(h)], h = RMSNorm(x). x [T, H] and out (float32, or both bf16:
+// then every intermediate is rounded as the separate bf16 ops round it); norm_w [H] and
+// router [E, H] float32; experts as `expert_table` takes them, in efmt; shared: [] or the
+// shared expert's gate, up, down with their scales and fmts (as qlinear_multi's weights);
+// shared_gate [H] float32 or empty. h_out [T, H] float32, ids_out [T, K] int64 and w_out
+// [T, K] float32 are filled when not empty (what the separate ops would hand their hooks).
+void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router, int K, bool renorm, int efmt,
+               std::vector<Array> gate, std::vector<Array> gs, std::vector<Array> up, std::vector<Array> us,
+               std::vector<Array> down, std::vector<Array> ds, std::vector<Array> shared, std::vector<Array> shared_s,
+               std::vector<int> shared_fmts, Array shared_gate, Array out, Array h_out, Array ids_out, Array w_out) {
+    check(x.ndim() == 2, "x must be [T, H]");
+    const size_t T = x.shape(0), H = x.shape(1);
+    check(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
+    check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
+    check_shape(norm_w, {H}, "norm_w");
+    check_dtype(router, dtype_code::Float, 32, "router");
+    check(router.ndim() == 2 && router.shape(1) == H && router.shape(0) >= 1, "router must be [E, H]");
+    const size_t E = router.shape(0);
+    check(K >= 1 && (size_t)K <= E, "K must be between 1 and the number of experts");
+    const auto [ex, I] = expert_table(efmt, H, gate, gs, up, us, down, ds);
+    check(ex.size() == E, "experts: as many as the router's rows");
+    check(shared.empty() || (shared.size() == 3 && shared_s.size() == 3 && shared_fmts.size() == 3),
+          "shared: none, or gate, up, down with their scales and fmts");
+    std::vector<moerun::QWeight> sw;
+    size_t Is = 0;
+    if (!shared.empty()) {
+        check(shared[0].ndim() == 2, "shared gate must be [Is, row]");
+        Is = shared[0].shape(0);
+        sw = {qweight_of(shared[0], shared_s[0], shared_fmts[0], Is, H, "shared gate"),
+              qweight_of(shared[1], shared_s[1], shared_fmts[1], Is, H, "shared up"),
+              qweight_of(shared[2], shared_s[2], shared_fmts[2], H, Is, "shared down")};
+    }
+    check_dtype(shared_gate, dtype_code::Float, 32, "shared_gate");
+    check(shared_gate.ndim() == 1 && (shared_gate.shape(0) == 0 || shared_gate.shape(0) == H),
+          "shared_gate must be [H] or empty");
+    check_shape(out, {T, H}, "out");
+    const bool observed = h_out.size() > 0;
+    check(observed == (ids_out.size() > 0) && observed == (w_out.size() > 0), "h_out, ids_out, w_out: all or none");
+    if (observed) {
+        check_dtype(h_out, dtype_code::Float, 32, "h_out");
+        check_shape(h_out, {T, H}, "h_out");
+        check_dtype(ids_out, dtype_code::Int, 64, "ids_out");
+        check_shape(ids_out, {T, (size_t)K}, "ids_out");
+        check_dtype(w_out, dtype_code::Float, 32, "w_out");
+        check_shape(w_out, {T, (size_t)K}, "w_out");
+    }
+    ActIn xin(x, "x");
+    ActOut o(out, "out");
+    moerun::MoeBlockArgs a{};
+    a.T = (int)T;
+    a.H = (int)H;
+    a.E = (int)E;
+    a.K = K;
+    a.I = (int)I;
+    a.Is = (int)Is;
+    a.renorm = renorm;
+    a.round_bf16 = is_bf16(out);
+    a.x = xin.p;
+    a.norm_w = (const float*)norm_w.data();
+    a.norm_offset = norm_offset;
+    a.eps = eps;
+    a.router = (const float*)router.data();
+    a.efmt = efmt;
+    a.experts = ex.data();
+    if (!sw.empty()) {
+        a.sg = &sw[0];
+        a.su = &sw[1];
+        a.sd = &sw[2];
+    }
+    a.shared_gate = shared_gate.shape(0) ? (const float*)shared_gate.data() : nullptr;
+    a.y = o.p;
+    if (observed) {
+        a.h_out = (float*)h_out.data();
+        a.ids_out = (int64_t*)ids_out.data();
+        a.w_out = (float*)w_out.data();
+    }
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::moe_block_decode(a);
+    o.finish();
+}
+
 // x [T, H]; q/k/v/o quantized [rows, bytes] + scales (q: Hq * D rows, 2 * Hq * D when gated);
 // qn, kn [D] or empty; cos, sin [T, rd]; kc, vc [Hkv, max_len, D] (one slot of the cache:
 // float32, or bf16 as uint16); out [T, H]. Token t sits at position pos + t.
@@ -602,6 +725,13 @@ NB_MODULE(_native, m) {
           nb::arg("conv_every").none(), nb::arg("a"), nb::arg("b"), nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("S"),
           nb::arg("S_every").none(), nb::arg("z"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("out"), nb::arg("hk"),
           "a few tokens per row through a Gated DeltaNet layer's conv, delta rule and gated norm (float32)");
+    m.def("moe_block", &moe_block, nb::arg("x"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("norm_offset"),
+          nb::arg("router"), nb::arg("k"), nb::arg("renorm"), nb::arg("efmt"), nb::arg("gate"), nb::arg("gate_scales"),
+          nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"), nb::arg("shared"),
+          nb::arg("shared_scales"), nb::arg("shared_fmts"), nb::arg("shared_gate"), nb::arg("out"), nb::arg("h_out"),
+          nb::arg("ids_out"), nb::arg("w_out"),
+          "the MoE half of a decoder layer for a few tokens: out = x + experts(h) [+ shared expert(h)], h = RMSNorm(x), "
+          "softmax top-k routing");
     m.def("moe_experts_float", &moe_experts_float, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("up"), nb::arg("down"), nb::arg("out"), "fused routed experts with float32 or bf16 weights");
     m.def("moe_experts", &moe_experts, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),

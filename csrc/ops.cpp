@@ -229,6 +229,40 @@ void swiglu_mlp(int M, int H, int I, const QWeight& gate, const QWeight& up, con
         }
 }
 
+void moe_block_decode(const MoeBlockArgs& a) {
+    struct Bufs {
+        std::vector<float> h, w, e, s;
+        std::vector<int64_t> ids;
+    };
+    static Bufs* b = new Bufs();  // one op at a time (bindings hold a mutex)
+    const size_t n = (size_t)a.T * a.H, nk = (size_t)a.T * a.K;
+    auto rounded = [&](float* v, size_t len) {
+        if (a.round_bf16)
+            for (size_t i = 0; i < len; ++i) v[i] = bf16_round(v[i]);
+    };
+    float* h = a.h_out ? a.h_out : (b->h.resize(n), b->h.data());
+    int64_t* ids = a.ids_out ? a.ids_out : (b->ids.resize(nk), b->ids.data());
+    float* w = a.w_out ? a.w_out : (b->w.resize(nk), b->w.data());
+    b->e.resize(n);
+    float* e = b->e.data();
+    rms_norm(a.T, a.H, a.x, a.norm_w, a.norm_offset, a.eps, h);
+    rounded(h, n);
+    route_softmax_topk(a.T, a.H, a.E, a.K, a.renorm, h, a.router, ids, w);
+    rounded(w, nk);
+    moe_experts(a.efmt, a.T, a.H, a.I, a.E, a.K, h, ids, w, a.experts, e);
+    rounded(e, n);
+    if (a.sg) {
+        b->s.resize(n);
+        float* s = b->s.data();
+        swiglu_mlp(a.T, a.H, a.Is, *a.sg, *a.su, *a.sd, h, s, a.shared_gate);
+        rounded(s, n);
+        for (size_t i = 0; i < n; ++i) e[i] += s[i];
+        rounded(e, n);
+    }
+    for (size_t i = 0; i < n; ++i) a.y[i] = a.x[i] + e[i];
+    rounded(a.y, n);
+}
+
 void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, const uint16_t* ws_, float* y) {
     const QWeight q{fmt, w, ws_};
     qlinear_multi(M, K, 1, &q, &N, x, y);

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels.h"
 
@@ -10,6 +11,21 @@ namespace moerun {
 
 inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+
+// float32 -> bf16 bits, rounded to nearest even as torch's .to(torch.bfloat16) rounds; a NaN
+// becomes torch's one quiet NaN (0x7fc0)
+inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+// f rounded to the nearest bf16, as a float32
+inline float bf16_round(float f) {
+    const uint32_t u = (uint32_t)bf16_bits(f) << 16;
+    float r;
+    std::memcpy(&r, &u, 4);
+    return r;
+}
 
 // Process-wide settings: which kernel table runs, how many threads the pool has and how long
 // its idle workers spin before they sleep.
@@ -101,6 +117,33 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
                        float scale, float* out, int kv_type = KV_F32, bool gated = false, int T = 1);
+
+// The MoE half of a decoder layer for T tokens (decode-sized), in one call: y = x + moe(h)
+// with h = RMSNorm(x) (weight norm_w + norm_offset, eps); moe(h) routes h by softmax top-k
+// (route_softmax_topk: router [E, H] float32, renorm), runs the routed experts (moe_experts:
+// experts[e] in efmt, width I) and, with shared (gate, up, down of width Is), adds the shared
+// expert scaled by sigmoid(h . shared_gate) (swiglu_mlp; shared_gate may be null). Each
+// intermediate is what the separate ops produce; with round_bf16 (a bf16 model) each is
+// also rounded to bf16 where the separate calls hand a bf16 tensor on (h, the routing weights,
+// the experts' sum, the shared expert's output, their sum, y), so y is bit-identical to them.
+// h_out, ids_out, w_out (each may be null) receive h, the ids [T, K] and the weights [T, K].
+struct MoeBlockArgs {
+    int T, H, E, K, I, Is;
+    bool renorm, round_bf16;
+    const float* x;                     // [T, H]
+    const float* norm_w;                // [H]
+    float norm_offset, eps;
+    const float* router;                // [E, H]
+    int efmt;
+    const ExpertW* experts;             // [E]
+    const QWeight *sg, *su, *sd;        // the shared expert, or null
+    const float* shared_gate;           // [H] or null
+    float* y;                           // [T, H]
+    float* h_out;
+    int64_t* ids_out;
+    float* w_out;
+};
+void moe_block_decode(const MoeBlockArgs& a);
 
 // Gated DeltaNet (Qwen3.5 linear attention) over T tokens per row, token after token (decode,
 // or a speculative verification pass): causal conv + SiLU over the in_proj_qkv outputs, L2

@@ -476,6 +476,70 @@ def moe_experts_float(x, ids, weights, gate, up, down, views: tuple | None = Non
     return out
 
 
+class ExpertViews(NamedTuple):
+    """Routed experts as `moe_block` takes them: the native format code (32 / 16: float32 /
+    bf16 rows, 8 / 4: packed) and per weight a list of one stack or of one array per expert,
+    with the scales' lists alike (empty for float experts)."""
+    code: int
+    gate: list
+    gate_scales: list
+    up: list
+    up_scales: list
+    down: list
+    down_scales: list
+
+
+def float_expert_stack_views(gate, up, down) -> ExpertViews:
+    """Float experts' stacks (or per-expert lists) as `moe_block` takes them."""
+    g, u, d = float_expert_views(gate, up, down)
+    return ExpertViews(FLOAT_FORMATS[(gate if torch.is_tensor(gate) else gate[0]).dtype][1], g, [], u, [], d, [])
+
+
+def packed_expert_views(fmt: str):
+    """-> make(gate, gate_scales, up, up_scales, down, down_scales): packed experts' stacks in
+    `fmt` as `moe_block` takes them (a `native_views` maker)."""
+    return _PACKED_EXPERT_VIEWS[fmt]
+
+
+_PACKED_EXPERT_VIEWS = {fmt: (lambda *ts, code=code: ExpertViews(code, *([_np(t)] for t in ts)))
+                        for fmt, code in formats.FORMATS.items()}
+
+
+def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_offset: float, router: torch.Tensor,
+              k: int, renorm: bool, experts: ExpertViews, shared: tuple | None = None,
+              shared_gate: torch.Tensor | None = None, observe: bool = False):
+    """The MoE half of a decoder layer for a decode-sized x [T, H] in one native call:
+    x + experts(h) (+ sigmoid(h . shared_gate) * shared(h) with a shared expert), h = RMSNorm(x)
+    with norm_weight + norm_offset (float32 [H]), softmax top-k routing over router [E, H]
+    (float32) renormalised over the k when `renorm`. `experts`: `ExpertViews`; `shared`: the
+    shared expert's (gate, up, down) `Packed`; shared_gate [H] float32. Out in x's dtype
+    (float32 or bf16); a bf16 x has every intermediate rounded where the separate ops
+    (`rms_norm`, `route_softmax_topk`, `moe_experts*`, `swiglu_mlp` and two adds, each in
+    bf16) round it: bit-identical to them. With `observe`: (out, h, ids, weights) as the
+    separate ops hand them on (h and weights in x's dtype), for their hooks."""
+    nat = _native()
+    T, H = x.shape
+    x = x.contiguous()  # (a row slice of a wider batch is not), in its dtype: out has it too
+    out = _out(x.shape, x.dtype)
+    none = _np(_EMPTY_F32)
+    if observe:
+        h, ids, w = torch.empty(T, H), torch.empty(T, k, dtype=torch.int64), torch.empty(T, k)
+        obs = (_np(h), _np(ids), _np(w))
+    else:
+        obs = (none, _np(_EMPTY_I64), none)
+    sh = ([p.w for p in shared], [p.s for p in shared], [p.code for p in shared]) if shared else ([], [], [])
+    _sync_threads(nat)
+    nat.moe_block(_np(_act(x)), _np(norm_weight), float(eps), float(norm_offset), _np(router), k, renorm,
+                  *experts, *sh, _np(shared_gate) if shared_gate is not None else none, _np(out), *obs)
+    if not observe:
+        return out
+    return out, h.to(x.dtype), ids, w.to(x.dtype)
+
+
+_EMPTY_F32 = torch.empty(0)
+_EMPTY_I64 = torch.empty(0, dtype=torch.int64)
+
+
 def float_expert_views(*weights) -> tuple:
     """gate, up, down (stacks or per-expert lists) as `moe_experts_float` takes them."""
     return tuple([_np(w)] if torch.is_tensor(w) else [_np(t) for t in w] for w in weights)

@@ -38,6 +38,14 @@ class Experts(nn.Module):
         return expert_mlp(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj)
 
 
+    def fused_views(self, x: torch.Tensor) -> kernels.ExpertViews | None:
+        """The experts as `kernels.moe_block` takes them, for a pass that would run natively
+        here (`native_float_experts`; see `moe_residual`)."""
+        if not native_float_experts(x, self.gate_proj):
+            return None
+        return kernels.native_views(self, EXPERT_WEIGHTS, kernels.float_expert_stack_views)
+
+
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -115,6 +123,67 @@ def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tupl
     if renorm:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights.to(h.dtype), ids
+
+
+def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> torch.Tensor:
+    """x + block(norm(x)): a decoder layer's MLP half. For a decode-sized x through a softmax
+    top-k MoE block (`gate`: the router, `top_k`, `norm_topk_prob`, `experts`, and maybe a shared
+    expert with its gate, `shared_expert` and `shared_expert_gate`) whose parts all run
+    natively, one native call (`kernels.moe_block`) instead of four and two torch adds:
+    bit-identical to the modules one by one, which run otherwise (`_fusable`). Forward
+    pre-hooks on the experts (expert trackers) are then called after it with the arguments
+    the experts would have had; one that returns new arguments cannot be honoured there and
+    raises."""
+    fused = _fusable(x, norm, block)
+    if fused is None:
+        return x + block(norm(x))
+    experts, views, shared, shared_gate = fused
+    h = x.reshape(-1, x.shape[-1])
+    hooks = experts._forward_pre_hooks
+    r = kernels.moe_block(h, kernels.float32_weight(norm), norm.eps, 1.0 if norm.zero_centered else 0.0,
+                          kernels.float32_weight(block.gate), block.top_k, block.norm_topk_prob, views, shared,
+                          shared_gate, observe=bool(hooks))
+    if not hooks:
+        return r.view(x.shape)
+    y, args = r[0], r[1:]
+    for key, hook in list(hooks.items()):
+        kw = key in experts._forward_pre_hooks_with_kwargs
+        if (hook(experts, args, {}) if kw else hook(experts, args)) is not None:
+            raise RuntimeError(f"a forward pre-hook on {type(experts).__name__} returned new arguments: "
+                               "the fused MoE block cannot take them (moerun.layers.moe.moe_residual)")
+    return y.view(x.shape)
+
+
+def _fusable(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None:
+    """(experts, their `fused_views`, the shared expert's packed views or None, its gate as
+    float32 [H] or None) when `moe_residual` may run x through norm and block in one native
+    call: a decode-sized float32 or bf16 pass without autograd, a zero-centred or plain
+    `RMSNorm` of x's dtype, a block of the shape above, no hooks on the norm, the block or
+    the router, no forward hooks on the experts and none global; None otherwise."""
+    from .norm import RMSNorm
+
+    experts = getattr(block, "experts", None)
+    fused_views = getattr(experts, "fused_views", None)
+    if fused_views is None or type(norm) is not RMSNorm or not kernels.native() or torch.is_grad_enabled():
+        return None
+    h = x.reshape(-1, x.shape[-1])
+    if (h.shape[0] > kernels.ROUTE_MAX_TOKENS or norm.weight.dtype != x.dtype or h.numel() > kernels.RMS_NORM_MAX
+            or not native_float_linear(block.gate, h)):
+        return None
+    if (norm._forward_hooks or norm._forward_pre_hooks or block._forward_hooks or block._forward_pre_hooks
+            or experts._forward_hooks or nn.modules.module._global_forward_hooks
+            or nn.modules.module._global_forward_pre_hooks):
+        return None
+    views = fused_views(h)
+    if views is None:
+        return None
+    se = getattr(block, "shared_expert", None)
+    if se is None:
+        return experts, views, None, None
+    shared = se._packed_views(h)
+    if shared is None or not native_float_linear(block.shared_expert_gate, h):
+        return None
+    return experts, views, shared, kernels.float32_weight(block.shared_expert_gate).view(-1)
 
 
 def native_float_linear(lin: nn.Linear, x: torch.Tensor) -> bool:

@@ -36,7 +36,7 @@ from ..engine.cache import KVSpec, StateSpec
 from ..layers.attention import attend
 from ..layers.deltanet import FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, split_heads
 from ..layers.linear import project
-from ..layers.moe import Experts, GatedMLP, softmax_topk
+from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm, rms_norm_cat
 from ..layers.rope import Rope, norm_rope
 
@@ -225,7 +225,7 @@ class GatedDeltaNet(nn.Module):
 class SparseMoeBlock(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.top_k = a.num_experts_per_tok
+        self.top_k, self.norm_topk_prob = a.num_experts_per_tok, True
         self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)  # the router
         self.experts = Experts(a.num_experts, a.hidden_size, a.moe_intermediate_size)
         self.shared_expert = GatedMLP(a.hidden_size, a.shared_expert_intermediate_size)
@@ -233,7 +233,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x):
         h = x.reshape(-1, x.shape[-1])  # [B*T, H]
-        weights, ids = softmax_topk(self.gate, h, self.top_k, renorm=True)  # [B*T, K]
+        weights, ids = softmax_topk(self.gate, h, self.top_k, self.norm_topk_prob)  # [B*T, K]
         out = self.experts(h, ids, weights)
         return (out + self.shared_expert.gated(h, self.shared_expert_gate)).view_as(x)
 
@@ -260,7 +260,7 @@ class DecoderLayer(nn.Module):
             x = x + self.self_attn(h, cos_sin, state, slots, pos0)
         if last_only:
             x = x[:, -1:]
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return moe_residual(x, self.post_attention_layernorm, self.mlp)  # x + mlp(norm(x))
 
 
 class Qwen3_5MoeTextModel(nn.Module):

@@ -12,7 +12,7 @@ from torch import nn
 from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec
 from ..layers.attention import attend
-from ..layers.moe import Experts, GatedMLP, softmax_topk
+from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, norm_rope
 
@@ -111,7 +111,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos_sin, kv, slots, pos0):
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, slots, pos0)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return moe_residual(x, self.post_attention_layernorm, self.mlp)  # x + mlp(norm(x))
 
 
 class Qwen3MoeModel(nn.Module):

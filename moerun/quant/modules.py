@@ -96,6 +96,11 @@ class QuantizedExperts(nn.Module):
                     q[e], s[e] = formats.quantize(p[e], fmt)
         return m
 
+    def fused_views(self, x: torch.Tensor) -> kernels.ExpertViews | None:
+        """The experts as `kernels.moe_block` takes them, when the native kernels run (see
+        `layers.moe.moe_residual`)."""
+        return kernels.native_views(self, BUFFERS, kernels.packed_expert_views(self.fmt)) if kernels.native() else None
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]."""
         views = kernels.native_views(self, BUFFERS, kernels.numpy_views) if kernels.native() else None

@@ -1,0 +1,181 @@
+"""The fused MoE half of a decoder layer (`layers.moe.moe_residual`, `kernels.moe_block`):
+bit-identical to the modules one by one, hooks still served, fallbacks where it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from moerun import kernels
+from moerun.layers import moe
+from moerun.layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
+from moerun.layers.norm import RMSNorm
+from moerun.quant.modules import QuantizedExperts, QuantizedLinear
+
+pytestmark = pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+NATIVE = [i for i in kernels.available_isas() if i != "torch"]
+
+
+class Block(nn.Module):
+    """A softmax top-k MoE block as the model files write one (Qwen3, and Qwen3.5 / Qwen2-MoE
+    with `shared`)."""
+
+    def __init__(self, H, E, I, K, renorm, shared):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = K, renorm
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = Experts(E, H, I)
+        if shared:
+            self.shared_expert = GatedMLP(H, 2 * I)
+            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        weights, ids = softmax_topk(self.gate, h, self.top_k, self.norm_topk_prob)
+        out = self.experts(h, ids, weights)
+        if hasattr(self, "shared_expert"):
+            out = out + self.shared_expert.gated(h, self.shared_expert_gate)
+        return out.view_as(x)
+
+
+def make(dtype, experts="float", shared=True, shared_fmt=None, renorm=True, zero_centered=True, H=96, E=8, I=48, K=3,
+         seed=0):
+    torch.manual_seed(seed)
+    block = Block(H, E, I, K, renorm, shared)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+    norm = RMSNorm(H, 1e-6, zero_centered=zero_centered)
+    with torch.no_grad():
+        norm.weight.normal_(0 if zero_centered else 1, 0.1)
+    norm, block = norm.to(dtype), block.to(dtype)
+    if experts != "float":
+        block.experts = QuantizedExperts.from_experts(block.experts, experts)
+    if shared and shared_fmt:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(block.shared_expert, name, QuantizedLinear.from_linear(getattr(block.shared_expert, name), shared_fmt))
+    return norm, block
+
+
+def run(x, norm, block, fused: bool, monkeypatch):
+    """moe_residual with the fusion allowed or not -> (output, how many fused calls ran)."""
+    calls = []
+    real = kernels.moe_block
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "moe_block", counted)
+        if not fused:
+            m.setattr(moe, "_fusable", lambda *a: None)
+        with torch.inference_mode():
+            return moe_residual(x, norm, block), len(calls)
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts,shared,shared_fmt", [("float", True, None), ("float", False, None),
+                                                        ("int4", True, "int8"), ("int8", False, None),
+                                                        ("int4", True, None)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 2), (1, 16), "last"])
+def test_fused_block_is_bit_identical(isa, dtype, experts, shared, shared_fmt, shape, monkeypatch):
+    norm, block = make(dtype, experts, shared, shared_fmt)
+    if shape == "last":  # the last position of 2 rows of 3 (an MTP catch-up call): not contiguous
+        x = (torch.randn(2, 3, 96) * 2).to(dtype)[:, -1:]
+    else:
+        x = (torch.randn(*shape, 96) * 2).to(dtype)
+    with kernels.use_isa(isa):
+        want, n0 = run(x, norm, block, False, monkeypatch)
+        got, n1 = run(x, norm, block, True, monkeypatch)
+    assert (n0, n1) == (0, 1)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("renorm,zero_centered", [(False, False), (True, False), (False, True)])
+def test_fused_block_norm_and_routing_variants(renorm, zero_centered, monkeypatch):
+    for dtype in (torch.float32, torch.bfloat16):
+        norm, block = make(dtype, "float", False, renorm=renorm, zero_centered=zero_centered, E=16, K=4)
+        x = torch.randn(1, 2, 96).to(dtype)
+        want, _ = run(x, norm, block, False, monkeypatch)
+        got, n = run(x, norm, block, True, monkeypatch)
+        assert n == 1 and torch.equal(got, want)
+
+
+def test_experts_pre_hooks_see_what_the_modules_would_pass(monkeypatch):
+    """An expert tracker's pre-hook gets the same (h, ids, weights) from the fused call."""
+    norm, block = make(torch.bfloat16)
+    x = torch.randn(1, 3, 96).to(torch.bfloat16)
+    seen = []
+    handle = block.experts.register_forward_pre_hook(lambda m, args: seen.append(args))
+    kw = block.experts.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args), with_kwargs=True)
+    want, n0 = run(x, norm, block, False, monkeypatch)
+    got, n1 = run(x, norm, block, True, monkeypatch)
+    handle.remove(), kw.remove()
+    assert (n0, n1) == (0, 1) and torch.equal(got, want)
+    assert len(seen) == 4
+    for a, b in ((seen[0], seen[2]), (seen[1], seen[3])):
+        assert all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(a, b))
+
+
+def test_a_hook_that_changes_arguments_is_refused(monkeypatch):
+    norm, block = make(torch.float32)
+    block.experts.register_forward_pre_hook(lambda m, args: (args[0] * 2, args[1], args[2]))
+    with pytest.raises(RuntimeError, match="returned new arguments"):
+        run(torch.randn(1, 1, 96), norm, block, True, monkeypatch)
+
+
+def test_falls_back_where_it_cannot_fuse(monkeypatch):
+    """Hooks on the norm, router or block, forward hooks on the experts, more rows than a
+    decode pass, autograd, a dense MLP, a norm of another dtype: the modules one by one."""
+    x = torch.randn(1, 2, 96)
+    cases = []
+    for where in ("norm", "gate", "block"):
+        norm, block = make(torch.float32)
+        {"norm": norm, "gate": block.gate, "block": block}[where].register_forward_pre_hook(lambda m, a: None)
+        cases.append((x, norm, block))
+    norm, block = make(torch.float32)
+    block.experts.register_forward_hook(lambda m, a, o: None)
+    cases.append((x, norm, block))
+    norm, block = make(torch.float32)
+    cases.append((torch.randn(1, 17, 96), norm, block))
+    cases.append((x, norm, GatedMLP(96, 64)))
+    norm, block = make(torch.float32)
+    cases.append((x, norm.to(torch.bfloat16), block))
+    for xi, norm, block in cases:
+        want = xi + block(norm(xi)) if xi.dtype == norm.weight.dtype else None
+        got, n = run(xi, norm, block, True, monkeypatch)
+        assert n == 0
+        if want is not None:
+            with torch.inference_mode():
+                assert torch.equal(got, xi + block(norm(xi)))
+    norm, block = make(torch.float32)
+    calls = []
+    monkeypatch.setattr(kernels, "moe_block", lambda *a, **k: calls.append(1))
+    y = moe_residual(x, norm, block)  # autograd on
+    assert not calls and y.requires_grad
+
+
+def test_native_op_refuses_bad_arguments():
+    nat = kernels._native()
+    norm, block = make(torch.float32, shared=False, E=4, K=2)
+    with torch.no_grad():
+        views = block.experts.fused_views(torch.zeros(1, 96))
+    x, out, e = torch.randn(1, 96), torch.empty(1, 96), torch.empty(0)
+    w, r = kernels._np(kernels.float32_weight(norm)), kernels._np(block.gate.weight)
+    empty, ids0 = e.numpy(), torch.empty(0, dtype=torch.int64).numpy()
+
+    def call(router=r, k=2, o=out, ex=views):
+        nat.moe_block(x.numpy(), w, 1e-6, 1.0, router, k, True, *ex, [], [], [], empty, kernels._np(o), empty, ids0,
+                      empty)
+
+    call()
+    for bad, msg in (({"k": 5}, "K must be"), ({"router": r[:3]}, "as many as the router"),
+                     ({"o": torch.empty(1, 96, dtype=torch.bfloat16)}, "both float32 or both bf16"),
+                     ({"o": torch.empty(2, 96)}, "out"),
+                     ({"ex": views._replace(code=16)}, "bf16 as uint16")):
+        with pytest.raises(ValueError, match=msg):
+            call(**bad)
