@@ -488,8 +488,8 @@ void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf,
 // then every intermediate is rounded as the separate bf16 ops round it); norm_w [H] and
 // router [E, H] float32; experts as `expert_table` takes them, in efmt; shared: [] or the
 // shared expert's gate, up, down with their scales and fmts (as qlinear_multi's weights);
-// shared_gate [H] float32 or empty. h_out [T, H] float32, ids_out [T, K] int64 and w_out
-// [T, K] float32 are filled when not empty (what the separate ops would hand their hooks).
+// shared_gate [H] float32 or empty. h_out [T, H] and w_out [T, K] in x's dtype and ids_out
+// [T, K] int64 are filled when not empty (what the separate ops would hand their hooks).
 void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router, int K, bool renorm, int efmt,
                std::vector<Array> gate, std::vector<Array> gs, std::vector<Array> up, std::vector<Array> us,
                std::vector<Array> down, std::vector<Array> ds, std::vector<Array> shared, std::vector<Array> shared_s,
@@ -520,14 +520,17 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
     check(shared_gate.ndim() == 1 && (shared_gate.shape(0) == 0 || shared_gate.shape(0) == H),
           "shared_gate must be [H] or empty");
     check_shape(out, {T, H}, "out");
-    const bool observed = h_out.size() > 0;
+    const bool observed = h_out.size() > 0, bf16 = is_bf16(out);
     check(observed == (ids_out.size() > 0) && observed == (w_out.size() > 0), "h_out, ids_out, w_out: all or none");
     if (observed) {
-        check_dtype(h_out, dtype_code::Float, 32, "h_out");
+        check(is_bf16(h_out) == bf16 && is_bf16(w_out) == bf16, "h_out, w_out: x's dtype");
+        if (!bf16) {
+            check_dtype(h_out, dtype_code::Float, 32, "h_out");
+            check_dtype(w_out, dtype_code::Float, 32, "w_out");
+        }
         check_shape(h_out, {T, H}, "h_out");
         check_dtype(ids_out, dtype_code::Int, 64, "ids_out");
         check_shape(ids_out, {T, (size_t)K}, "ids_out");
-        check_dtype(w_out, dtype_code::Float, 32, "w_out");
         check_shape(w_out, {T, (size_t)K}, "w_out");
     }
     ActIn xin(x, "x");
@@ -555,15 +558,22 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
     }
     a.shared_gate = shared_gate.shape(0) ? (const float*)shared_gate.data() : nullptr;
     a.y = o.p;
+    thread_local std::vector<float> hw;  // a bf16 model's h and weights in float32 (bf16 values already)
     if (observed) {
-        a.h_out = (float*)h_out.data();
+        if (bf16) hw.resize(T * H + T * K);
+        a.h_out = bf16 ? hw.data() : (float*)h_out.data();
+        a.w_out = bf16 ? hw.data() + T * H : (float*)w_out.data();
         a.ids_out = (int64_t*)ids_out.data();
-        a.w_out = (float*)w_out.data();
     }
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
     moerun::moe_block_decode(a);
     o.finish();
+    if (observed && bf16) {
+        uint16_t *hb = (uint16_t*)h_out.data(), *wb = (uint16_t*)w_out.data();
+        for (size_t i = 0; i < T * H; ++i) hb[i] = moerun::bf16_bits(hw[i]);
+        for (size_t i = 0; i < T * K; ++i) wb[i] = moerun::bf16_bits(hw[T * H + i]);
+    }
 }
 
 // x [T, H]; q/k/v/o quantized [rows, bytes] + scales (q: Hq * D rows, 2 * Hq * D when gated);

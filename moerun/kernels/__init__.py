@@ -523,7 +523,7 @@ def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_offse
     out = _out(x.shape, x.dtype)
     none = _np(_EMPTY_F32)
     if observe:
-        h, ids, w = torch.empty(T, H), torch.empty(T, k, dtype=torch.int64), torch.empty(T, k)
+        h, ids, w = torch.empty(T, H, dtype=x.dtype), torch.empty(T, k, dtype=torch.int64), torch.empty(T, k, dtype=x.dtype)
         obs = (_np(h), _np(ids), _np(w))
     else:
         obs = (none, _np(_EMPTY_I64), none)
@@ -531,9 +531,7 @@ def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_offse
     _sync_threads(nat)
     nat.moe_block(_np(_act(x)), _np(norm_weight), float(eps), float(norm_offset), _np(router), k, renorm,
                   *experts, *sh, _np(shared_gate) if shared_gate is not None else none, _np(out), *obs)
-    if not observe:
-        return out
-    return out, h.to(x.dtype), ids, w.to(x.dtype)
+    return (out, h, ids, w) if observe else out
 
 
 _EMPTY_F32 = torch.empty(0)
