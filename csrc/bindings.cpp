@@ -619,22 +619,17 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
     o.finish();
 }
 
-// qkv [B, T, C]; conv_w [C, K]; conv [B, C, K-1]; a, b [B, T, Hv]; A_log, dt_bias [Hv];
-// S [B, Hv, Dk, Dv]; z, out [B, T, Hv, Dv]; norm_w [Dv]; all float32 but qkv, a, b, z and out,
-// which may be bf16 (a bf16 model's activations: widened exactly, out rounded). conv and S end as the
-// state after the last token; with conv_every [B, T, C, K-1] and S_every [B, T, Hv, Dk, Dv]
-// (both or neither) every token's state goes there too. qkv, a, b and z may be strided over
-// their first two dimensions (column slices of one projection buffer); the rest is contiguous.
-void deltanet_decode(Strided qkv, Array conv_w, Array conv, std::optional<Array> conv_every, Strided a,
-                     Strided b, Array A_log, Array dt_bias, Array S, std::optional<Array> S_every, Strided z,
-                     Array norm_w, float eps, Array out, int Hk) {
+// A Gated DeltaNet layer's weights and states for B rows of T tokens of C conv channels, all
+// float32 and contiguous: conv_w [C, K]; conv [B, C, K-1]; A_log, dt_bias [Hv];
+// S [B, Hv, Dk, Dv]; norm_w [Dv]; with conv_every [B, T, C, K-1] and S_every [B, T, Hv, Dk,
+// Dv] (both or neither) every token's state goes there too. -> DeltaArgs with all but the
+// activations (qkv, a, b, z, out) filled.
+moerun::DeltaArgs delta_args(size_t B, size_t T, size_t C, const Array& conv_w, const Array& conv,
+                             const std::optional<Array>& conv_every, const Array& A_log, const Array& dt_bias,
+                             const Array& S, const std::optional<Array>& S_every, const Array& norm_w, float eps, int Hk) {
     for (const Array* t : {&conv_w, &conv, &A_log, &dt_bias, &S, &norm_w})
         check_dtype(*t, dtype_code::Float, 32, "deltanet tensors");
-    for (const Strided* t : {&qkv, &a, &b, &z})  // activations: float32, or a bf16 model's (uint16)
-        check(t->dtype() == nb::dtype<float>() || is_bf16(*t), "deltanet tensors: wrong dtype");
     check(conv_every.has_value() == S_every.has_value(), "conv_every and S_every go together");
-    check(qkv.ndim() == 3, "qkv must be [B, T, C]");
-    const size_t B = qkv.shape(0), T = qkv.shape(1), C = qkv.shape(2);
     check(conv_w.ndim() == 2 && conv_w.shape(0) == C && conv_w.shape(1) >= 2, "conv_w must be [C, K], K >= 2");
     const size_t K = conv_w.shape(1);
     check_shape(conv, {B, C, K - 1}, "conv");
@@ -642,34 +637,115 @@ void deltanet_decode(Strided qkv, Array conv_w, Array conv, std::optional<Array>
     const size_t Hv = S.shape(1), Dk = S.shape(2), Dv = S.shape(3);
     check(Hk > 0 && Hv % (size_t)Hk == 0, "value heads must be a multiple of key heads");
     check(C == 2 * (size_t)Hk * Dk + Hv * Dv, "qkv: C must be 2 * Hk * Dk + Hv * Dv");
-    check_rows(qkv, {B, T, C}, "qkv");
-    check_rows(a, {B, T, Hv}, "a");
-    check_rows(b, {B, T, Hv}, "b");
-    check_rows(z, {B, T, Hv, Dv}, "z");
     check_shape(A_log, {Hv}, "A_log");
     check_shape(dt_bias, {Hv}, "dt_bias");
     check_shape(norm_w, {Dv}, "norm_w");
-    check_shape(out, {B, T, Hv, Dv}, "out");
     if (S_every) {
         check_dtype(*conv_every, dtype_code::Float, 32, "conv_every");
         check_dtype(*S_every, dtype_code::Float, 32, "S_every");
         check_shape(*conv_every, {B, T, C, K - 1}, "conv_every");
         check_shape(*S_every, {B, T, Hv, Dk, Dv}, "S_every");
     }
+    moerun::DeltaArgs d{};
+    d.B = (int)B;
+    d.T = (int)T;
+    d.C = (int)C;
+    d.K = (int)K;
+    d.Hk = Hk;
+    d.Hv = (int)Hv;
+    d.Dk = (int)Dk;
+    d.Dv = (int)Dv;
+    d.conv_w = (const float*)conv_w.data();
+    d.conv = (float*)conv.data();
+    d.conv_every = conv_every ? (float*)conv_every->data() : nullptr;
+    d.A_log = (const float*)A_log.data();
+    d.dt_bias = (const float*)dt_bias.data();
+    d.S = (float*)S.data();
+    d.S_every = S_every ? (float*)S_every->data() : nullptr;
+    d.norm_w = (const float*)norm_w.data();
+    d.eps = eps;
+    return d;
+}
+
+// qkv [B, T, C]; a, b [B, T, Hv]; z, out [B, T, Hv, Dv]: float32 or bf16 (a bf16 model's
+// activations: widened exactly, out rounded); the weights and states as `delta_args` takes
+// them. conv and S end as the state after the last token. qkv, a, b and z may be strided
+// over their first two dimensions (column slices of one projection buffer).
+void deltanet_decode(Strided qkv, Array conv_w, Array conv, std::optional<Array> conv_every, Strided a,
+                     Strided b, Array A_log, Array dt_bias, Array S, std::optional<Array> S_every, Strided z,
+                     Array norm_w, float eps, Array out, int Hk) {
+    for (const Strided* t : {&qkv, &a, &b, &z})  // activations: float32, or a bf16 model's (uint16)
+        check(t->dtype() == nb::dtype<float>() || is_bf16(*t), "deltanet tensors: wrong dtype");
+    check(qkv.ndim() == 3, "qkv must be [B, T, C]");
+    const size_t B = qkv.shape(0), T = qkv.shape(1), C = qkv.shape(2);
+    moerun::DeltaArgs d = delta_args(B, T, C, conv_w, conv, conv_every, A_log, dt_bias, S, S_every, norm_w, eps, Hk);
+    const size_t Hv = d.Hv, Dv = d.Dv;
+    check_rows(qkv, {B, T, C}, "qkv");
+    check_rows(a, {B, T, Hv}, "a");
+    check_rows(b, {B, T, Hv}, "b");
+    check_rows(z, {B, T, Hv, Dv}, "z");
+    check_shape(out, {B, T, Hv, Dv}, "out");
     thread_local std::vector<float> bufs[4];
     const RowsIn xq = rows_in(qkv, bufs[0], "qkv"), xa = rows_in(a, bufs[1], "a"), xb = rows_in(b, bufs[2], "b"),
                  xz = rows_in(z, bufs[3], "z");
     ActOut o(out, "out");
-    moerun::DeltaArgs d{(int)B, (int)T, (int)C, (int)K, Hk, (int)Hv, (int)Dk, (int)Dv,
-                        xq.p, xq.s0, xq.s1,
-                        (const float*)conv_w.data(), (float*)conv.data(),
-                        conv_every ? (float*)conv_every->data() : nullptr, xa.p,
-                        xb.p, xa.s0, xa.s1, xb.s0, xb.s1, (const float*)A_log.data(), (const float*)dt_bias.data(),
-                        (float*)S.data(), S_every ? (float*)S_every->data() : nullptr, xz.p,
-                        xz.s0, xz.s1, (const float*)norm_w.data(), eps, o.p};
+    d.qkv = xq.p;
+    d.qkv_sb = xq.s0;
+    d.qkv_st = xq.s1;
+    d.a = xa.p;
+    d.a_sb = xa.s0;
+    d.a_st = xa.s1;
+    d.b = xb.p;
+    d.b_sb = xb.s0;
+    d.b_st = xb.s1;
+    d.z = xz.p;
+    d.z_sb = xz.s0;
+    d.z_st = xz.s1;
+    d.out = o.p;
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
     moerun::deltanet_decode(d);
+    o.finish();
+}
+
+// The linear-attention half of a Qwen3.5 decoder layer (moerun::deltanet_block_decode):
+// out = x + out_proj(DeltaNet(projections of RMSNorm(x))). x, out [B, T, H], both float32 or
+// both bf16; norm_w [H] float32; proj: in_proj_qkv, in_proj_z, in_proj_a, in_proj_b (weights,
+// scales, fmts as qlinear_multi takes them; rows C, Hv * Dv, Hv, Hv); out_proj [H rows of
+// Hv * Dv]; the DeltaNet's weights and states as `delta_args` takes them.
+void deltanet_block(Array x, Array norm_w, float norm_offset, float norm_eps, std::vector<Array> proj,
+                    std::vector<Array> proj_s, std::vector<int> proj_fmts, Array ow, Array os, int of, Array conv_w,
+                    Array conv, std::optional<Array> conv_every, Array A_log, Array dt_bias, Array S,
+                    std::optional<Array> S_every, Array gnorm_w, float eps, Array out, int Hk) {
+    check(x.ndim() == 3, "x must be [B, T, H]");
+    const size_t B = x.shape(0), T = x.shape(1), H = x.shape(2);
+    check(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
+    check_shape(out, {B, T, H}, "out");
+    check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
+    check_shape(norm_w, {H}, "norm_w");
+    check(proj.size() == 4 && proj_s.size() == 4 && proj_fmts.size() == 4,
+          "proj: in_proj_qkv, in_proj_z, in_proj_a, in_proj_b with their scales and fmts");
+    check(proj[0].ndim() == 2, "in_proj_qkv must be [C, row]");
+    const size_t C = proj[0].shape(0);
+    moerun::DeltaBlockArgs a{};
+    a.d = delta_args(B, T, C, conv_w, conv, conv_every, A_log, dt_bias, S, S_every, gnorm_w, eps, Hk);
+    const size_t Hv = a.d.Hv, Z = Hv * a.d.Dv;
+    const size_t rows[4] = {C, Z, Hv, Hv};
+    const char* names[4] = {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"};
+    for (int p = 0; p < 4; ++p) a.proj[p] = qweight_of(proj[p], proj_s[p], proj_fmts[p], rows[p], H, names[p]);
+    a.out_proj = qweight_of(ow, os, of, H, Z, "out_proj");
+    ActIn xin(x, "x");
+    ActOut o(out, "out");
+    a.H = (int)H;
+    a.x = xin.p;
+    a.norm_w = (const float*)norm_w.data();
+    a.norm_offset = norm_offset;
+    a.norm_eps = norm_eps;
+    a.round_bf16 = is_bf16(out);
+    a.y = o.p;
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::deltanet_block_decode(a);
     o.finish();
 }
 
@@ -742,6 +818,13 @@ NB_MODULE(_native, m) {
           nb::arg("ids_out"), nb::arg("w_out"),
           "the MoE half of a decoder layer for a few tokens: out = x + experts(h) [+ shared expert(h)], h = RMSNorm(x), "
           "softmax top-k routing");
+    m.def("deltanet_block", &deltanet_block, nb::arg("x"), nb::arg("norm_w"), nb::arg("norm_offset"),
+          nb::arg("norm_eps"), nb::arg("proj"), nb::arg("proj_scales"), nb::arg("proj_fmts"), nb::arg("ow"),
+          nb::arg("os"), nb::arg("of"), nb::arg("conv_w"), nb::arg("conv"), nb::arg("conv_every").none(),
+          nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("S"), nb::arg("S_every").none(), nb::arg("gnorm_w"),
+          nb::arg("eps"), nb::arg("out"), nb::arg("hk"),
+          "the linear-attention half of a Qwen3.5 decoder layer for a few tokens per row: out = x + "
+          "out_proj(DeltaNet(projections of RMSNorm(x)))");
     m.def("moe_experts_float", &moe_experts_float, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("up"), nb::arg("down"), nb::arg("out"), "fused routed experts with float32 or bf16 weights");
     m.def("moe_experts", &moe_experts, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),

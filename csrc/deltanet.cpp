@@ -121,4 +121,37 @@ void deltanet_decode(const DeltaArgs& a) {
     });
 }
 
+void deltanet_block_decode(DeltaBlockArgs& a) {
+    static std::vector<float>* bufs = new std::vector<float>[3];  // h, projections, o (one op at a time)
+    DeltaArgs& d = a.d;
+    const int M = d.B * d.T, Z = d.Hv * d.Dv, N = d.C + Z + 2 * d.Hv;
+    auto rounded = [&](float* v, size_t n) {
+        if (a.round_bf16)
+            for (size_t i = 0; i < n; ++i) v[i] = bf16_round(v[i]);
+    };
+    std::vector<float>&h = bufs[0], &p = bufs[1], &o = bufs[2];
+    h.resize((size_t)M * a.H);
+    p.resize((size_t)M * N);
+    o.resize((size_t)M * Z);
+    rms_norm(M, a.H, a.x, a.norm_w, a.norm_offset, a.norm_eps, h.data());
+    rounded(h.data(), h.size());
+    const int rows[4] = {d.C, Z, d.Hv, d.Hv};
+    qlinear_multi(M, a.H, 4, a.proj, rows, h.data(), p.data());
+    rounded(p.data(), p.size());
+    // each token's [qkv | z | a | b] side by side: every input a column slice of p
+    d.qkv = p.data();
+    d.z = p.data() + d.C;
+    d.a = p.data() + d.C + Z;
+    d.b = p.data() + d.C + Z + d.Hv;
+    d.qkv_sb = d.z_sb = d.a_sb = d.b_sb = (long)d.T * N;
+    d.qkv_st = d.z_st = d.a_st = d.b_st = N;
+    d.out = o.data();
+    deltanet_decode(d);
+    rounded(o.data(), o.size());
+    qlinear_multi(M, Z, 1, &a.out_proj, &a.H, o.data(), a.y);
+    rounded(a.y, (size_t)M * a.H);
+    for (size_t i = 0; i < (size_t)M * a.H; ++i) a.y[i] += a.x[i];
+    rounded(a.y, (size_t)M * a.H);
+}
+
 }  // namespace moerun

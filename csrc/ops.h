@@ -174,4 +174,24 @@ struct DeltaArgs {
 };
 void deltanet_decode(const DeltaArgs& a);
 
+// The linear-attention half of a Qwen3.5 decoder layer for a few tokens per row, in one call:
+// y = x + out_proj(deltanet(proj(RMSNorm(x)))), x and y [B, T, H]. proj: in_proj_qkv, in_proj_z,
+// in_proj_a, in_proj_b of RMSNorm(x) (weight norm_w + norm_offset, eps norm_eps) as one
+// qlinear_multi job; their outputs feed `d` (whose qkv, a, b, z and out this call fills: leave
+// them null); out_proj reads its output. With round_bf16 (a bf16 model) each intermediate the
+// separate ops hand on in bf16 is rounded to bf16 here (the normed x, the projections, the
+// DeltaNet's output, out_proj's, y): bit-identical to them.
+struct DeltaBlockArgs {
+    DeltaArgs d;
+    int H;
+    const float* x;
+    const float* norm_w;
+    float norm_offset, norm_eps;
+    QWeight proj[4];  // in_proj_qkv [C], in_proj_z [Hv * Dv], in_proj_a [Hv], in_proj_b [Hv] rows of H
+    QWeight out_proj;  // [H] rows of Hv * Dv
+    bool round_bf16;
+    float* y;
+};
+void deltanet_block_decode(DeltaBlockArgs& a);
+
 }  // namespace moerun

@@ -277,6 +277,13 @@ def native_views(module: torch.nn.Module, names: tuple[str, ...], make):
     return cache[kind][1]
 
 
+def has_hooks(*modules: torch.nn.Module) -> bool:
+    """Whether calling any of these modules would run a forward hook or pre-hook (its own, or
+    a global one): a fused op that stands in for their calls must not run then."""
+    return bool(torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks
+                or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
+
+
 def _own_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     """A buffer or parameter by (dotted) name, without nn.Module's attribute lookup."""
     if "." in name:
@@ -705,6 +712,36 @@ def deltanet_decode_is_native(qkv, conv, S) -> bool:
             and conv.is_contiguous() and S.is_contiguous())
 
 
+def deltanet_block(x: torch.Tensor, norm_weight: torch.Tensor, norm_offset: float, norm_eps: float, proj: tuple,
+                   out_proj: Packed, conv, S, views: tuple, eps: float, key_heads: int, every: bool = False,
+                   every_out: tuple | None = None):
+    """The linear-attention half of a Qwen3.5 decoder layer for a few tokens per row in one
+    native call: x + out_proj(DeltaNet(in_proj_qkv, in_proj_z, in_proj_a, in_proj_b of
+    RMSNorm(x))), x [B, T, H] float32 or bf16. norm_weight [H] float32 (+ norm_offset);
+    proj: the four projections' `Packed`; out_proj's. The DeltaNet's states, `every` and
+    `every_out` as `deltanet_decode` takes them (float32 and contiguous:
+    `deltanet_decode_is_native`), its weights as `deltanet_weight_views` gives them (`views`). Out in x's dtype; a bf16 x has every
+    intermediate rounded where the separate ops (`rms_norm`, `qlinear_multi`,
+    `deltanet_decode`, out_proj and the residual add, each in bf16) round it: bit-identical to
+    them. Returns (out, conv, S) or, with `every`, (out, the states after each token)."""
+    nat = _native()
+    x = x.contiguous()
+    B, T, _ = x.shape
+    C = proj[0].w.shape[0]
+    Hv, Dk, Dv = S.shape[1:]
+    out = _out(x.shape, x.dtype)
+    conv_every = S_every = None
+    if every:
+        conv_every, S_every = every_out or (torch.empty(B, T, C, conv.shape[-1]), torch.empty(B, T, Hv, Dk, Dv))
+    cw, al, dt, nw = views
+    _sync_threads(nat)
+    nat.deltanet_block(_np(_act(x)), _np(norm_weight), float(norm_offset), float(norm_eps), [p.w for p in proj],
+                       [p.s for p in proj], [p.code for p in proj], out_proj.w, out_proj.s, out_proj.code, cw,
+                       _np(conv), None if conv_every is None else _np(conv_every), al, dt, _np(S),
+                       None if S_every is None else _np(S_every), nw, float(eps), _np(out), key_heads)
+    return (out, conv_every, S_every) if every else (out, conv, S)
+
+
 # -- fused decode attention ----------------------------------------------------------------
 
 def fuse_decode_attention(net: torch.nn.Module) -> int:
@@ -822,12 +859,12 @@ def native_float_linears(net: torch.nn.Module) -> int:
     n = 0
     for m in net.modules():
         if type(m) is torch.nn.Linear and plain_float_linear(m) and "forward" not in m.__dict__:
-            m.forward = _float_linear_forward.__get__(m)
+            m.forward = float_linear_forward.__get__(m)
             n += 1
     return n
 
 
-def _float_linear_forward(self, x):
+def float_linear_forward(self, x):
     w = self._parameters["weight"]
     if (x.dtype != w.dtype or not float_decode_rows(x) or not w.is_cpu or self.bias is not None
             or _native() is None):
@@ -842,10 +879,11 @@ FUSED_MAX_TOKENS = 5  # a decode step, or a speculative verification pass of up 
 
 __all__ = [
     "available_isas", "native", "isa", "set_isa", "use_isa", "describe", "set_threads", "set_spin", "split_threads",
+    "has_hooks",
     "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "numpy_views", "swiglu_mlp",
     "swiglu_mlp_ref",
     "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
-    "deltanet_decode", "deltanet_decode_is_native", "rms_norm", "rms_norm_ref", "norm_rope_heads",
+    "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block", "ExpertViews", "rms_norm", "rms_norm_ref", "norm_rope_heads",
     "norm_rope_heads_ref",
     "attn_decode_is_native", "fuse_decode_attention",
 ]

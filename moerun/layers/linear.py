@@ -52,3 +52,19 @@ def plain_float_linear(lin: nn.Module) -> bool:
     w = params.get("weight")
     return (w is not None and "bias" in params and params["bias"] is None and w.dtype in kernels.FLOAT_DTYPES
             and w.is_cpu and w.is_contiguous() and not (lin._forward_pre_hooks or lin._forward_hooks))
+
+
+def native_call_views(lin: nn.Module, x: torch.Tensor) -> kernels.Packed | None:
+    """The weight's `kernels.Packed` when `lin(x)` is exactly one native `qlinear_multi` over
+    it (out rounded once to x's dtype), so that a fused op may stand in for the call: a
+    `QuantizedLinear` without bias, or a plain float linear of x's dtype whose forward
+    `kernels.native_float_linears` wrapped, for a decode-sized x; no hooks. None otherwise."""
+    if kernels.has_hooks(lin):
+        return None
+    if type(lin) is QuantizedLinear:
+        return lin.views() if lin.bias is None and kernels.native() else None
+    fwd = lin.__dict__.get("forward")
+    if (fwd is None or getattr(fwd, "__func__", None) is not kernels.float_linear_forward or not plain_float_linear(lin)
+            or lin.weight.dtype != x.dtype or not kernels.float_decode_rows(x) or not kernels.native()):
+        return None
+    return kernels.float_linear_views(lin)

@@ -170,9 +170,7 @@ def _fusable(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None
     if (h.shape[0] > kernels.ROUTE_MAX_TOKENS or norm.weight.dtype != x.dtype or h.numel() > kernels.RMS_NORM_MAX
             or not native_float_linear(block.gate, h)):
         return None
-    if (norm._forward_hooks or norm._forward_pre_hooks or block._forward_hooks or block._forward_pre_hooks
-            or experts._forward_hooks or nn.modules.module._global_forward_hooks
-            or nn.modules.module._global_forward_pre_hooks):
+    if kernels.has_hooks(norm, block) or experts._forward_hooks:
         return None
     views = fused_views(h)
     if views is None:

@@ -35,7 +35,7 @@ from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec, StateSpec
 from ..layers.attention import attend
 from ..layers.deltanet import FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, split_heads
-from ..layers.linear import project
+from ..layers.linear import native_call_views, packed_views, project
 from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm, rms_norm_cat
 from ..layers.rope import Rope, norm_rope
@@ -201,25 +201,59 @@ class GatedDeltaNet(nn.Module):
         o = gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(B, T, -1))
 
-    def _few_tokens(self, x, state, slots):
+    def residual(self, x, norm, state, slots):
+        """x + self(norm(x), state, slots): the decoder layer's first half. A few-token pass
+        runs as one native call (`kernels.deltanet_block`) where every part can (`_fusable`),
+        bit-identical to the modules one by one."""
+        if state is not None and x.shape[1] <= FEW and not kernels.has_hooks(self):
+            return self._few_tokens(x, state, slots, norm)
+        return x + self(norm(x), state, slots)
+
+    def _few_tokens(self, x, state, slots, norm=None):
         """Token after token (kernels.deltanet_decode); a pass of several tokens keeps every
-        token's state, so that a rejected speculative draft can be rolled back."""
+        token's state, so that a rejected speculative draft can be rolled back. With `norm`
+        (`residual`): x + the layer's output on norm(x)."""
         B, T, _ = x.shape
         every = T > 1
-        qkv, z, a, b = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_a, self.in_proj_b)
         conv, rec = state.get("conv", slots), state.get("recurrent", slots)
         bufs = None
         if every:
             bufs = (state.scratch("conv", (B, T, *conv.shape[1:])), state.scratch("recurrent", (B, T, *rec.shape[1:])))
         views = kernels.native_views(self, DELTA_WEIGHTS, kernels.deltanet_weight_views)
-        o, conv_all, rec_all = kernels.deltanet_decode(
-            qkv, self.conv1d.weight, conv, a, b, self.A_log, self.dt_bias, rec, z.reshape(B, T, self.n_v, self.dv),
-            self.norm.weight, self.norm.eps, self.n_k, every, bufs, views, dtype=x.dtype)
+        fused = self._fusable(x, norm, conv, rec) if norm is not None else None
+        if fused is not None:
+            y, conv_all, rec_all = kernels.deltanet_block(
+                x, kernels.float32_weight(norm), 1.0 if norm.zero_centered else 0.0, norm.eps, *fused, conv, rec, views,
+                self.norm.eps, self.n_k, every, bufs)
+        else:
+            h = x if norm is None else norm(x)
+            qkv, z, a, b = project(h, self.in_proj_qkv, self.in_proj_z, self.in_proj_a, self.in_proj_b)
+            o, conv_all, rec_all = kernels.deltanet_decode(
+                qkv, self.conv1d.weight, conv, a, b, self.A_log, self.dt_bias, rec, z.reshape(B, T, self.n_v, self.dv),
+                self.norm.weight, self.norm.eps, self.n_k, every, bufs, views, dtype=h.dtype)
         state.set("conv", slots, conv)  # the states after the last token, written in place: nothing
         state.set("recurrent", slots, rec)  # to copy when `get` gave views of the cache
         if every:
             state.keep_every(conv=conv_all, recurrent=rec_all)
-        return self.out_proj(o.to(x.dtype).reshape(B, T, -1))
+        if fused is not None:
+            return y
+        y = self.out_proj(o.to(h.dtype).reshape(B, T, -1))
+        return y if norm is None else x + y
+
+    def _fusable(self, x, norm, conv, rec) -> tuple | None:
+        """(the projections' packed views, out_proj's) when `residual` may run norm and this
+        layer as one native call: the DeltaNet step native (`kernels.deltanet_decode_is_native`),
+        a zero-centred or plain `RMSNorm` of x's dtype without hooks, the projections one
+        native call (`packed_views`) and out_proj's call one too (`native_call_views`), no
+        autograd; None otherwise."""
+        if (type(norm) is not RMSNorm or norm.weight.dtype != x.dtype or torch.is_grad_enabled()
+                or not kernels.deltanet_decode_is_native(x, conv, rec) or kernels.has_hooks(norm)):
+            return None
+        proj = packed_views(self.in_proj_qkv, self.in_proj_z, self.in_proj_a, self.in_proj_b, x=x)
+        if proj is None:
+            return None
+        out = native_call_views(self.out_proj, x)
+        return None if out is None else (proj, out)
 
 
 class SparseMoeBlock(nn.Module):
@@ -253,11 +287,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos_sin, state, slots, pos0, last_only=False):
         """last_only: only the last position goes on through the MoE ([B, 1, H] out): every
         position's state is cached by then, and an MTP catch-up wants no more."""
-        h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
-            x = x + self.linear_attn(h, state, slots)
+            x = self.linear_attn.residual(x, self.input_layernorm, state, slots)  # x + linear_attn(norm(x))
         else:
-            x = x + self.self_attn(h, cos_sin, state, slots, pos0)
+            x = x + self.self_attn(self.input_layernorm(x), cos_sin, state, slots, pos0)
         if last_only:
             x = x[:, -1:]
         return moe_residual(x, self.post_attention_layernorm, self.mlp)  # x + mlp(norm(x))
