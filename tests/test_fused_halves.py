@@ -1,5 +1,7 @@
-"""The fused MoE half of a decoder layer (`layers.moe.moe_residual`, `kernels.moe_block`):
-bit-identical to the modules one by one, hooks still served, fallbacks where it cannot run."""
+"""The fused halves of a decoder layer, each one native call in decode: the MoE half
+(`layers.moe.moe_residual`, `kernels.moe_block`) and Qwen3.5's linear-attention half
+(`GatedDeltaNet.residual`, `kernels.deltanet_block`). Bit-identical to the modules one by
+one, hooks still served, fallbacks where they cannot run."""
 
 from __future__ import annotations
 
@@ -177,5 +179,111 @@ def test_native_op_refuses_bad_arguments():
                      ({"o": torch.empty(1, 96, dtype=torch.bfloat16)}, "both float32 or both bf16"),
                      ({"o": torch.empty(2, 96)}, "out"),
                      ({"ex": views._replace(code=16)}, "bf16 as uint16")):
+        with pytest.raises(ValueError, match=msg):
+            call(**bad)
+
+
+# -- the linear-attention half (Qwen3.5) ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen3_5_path(tmp_path_factory):
+    from test_qwen3_5_moe import make_reference
+
+    path = tmp_path_factory.mktemp("qwen3_5_fused")
+    make_reference().save_pretrained(path)
+    return path
+
+
+def decode_run(net, dtype, B=2, slots=(2, 0)):
+    """Prefill two rows into slots (2, 0) of a 3-slot cache (not a range: the states are
+    gathered), then one-token steps and passes of three (a verification pass, which keeps
+    every token's state) -> (logits, the recurrent layers' states and kept states)."""
+    from moerun.engine.cache import Cache, RecurrentState
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 97, (B, 16), generator=g)
+    cache = Cache(net.cache_spec(), 3, 24, dtype)
+    rec = [layer for layer in cache.layers if isinstance(layer, RecurrentState)]
+    for layer in rec:
+        layer.positions = {}
+    s = torch.tensor(slots)
+    out = [net(ids[:, :8], cache, s)[:, -1]]
+    for i, T in ((8, 1), (9, 3), (12, 1), (13, 3)):
+        out.append(net(ids[:, i : i + T], cache, s).reshape(B, -1))
+    states = [t.clone() for layer in rec for t in (layer.get("conv", s), layer.get("recurrent", s), *layer.positions.values())]
+    return out, states
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quant", [None, "int4", "int8"])
+def test_deltanet_half_is_bit_identical(qwen3_5_path, dtype, quant, monkeypatch):
+    import moerun
+    from moerun.models import qwen3_5_moe
+
+    net = moerun.load(qwen3_5_path, dtype=dtype, threads=1, quant=quant).net
+    calls = []
+    real = kernels.deltanet_block
+    monkeypatch.setattr(kernels, "deltanet_block", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.inference_mode():
+        got, got_states = decode_run(net, net.model.embed_tokens.weight.dtype)
+        n = len(calls)
+        monkeypatch.setattr(qwen3_5_moe.GatedDeltaNet, "_fusable", lambda *a: None)
+        want, want_states = decode_run(net, net.model.embed_tokens.weight.dtype)
+    layers = sum(t == "linear_attention" for t in net.args.layer_types)
+    assert n == 5 * layers and len(calls) == n  # every pass (the prefill of 8 tokens too: FEW)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(got_states) == len(want_states) and all(torch.equal(a, b) for a, b in zip(got_states, want_states))
+
+
+def test_deltanet_half_serves_hooks_and_falls_back(qwen3_5_path, monkeypatch):
+    """A hook on the DeltaNet layer, its norm or out_proj: the modules one by one (and the
+    hook sees its call); without one, fused; the same logits either way."""
+    import moerun
+
+    net = moerun.load(qwen3_5_path, dtype="float32", threads=1).net
+    layer = next(m for m in net.model.layers if m.layer_type == "linear_attention")
+    calls = []
+    real = kernels.deltanet_block
+    monkeypatch.setattr(kernels, "deltanet_block", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.inference_mode():
+        want, _ = decode_run(net, torch.float32)
+        fused = len(calls)
+        for module in (layer.linear_attn, layer.input_layernorm, layer.linear_attn.out_proj):
+            seen = []
+            handle = module.register_forward_hook(lambda m, a, o: seen.append(1))
+            calls.clear()
+            got, _ = decode_run(net, torch.float32)
+            handle.remove()
+            assert len(calls) == fused - 5 and len(seen) >= 5  # that layer's passes went unfused
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_deltanet_block_refuses_bad_arguments(qwen3_5_path):
+    import moerun
+    from moerun.layers.linear import packed_views
+    from moerun.models.qwen3_5_moe import DELTA_WEIGHTS
+
+    net = moerun.load(qwen3_5_path, dtype="float32", threads=1).net
+    layer = next(m for m in net.model.layers if m.layer_type == "linear_attention")
+    la, nat = layer.linear_attn, kernels._native()
+    x = torch.randn(1, 1, net.args.hidden_size)
+    with torch.no_grad():
+        proj = packed_views(la.in_proj_qkv, la.in_proj_z, la.in_proj_a, la.in_proj_b, x=x)
+        o = kernels.float_linear_views(la.out_proj)
+    views = kernels.native_views(la, DELTA_WEIGHTS, kernels.deltanet_weight_views)
+    C, K = la.conv1d.weight.shape[0], la.conv1d.weight.shape[-1]
+    conv, S = torch.zeros(1, C, K - 1), torch.zeros(1, la.n_v, la.dk, la.dv)
+
+    def call(out=None, p=proj, conv=conv):
+        out = torch.empty_like(x) if out is None else out
+        nat.deltanet_block(x.numpy(), kernels._np(kernels.float32_weight(layer.input_layernorm)), 1.0, 1e-6,
+                           [q.w for q in p], [q.s for q in p], [q.code for q in p], o.w, o.s, o.code, views[0],
+                           conv.numpy(), None, views[1], views[2], S.numpy(), None, views[3], 1e-6,
+                           kernels._np(out), la.n_k)
+
+    call()
+    for bad, msg in (({"out": torch.empty(1, 1, x.shape[-1], dtype=torch.bfloat16)}, "both float32 or both bf16"),
+                     ({"p": proj[:3]}, "in_proj_qkv, in_proj_z"), ({"conv": torch.zeros(1, C, K)}, "conv"),
+                     ({"p": (proj[0], proj[2], proj[2], proj[3])}, "in_proj_z")):
         with pytest.raises(ValueError, match=msg):
             call(**bad)
