@@ -161,6 +161,33 @@ def test_falls_back_where_it_cannot_fuse(monkeypatch):
     assert not calls and y.requires_grad
 
 
+def test_a_changed_block_is_seen(monkeypatch):
+    """The fused call's plan (kept on the block) follows new weights, swapped modules and
+    hooks added later."""
+    norm, block = make(torch.bfloat16)
+    x = torch.randn(1, 1, 96).to(torch.bfloat16)
+
+    def check(fused_calls):
+        got, n = run(x, norm, block, True, monkeypatch)
+        want, _ = run(x, norm, block, False, monkeypatch)
+        assert n == fused_calls and torch.equal(got, want)
+        return got
+
+    first = check(1)
+    block.gate.weight = nn.Parameter(torch.randn_like(block.gate.weight))  # a new router
+    assert not torch.equal(check(1), first)
+    with torch.no_grad():
+        block.experts.down_proj.data = block.experts.down_proj.data * 2  # .data replaced
+        norm.weight.data = norm.weight.data + 0.5
+    check(1)
+    block.experts = QuantizedExperts.from_experts(block.experts, "int4")  # a swapped module
+    check(1)
+    handle = block.shared_expert.up_proj.register_forward_hook(lambda m, a, o: None)
+    check(0)  # the shared expert's linears are called one by one then (torch's product)
+    handle.remove()
+    check(1)
+
+
 def test_native_op_refuses_bad_arguments():
     nat = kernels._native()
     norm, block = make(torch.float32, shared=False, E=4, K=2)
@@ -256,6 +283,17 @@ def test_deltanet_half_serves_hooks_and_falls_back(qwen3_5_path, monkeypatch):
             handle.remove()
             assert len(calls) == fused - 5 and len(seen) >= 5  # that layer's passes went unfused
             assert all(torch.equal(a, b) for a, b in zip(got, want))
+        # new weights after a fused call: the plan kept on the layer follows them
+        la = layer.linear_attn
+        la.out_proj.weight = nn.Parameter(la.out_proj.weight * 3)
+        with torch.no_grad():
+            la.in_proj_z.weight.data = la.in_proj_z.weight.data * -1
+        calls.clear()
+        got, _ = decode_run(net, torch.float32)
+        assert len(calls) == fused
+        monkeypatch.setattr(type(la), "_fusable", lambda *a: None)
+        want2, _ = decode_run(net, torch.float32)
+        assert all(torch.equal(a, b) for a, b in zip(got, want2)) and not torch.equal(got[-1], want[-1])
 
 
 def test_deltanet_block_refuses_bad_arguments(qwen3_5_path):

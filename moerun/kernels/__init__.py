@@ -277,6 +277,23 @@ def native_views(module: torch.nn.Module, names: tuple[str, ...], make):
     return cache[kind][1]
 
 
+def module_plan(owner: torch.nn.Module, modules: tuple, key, make):
+    """`make()`, kept on `owner` while `key` is equal, `modules` are the same objects and each
+    of their own parameters and buffers is the same tensor in the same memory (`native_views`
+    for what a fused op takes from a whole group of modules: their weights' views and the
+    decisions taken on them, checked in a few microseconds where asking each module again
+    costs tens, every layer of every decode step). One plan per owner. The cache holds the
+    modules and tensors, so that no other can take their identity or address."""
+    tensors = [t for m in modules for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
+    stamp = (key, *map(id, modules), *map(id, tensors), *[t.data_ptr() for t in tensors])
+    cached = owner.__dict__.get("_module_plan")
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    value = make()
+    owner.__dict__["_module_plan"] = (stamp, value, modules, tensors)
+    return value
+
+
 def has_hooks(*modules: torch.nn.Module) -> bool:
     """Whether calling any of these modules would run a forward hook or pre-hook (its own, or
     a global one): a fused op that stands in for their calls must not run then."""
@@ -879,7 +896,7 @@ FUSED_MAX_TOKENS = 5  # a decode step, or a speculative verification pass of up 
 
 __all__ = [
     "available_isas", "native", "isa", "set_isa", "use_isa", "describe", "set_threads", "set_spin", "split_threads",
-    "has_hooks",
+    "has_hooks", "module_plan",
     "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "numpy_views", "swiglu_mlp",
     "swiglu_mlp_ref",
     "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",

@@ -127,22 +127,20 @@ def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tupl
 
 def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> torch.Tensor:
     """x + block(norm(x)): a decoder layer's MLP half. For a decode-sized x through a softmax
-    top-k MoE block (`gate`: the router, `top_k`, `norm_topk_prob`, `experts`, and maybe a shared
-    expert with its gate, `shared_expert` and `shared_expert_gate`) whose parts all run
-    natively, one native call (`kernels.moe_block`) instead of four and two torch adds:
+    top-k MoE block (`gate`: the router, `top_k`, `norm_topk_prob`, `experts`, and maybe a
+    shared expert with its gate, `shared_expert` and `shared_expert_gate`) whose parts all
+    run natively, one native call (`kernels.moe_block`) instead of four and two torch adds:
     bit-identical to the modules one by one, which run otherwise (`_fusable`). Forward
     pre-hooks on the experts (expert trackers) are then called after it with the arguments
     the experts would have had; one that returns new arguments cannot be honoured there and
     raises."""
-    fused = _fusable(x, norm, block)
-    if fused is None:
+    plan = _fusable(x, norm, block)
+    if plan is None:
         return x + block(norm(x))
-    experts, views, shared, shared_gate = fused
-    h = x.reshape(-1, x.shape[-1])
+    experts, views, shared, shared_gate, norm_weight, router = plan
     hooks = experts._forward_pre_hooks
-    r = kernels.moe_block(h, kernels.float32_weight(norm), norm.eps, 1.0 if norm.zero_centered else 0.0,
-                          kernels.float32_weight(block.gate), block.top_k, block.norm_topk_prob, views, shared,
-                          shared_gate, observe=bool(hooks))
+    r = kernels.moe_block(x.reshape(-1, x.shape[-1]), norm_weight, norm.eps, 1.0 if norm.zero_centered else 0.0,
+                          router, block.top_k, block.norm_topk_prob, views, shared, shared_gate, observe=bool(hooks))
     if not hooks:
         return r.view(x.shape)
     y, args = r[0], r[1:]
@@ -155,33 +153,44 @@ def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> torch.Te
 
 
 def _fusable(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None:
-    """(experts, their `fused_views`, the shared expert's packed views or None, its gate as
-    float32 [H] or None) when `moe_residual` may run x through norm and block in one native
-    call: a decode-sized float32 or bf16 pass without autograd, a zero-centred or plain
-    `RMSNorm` of x's dtype, a block of the shape above, no hooks on the norm, the block or
-    the router, no forward hooks on the experts and none global; None otherwise."""
+    """What `moe_residual` passes to `kernels.moe_block` (the experts module and its
+    `fused_views`, the shared expert's packed views and its gate as float32 [H] or None, the
+    norm's and the router's float32 weights) when it may run x through norm and block in one
+    native call: a decode-sized float32 or bf16 pass without autograd, a zero-centred or plain
+    `RMSNorm` of x's dtype, a block of the shape above whose parts all run natively on their
+    own, no hooks on the norm, the block, the router or the shared expert, no forward hooks on
+    the experts and none global; None otherwise. Kept on the block (`kernels.module_plan`)."""
     from .norm import RMSNorm
 
-    experts = getattr(block, "experts", None)
-    fused_views = getattr(experts, "fused_views", None)
-    if fused_views is None or type(norm) is not RMSNorm or not kernels.native() or torch.is_grad_enabled():
+    mods = block._modules
+    experts = mods.get("experts")
+    if (type(norm) is not RMSNorm or not hasattr(experts, "fused_views") or x.dtype not in kernels.FLOAT_DTYPES
+            or torch.is_grad_enabled()
+            or x.numel() > min(kernels.FLOAT_LINEAR_MAX_TOKENS, kernels.ROUTE_MAX_TOKENS) * x.shape[-1]
+            or x.numel() > kernels.RMS_NORM_MAX or not kernels.native()):
         return None
+    se = mods.get("shared_expert")
+    others = (norm, block, mods["gate"]) + (() if se is None else (se, *se._modules.values(), mods["shared_expert_gate"]))
+    if kernels.has_hooks(*others) or experts._forward_hooks:
+        return None
+    return kernels.module_plan(block, (experts, *others), x.dtype, lambda: _moe_plan(x, norm, block))
+
+
+def _moe_plan(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None:
     h = x.reshape(-1, x.shape[-1])
-    if (h.shape[0] > kernels.ROUTE_MAX_TOKENS or norm.weight.dtype != x.dtype or h.numel() > kernels.RMS_NORM_MAX
-            or not native_float_linear(block.gate, h)):
+    if norm.weight.dtype != x.dtype or not native_float_linear(block.gate, h):
         return None
-    if kernels.has_hooks(norm, block) or experts._forward_hooks:
-        return None
-    views = fused_views(h)
+    views = block.experts.fused_views(h)
     if views is None:
         return None
+    shared = shared_gate = None
     se = getattr(block, "shared_expert", None)
-    if se is None:
-        return experts, views, None, None
-    shared = se._packed_views(h)
-    if shared is None or not native_float_linear(block.shared_expert_gate, h):
-        return None
-    return experts, views, shared, kernels.float32_weight(block.shared_expert_gate).view(-1)
+    if se is not None:
+        shared = se._packed_views(h)
+        if shared is None or not native_float_linear(block.shared_expert_gate, h):
+            return None
+        shared_gate = kernels.float32_weight(block.shared_expert_gate).view(-1)
+    return block.experts, views, shared, shared_gate, kernels.float32_weight(norm), kernels.float32_weight(block.gate)
 
 
 def native_float_linear(lin: nn.Linear, x: torch.Tensor) -> bool:

@@ -222,8 +222,9 @@ class GatedDeltaNet(nn.Module):
         views = kernels.native_views(self, DELTA_WEIGHTS, kernels.deltanet_weight_views)
         fused = self._fusable(x, norm, conv, rec) if norm is not None else None
         if fused is not None:
+            proj, out_proj, norm_weight = fused
             y, conv_all, rec_all = kernels.deltanet_block(
-                x, kernels.float32_weight(norm), 1.0 if norm.zero_centered else 0.0, norm.eps, *fused, conv, rec, views,
+                x, norm_weight, 1.0 if norm.zero_centered else 0.0, norm.eps, proj, out_proj, conv, rec, views,
                 self.norm.eps, self.n_k, every, bufs)
         else:
             h = x if norm is None else norm(x)
@@ -241,19 +242,26 @@ class GatedDeltaNet(nn.Module):
         return y if norm is None else x + y
 
     def _fusable(self, x, norm, conv, rec) -> tuple | None:
-        """(the projections' packed views, out_proj's) when `residual` may run norm and this
-        layer as one native call: the DeltaNet step native (`kernels.deltanet_decode_is_native`),
-        a zero-centred or plain `RMSNorm` of x's dtype without hooks, the projections one
-        native call (`packed_views`) and out_proj's call one too (`native_call_views`), no
-        autograd; None otherwise."""
-        if (type(norm) is not RMSNorm or norm.weight.dtype != x.dtype or torch.is_grad_enabled()
-                or not kernels.deltanet_decode_is_native(x, conv, rec) or kernels.has_hooks(norm)):
+        """(the projections' packed views, out_proj's, the norm's float32 weight) when
+        `residual` may run norm and this layer as one native call: a decode-sized pass without
+        autograd, the DeltaNet step native (`kernels.deltanet_decode_is_native`), a zero-centred
+        or plain `RMSNorm` of x's dtype, the projections one native call (`packed_views`) and
+        out_proj's call one too (`native_call_views`), no hooks on any of them; None otherwise.
+        Kept on the layer (`kernels.module_plan`)."""
+        m = self._modules
+        group = (norm, m["in_proj_qkv"], m["in_proj_z"], m["in_proj_a"], m["in_proj_b"], m["out_proj"])
+        if (type(norm) is not RMSNorm or torch.is_grad_enabled() or not kernels.float_decode_rows(x)
+                or not kernels.deltanet_decode_is_native(x, conv, rec) or kernels.has_hooks(*group)):
+            return None
+        return kernels.module_plan(self, group, (x.dtype, m["out_proj"].__dict__.get("forward")),
+                                   lambda: self._plan(x, norm))
+
+    def _plan(self, x, norm) -> tuple | None:
+        if norm.weight.dtype != x.dtype:
             return None
         proj = packed_views(self.in_proj_qkv, self.in_proj_z, self.in_proj_a, self.in_proj_b, x=x)
-        if proj is None:
-            return None
-        out = native_call_views(self.out_proj, x)
-        return None if out is None else (proj, out)
+        out = native_call_views(self.out_proj, x) if proj is not None else None
+        return None if out is None else (proj, out, kernels.float32_weight(norm))
 
 
 class SparseMoeBlock(nn.Module):
