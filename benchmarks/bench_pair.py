@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -51,11 +52,16 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     print(f"model {a.model or 'demo'}, dtype {a.dtype}, quant {a.quant}, {a.threads} threads, "
           f"prompt {a.prompt_tokens}, decode {a.gen_tokens}; other = {a.import_from}")
+    ratios: dict[str, list[float]] = {"prefill": [], "decode": []}
     for i in range(a.pairs):
         other, this = run_one(a, a.import_from), run_one(a, None)
+        for k in ratios:
+            ratios[k].append(this[f"{k}_tok_s"] / other[f"{k}_tok_s"])
         print(f"pair {i + 1}: prefill {other['prefill_tok_s']:.1f} -> {this['prefill_tok_s']:.1f} tok/s "
-              f"({this['prefill_tok_s'] / other['prefill_tok_s']:.2f}x), decode {other['decode_tok_s']:.2f} -> "
-              f"{this['decode_tok_s']:.2f} tok/s ({this['decode_tok_s'] / other['decode_tok_s']:.2f}x)")
+              f"({ratios['prefill'][-1]:.2f}x), decode {other['decode_tok_s']:.2f} -> "
+              f"{this['decode_tok_s']:.2f} tok/s ({ratios['decode'][-1]:.2f}x)")
+    print("median of the pairs' ratios (this / other): "
+          + ", ".join(f"{k} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})" for k, v in ratios.items()))
 
 
 if __name__ == "__main__":
