@@ -804,9 +804,9 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
             or _native() is None or torch.is_grad_enabled()):
         return self._unfused_forward(x, cos_sin, kv, slots, pos0)
     s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
-    qp, kp, vp, op = self.q_proj, self.k_proj, self.v_proj, self.o_proj
-    q, k, v, o = (float_linear_views(m) if type(m) is torch.nn.Linear else m.views() for m in (qp, kp, vp, op))
-    qn, kn = (_norm_weight(getattr(self, name, None)) for name in ("q_norm", "k_norm"))
+    m = self._modules
+    group = tuple(m[n] for n in _FUSED_MODULES if n in m)  # the projections, then the norms if any
+    q, k, v, o, qn, kn = module_plan(self, group, None, lambda: _fused_views(self))
     cos, sin = _rope_rows(cos_sin, T)
     kc, vc = _cache_slot(kv, s)
     out = _out((T, H), x.dtype)
@@ -816,6 +816,17 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
         _np(_act(x.reshape(T, H))), q.w, q.s, q.code, k.w, k.s, k.code, v.w, v.s, v.code, o.w, o.s, o.code,
         qn, kn, self._fused_eps, cos, sin, kc, vc, p, self.n_heads, float(self.scale), _np(out), self._fused_gate)
     return out.view(1, T, H).to(x.dtype)
+
+
+_FUSED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+
+
+def _fused_views(attn) -> tuple:
+    """The fused attention's weights as the binding takes them: q, k, v, o `Packed`, then the
+    q and k norms' effective weights (`_norm_weight`; empty for none)."""
+    projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+    return (*(float_linear_views(m) if type(m) is torch.nn.Linear else m.views() for m in projs),
+            *(_norm_weight(getattr(attn, name, None)) for name in ("q_norm", "k_norm")))
 
 
 def _kv_cache_class():
