@@ -581,7 +581,8 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
 // float32, or bf16 as uint16); out [T, H]. Token t sits at position pos + t.
 void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf,
                        Array ow, Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc,
-                       Array vc, int pos, int Hq, float scale, Array out, bool gated) {
+                       Array vc, int pos, int Hq, float scale, Array out, bool gated,
+                       std::optional<Array> in_norm, float in_offset, float in_eps) {
     check(x.ndim() == 2 && x.shape(0) >= 1, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
     const bool bf16 = is_bf16(kc);
@@ -607,6 +608,13 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
     const size_t rd = cos.shape(1);
     check(rd % 2 == 0 && rd <= D, "rotary dims must be even and at most the head dim");
     check_shape(out, {T, H}, "out");
+    const bool half_layer = in_norm.has_value();
+    if (half_layer) {
+        check_dtype(*in_norm, dtype_code::Float, 32, "in_norm");
+        check_shape(*in_norm, {H}, "in_norm");
+        check(is_bf16(x) == is_bf16(out), "with in_norm, x and out: both float32 or both bf16");
+    }
+    const moerun::AttnHalf half{half_layer ? (const float*)in_norm->data() : nullptr, in_offset, in_eps, is_bf16(out)};
     ActIn xin(x, "x");
     ActOut o(out, "out");
     nb::gil_scoped_release release;
@@ -615,7 +623,8 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
                               qn.shape(0) ? (const float*)qn.data() : nullptr,
                               kn.shape(0) ? (const float*)kn.data() : nullptr, eps, (const float*)cos.data(),
                               (const float*)sin.data(), (int)rd, kc.data(), vc.data(), (long)(L * D), pos, scale,
-                              o.p, bf16 ? moerun::KV_BF16 : moerun::KV_F32, gated, (int)T);
+                              o.p, bf16 ? moerun::KV_BF16 : moerun::KV_F32, gated, (int)T,
+                              half_layer ? &half : nullptr);
     o.finish();
 }
 
@@ -798,9 +807,11 @@ NB_MODULE(_native, m) {
           nb::arg("kw"), nb::arg("ks"), nb::arg("kf"), nb::arg("vw"), nb::arg("vs"), nb::arg("vf"), nb::arg("ow"),
           nb::arg("os"), nb::arg("of"), nb::arg("qn"), nb::arg("kn"), nb::arg("eps"), nb::arg("cos"), nb::arg("sin"),
           nb::arg("kc"), nb::arg("vc"), nb::arg("pos"), nb::arg("hq"), nb::arg("scale"), nb::arg("out"),
-          nb::arg("gated") = false,
+          nb::arg("gated") = false, nb::arg("in_norm").none() = nb::none(), nb::arg("in_offset") = 0.f,
+          nb::arg("in_eps") = 1e-6f,
           "a few tokens of one row through a quantized GQA attention block with a float32 or bf16 cache (gated: Qwen3.5's "
-          "sigmoid output gate, q_proj giving each head's query then its gate)");
+          "sigmoid output gate, q_proj giving each head's query then its gate); with in_norm [H], a decoder layer's "
+          "first half: out = x + block(RMSNorm(x))");
     m.def("norm_rope_heads", &norm_rope_heads, nb::arg("x"), nb::arg("w"), nb::arg("cos"), nb::arg("sin"),
           nb::arg("out"), nb::arg("eps"), nb::arg("w_offset") = 0.f,
           "out[H, T, D] = rope(RMSNorm(x[T, H, D]) * (w + w_offset)) per head (w empty: no norm), rotate-half on "

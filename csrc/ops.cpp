@@ -549,8 +549,20 @@ void norm_rope_heads(int T, int H, int D, const float* x, const float* w, float 
 void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWeight& q, const QWeight& k,
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
-                       float scale, float* out, int kv_type, bool gated, int T) {
+                       float scale, float* out, int kv_type, bool gated, int T, const AttnHalf* half) {
     Workspace& W = ws();
+    const float* x_in = x;
+    static std::vector<float>* normed = new std::vector<float>();  // one op at a time
+    auto rounded = [&](float* v, size_t n) {
+        if (half && half->round_bf16)
+            for (size_t i = 0; i < n; ++i) v[i] = bf16_round(v[i]);
+    };
+    if (half) {
+        normed->resize((size_t)T * H);
+        rms_norm(T, H, x, half->norm_w, half->offset, half->eps, normed->data());
+        rounded(normed->data(), normed->size());
+        x = normed->data();
+    }
     // q, k and v in one job (the small k and v projections share the pool): row t of W.qkv is
     // token t's q (and gate) | k | v
     const int nq = Hq * D, nk = Hkv * D, nqr = gated ? 2 * nq : nq, ld = nqr + 2 * nk;
@@ -596,6 +608,12 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
         }
     }
     qlinear(o.fmt, T, Hq * D, H, W.att.data(), o.w, o.s, out);
+    if (half) {
+        const size_t n = (size_t)T * H;
+        rounded(out, n);
+        for (size_t i = 0; i < n; ++i) out[i] += x_in[i];
+        rounded(out, n);
+    }
 }
 
 }  // namespace moerun

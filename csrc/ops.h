@@ -113,10 +113,19 @@ void swiglu_mlp(int M, int H, int I, const QWeight& gate, const QWeight& up, con
 // 0..pos + t; out[T, H] = o_proj of the results; x is [T, H]. Everything between the
 // projections runs in float32. gated (Qwen3.5): q_proj yields 2D rows per head, its query then
 // its output gate g, and the attention output is multiplied by sigmoid(g) before o_proj.
+// With `half` the block is a decoder layer's first half: out = x + block(RMSNorm(x)) (weight
+// norm_w + offset, eps), the normed x, the block's output and out each rounded to bf16 with
+// round_bf16 (a bf16 model), where the separate ops hand them on in bf16.
+struct AttnHalf {
+    const float* norm_w;
+    float offset, eps;
+    bool round_bf16;
+};
 void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWeight& q, const QWeight& k,
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
-                       float scale, float* out, int kv_type = KV_F32, bool gated = false, int T = 1);
+                       float scale, float* out, int kv_type = KV_F32, bool gated = false, int T = 1,
+                       const AttnHalf* half = nullptr);
 
 // The MoE half of a decoder layer for T tokens (decode-sized), in one call: y = x + moe(h)
 // with h = RMSNorm(x) (weight norm_w + norm_offset, eps); moe(h) routes h by softmax top-k

@@ -325,3 +325,38 @@ def test_deltanet_block_refuses_bad_arguments(qwen3_5_path):
                      ({"p": (proj[0], proj[2], proj[2], proj[3])}, "in_proj_z")):
         with pytest.raises(ValueError, match=msg):
             call(**bad)
+
+
+# -- the attention half (fused attention with its input norm and residual) -------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_attention_half_is_bit_identical(qwen3_5_path, dtype, quant, monkeypatch):
+    """One row (the fused attention's passes): with the norm and the add in its call, the
+    same logits and states as the attention's fused call between a separate norm and add."""
+    import moerun
+    from moerun.models import qwen3_5_moe
+
+    net = moerun.load(qwen3_5_path, dtype=dtype, threads=1, quant=quant).net
+    calls = []
+    real = kernels._native().attn_block_decode
+    nat = kernels._native()
+
+    class Spy:  # counts the native calls given an input norm
+        def __getattr__(self, name):
+            if name != "attn_block_decode":
+                return getattr(nat, name)
+            return lambda *a, **k: (calls.append(len(a) > 25), real(*a, **k))[1]
+
+    kv_dtype = net.model.embed_tokens.weight.dtype
+    with torch.inference_mode():
+        monkeypatch.setitem(kernels._state, "native", Spy())
+        got, got_states = decode_run(net, kv_dtype, B=1, slots=(1,))
+        halves = sum(calls)
+        monkeypatch.setattr(qwen3_5_moe, "attn_residual", lambda x, norm, attn, *a: x + attn(norm(x), *a))
+        calls.clear()
+        want, want_states = decode_run(net, kv_dtype, B=1, slots=(1,))
+    layers = sum(t == "full_attention" for t in net.args.layer_types)
+    assert halves == 4 * layers and not any(calls) and len(calls) == 4 * layers  # 4 one-row passes of <= 5 tokens
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got_states, want_states))

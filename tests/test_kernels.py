@@ -506,13 +506,13 @@ def test_attn_block_decode_refuses_bad_arguments():
     kc, vc = torch.zeros(Hkv, 8, D), torch.zeros(Hkv, 8, D)
     none = torch.empty(0)
 
-    def call(pos=3, hq=Hq, kc=kc, rd=D, T=1, gated=False, cos_rows=None):
+    def call(pos=3, hq=Hq, kc=kc, rd=D, T=1, gated=False, cos_rows=None, half=()):
         cos, sin = torch.ones(cos_rows or T, rd), torch.zeros(cos_rows or T, rd)
         args = [torch.randn(T, H).numpy()]
         for n in "qkvo":
             args += [lin[n][0].numpy(), lin[n][1].numpy(), 8]
         nat.attn_block_decode(*args, none.numpy(), none.numpy(), 1e-6, cos.numpy(), sin.numpy(), kc.numpy(),
-                              vc.numpy(), pos, hq, 0.25, torch.empty(T, H).numpy(), gated)
+                              vc.numpy(), pos, hq, 0.25, torch.empty(T, H).numpy(), gated, *half)
 
     call()  # well-formed: runs
     assert kc[:, 3].abs().sum() > 0 and not kc[:, 4:].any()  # wrote its position only
@@ -534,6 +534,9 @@ def test_attn_block_decode_refuses_bad_arguments():
         call(rd=D + 2)
     with pytest.raises(ValueError, match="both float32 or both bf16"):
         call(kc=torch.zeros(Hkv, 8, D, dtype=torch.float64))
+    call(half=(torch.ones(H).numpy(), 0.0, 1e-6))  # a decoder layer's first half: runs
+    with pytest.raises(ValueError, match="in_norm"):
+        call(half=(torch.ones(H + 1).numpy(), 0.0, 1e-6))
 
 
 def _qwen3_5_net(tmp_path):

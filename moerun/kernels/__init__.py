@@ -798,11 +798,20 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
     return n
 
 
-def _fused_forward(self, x, cos_sin, kv, slots, pos0):
-    B, T, H = x.shape
-    if (B != 1 or T > FUSED_MAX_TOKENS or type(kv) is not _kv_cache_class() or kv.k.dtype not in FLOAT_DTYPES
-            or _native() is None or torch.is_grad_enabled()):
+def fused_attention_applies(x: torch.Tensor, kv) -> bool:
+    """Whether a fused attention (`fuse_decode_attention`) takes this pass natively: one row
+    of at most FUSED_MAX_TOKENS tokens, a float32 or bf16 KV cache, no autograd."""
+    B, T, _ = x.shape
+    return (B == 1 and T <= FUSED_MAX_TOKENS and type(kv) is _kv_cache_class() and kv.k.dtype in FLOAT_DTYPES
+            and _native() is not None and not torch.is_grad_enabled())
+
+
+def _fused_forward(self, x, cos_sin, kv, slots, pos0, norm=None):
+    """The fused attention's forward; with `norm` (`layers.attention.attn_residual`, which
+    checks that it may), x + this attention of norm(x) in the same call."""
+    if not fused_attention_applies(x, kv):
         return self._unfused_forward(x, cos_sin, kv, slots, pos0)
+    B, T, H = x.shape
     s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
     m = self._modules
     group = tuple(m[n] for n in _FUSED_MODULES if n in m)  # the projections, then the norms if any
@@ -812,9 +821,11 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0):
     out = _out((T, H), x.dtype)
     nat = _native()
     _sync_threads(nat)
+    half = () if norm is None else (_np(float32_weight(norm)), 1.0 if norm.zero_centered else 0.0, float(norm.eps))
     nat.attn_block_decode(
-        _np(_act(x.reshape(T, H))), q.w, q.s, q.code, k.w, k.s, k.code, v.w, v.s, v.code, o.w, o.s, o.code,
-        qn, kn, self._fused_eps, cos, sin, kc, vc, p, self.n_heads, float(self.scale), _np(out), self._fused_gate)
+        _np(_act(x.reshape(T, H).contiguous())), q.w, q.s, q.code, k.w, k.s, k.code, v.w, v.s, v.code, o.w, o.s,
+        o.code, qn, kn, self._fused_eps, cos, sin, kc, vc, p, self.n_heads, float(self.scale), _np(out),
+        self._fused_gate, *half)
     return out.view(1, T, H).to(x.dtype)
 
 
@@ -913,5 +924,5 @@ __all__ = [
     "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
     "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block", "ExpertViews", "rms_norm", "rms_norm_ref", "norm_rope_heads",
     "norm_rope_heads_ref",
-    "attn_decode_is_native", "fuse_decode_attention",
+    "attn_decode_is_native", "fuse_decode_attention", "fused_attention_applies",
 ]

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from .norm import RMSNorm
 
 
 def attend(
@@ -75,3 +76,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     Hq = q.shape[1]
     out = kernels.attn_decode(q.reshape(Hq, q.shape[3]), k[0], v[0], scale)
     return out.reshape(1, Hq, 1, v.shape[-1]).to(q.dtype)
+
+
+def attn_residual(x, norm, attn, cos_sin, kv, slots, pos0) -> torch.Tensor:
+    """x + attn(norm(x), cos_sin, kv, slots, pos0): a decoder layer's first half. Where the
+    attention's decode passes are fused (`kernels.fuse_decode_attention`) and this pass is
+    one of them (`kernels.fused_attention_applies`), the norm and the residual add join the
+    same native call: bit-identical to the modules one by one, which run otherwise (and
+    whenever the norm or the attention has hooks)."""
+    if (type(norm) is RMSNorm and norm.weight.dtype == x.dtype and "_unfused_forward" in attn.__dict__
+            and kernels.fused_attention_applies(x, kv) and not kernels.has_hooks(attn, norm)):
+        return attn.forward(x, cos_sin, kv, slots, pos0, norm=norm)
+    return x + attn(norm(x), cos_sin, kv, slots, pos0)

@@ -33,7 +33,7 @@ from torch import nn
 from .. import kernels
 from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec, StateSpec
-from ..layers.attention import attend
+from ..layers.attention import attend, attn_residual
 from ..layers.deltanet import FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, split_heads
 from ..layers.linear import native_call_views, packed_views, project
 from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
@@ -298,7 +298,7 @@ class DecoderLayer(nn.Module):
         if self.layer_type == "linear_attention":
             x = self.linear_attn.residual(x, self.input_layernorm, state, slots)  # x + linear_attn(norm(x))
         else:
-            x = x + self.self_attn(self.input_layernorm(x), cos_sin, state, slots, pos0)
+            x = attn_residual(x, self.input_layernorm, self.self_attn, cos_sin, state, slots, pos0)  # x + attn(norm(x))
         if last_only:
             x = x[:, -1:]
         return moe_residual(x, self.post_attention_layernorm, self.mlp)  # x + mlp(norm(x))

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec
-from ..layers.attention import attend
+from ..layers.attention import attend, attn_residual
 from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, norm_rope
@@ -110,7 +110,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(self, x, cos_sin, kv, slots, pos0):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, slots, pos0)
+        x = attn_residual(x, self.input_layernorm, self.self_attn, cos_sin, kv, slots, pos0)  # x + attn(norm(x))
         return moe_residual(x, self.post_attention_layernorm, self.mlp)  # x + mlp(norm(x))
 
 
