@@ -698,18 +698,11 @@ void deltanet_decode(Strided qkv, Array conv_w, Array conv, std::optional<Array>
     const RowsIn xq = rows_in(qkv, bufs[0], "qkv"), xa = rows_in(a, bufs[1], "a"), xb = rows_in(b, bufs[2], "b"),
                  xz = rows_in(z, bufs[3], "z");
     ActOut o(out, "out");
-    d.qkv = xq.p;
-    d.qkv_sb = xq.s0;
-    d.qkv_st = xq.s1;
-    d.a = xa.p;
-    d.a_sb = xa.s0;
-    d.a_st = xa.s1;
-    d.b = xb.p;
-    d.b_sb = xb.s0;
-    d.b_st = xb.s1;
-    d.z = xz.p;
-    d.z_sb = xz.s0;
-    d.z_st = xz.s1;
+    auto take = [](const RowsIn& r, const float*& p, long& sb, long& st) { p = r.p, sb = r.s0, st = r.s1; };
+    take(xq, d.qkv, d.qkv_sb, d.qkv_st);
+    take(xa, d.a, d.a_sb, d.a_st);
+    take(xb, d.b, d.b_sb, d.b_st);
+    take(xz, d.z, d.z_sb, d.z_st);
     d.out = o.p;
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
