@@ -547,7 +547,8 @@ def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_offse
     out = _out(x.shape, x.dtype)
     none = _np(_EMPTY_F32)
     if observe:
-        h, ids, w = torch.empty(T, H, dtype=x.dtype), torch.empty(T, k, dtype=torch.int64), torch.empty(T, k, dtype=x.dtype)
+        h, w = torch.empty(T, H, dtype=x.dtype), torch.empty(T, k, dtype=x.dtype)
+        ids = torch.empty(T, k, dtype=torch.int64)
         obs = (_np(h), _np(ids), _np(w))
     else:
         obs = (none, _np(_EMPTY_I64), none)
@@ -737,10 +738,11 @@ def deltanet_block(x: torch.Tensor, norm_weight: torch.Tensor, norm_offset: floa
     RMSNorm(x))), x [B, T, H] float32 or bf16. norm_weight [H] float32 (+ norm_offset);
     proj: the four projections' `Packed`; out_proj's. The DeltaNet's states, `every` and
     `every_out` as `deltanet_decode` takes them (float32 and contiguous:
-    `deltanet_decode_is_native`), its weights as `deltanet_weight_views` gives them (`views`). Out in x's dtype; a bf16 x has every
-    intermediate rounded where the separate ops (`rms_norm`, `qlinear_multi`,
-    `deltanet_decode`, out_proj and the residual add, each in bf16) round it: bit-identical to
-    them. Returns (out, conv, S) or, with `every`, (out, the states after each token)."""
+    `deltanet_decode_is_native`), its weights as `deltanet_weight_views` gives them (`views`).
+    Out in x's dtype; a bf16 x has every intermediate rounded where the separate ops
+    (`rms_norm`, `qlinear_multi`, `deltanet_decode`, out_proj and the residual add, each in
+    bf16) round it: bit-identical to them. Returns (out, conv, S) or, with `every`, (out, the
+    states after each token)."""
     nat = _native()
     x = x.contiguous()
     B, T, _ = x.shape
@@ -922,7 +924,7 @@ __all__ = [
     "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "numpy_views", "swiglu_mlp",
     "swiglu_mlp_ref",
     "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
-    "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block", "ExpertViews", "rms_norm", "rms_norm_ref", "norm_rope_heads",
-    "norm_rope_heads_ref",
+    "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block", "ExpertViews", "rms_norm",
+    "rms_norm_ref", "norm_rope_heads", "norm_rope_heads_ref",
     "attn_decode_is_native", "fuse_decode_attention", "fused_attention_applies",
 ]

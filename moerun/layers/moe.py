@@ -14,6 +14,7 @@ from torch import nn
 
 from .. import kernels
 from .linear import packed_views, plain_float_linear, project
+from .norm import RMSNorm
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
 
@@ -36,7 +37,6 @@ class Experts(nn.Module):
             return kernels.moe_experts_float(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj,
                                              views=views, dtype=x.dtype).to(x.dtype)
         return expert_mlp(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj)
-
 
     def fused_views(self, x: torch.Tensor) -> kernels.ExpertViews | None:
         """The experts as `kernels.moe_block` takes them, for a pass that would run natively
@@ -160,8 +160,6 @@ def _fusable(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None
     `RMSNorm` of x's dtype, a block of the shape above whose parts all run natively on their
     own, no hooks on the norm, the block, the router or the shared expert, no forward hooks on
     the experts and none global; None otherwise. Kept on the block (`kernels.module_plan`)."""
-    from .norm import RMSNorm
-
     mods = block._modules
     experts = mods.get("experts")
     if (type(norm) is not RMSNorm or not hasattr(experts, "fused_views") or x.dtype not in kernels.FLOAT_DTYPES
@@ -170,7 +168,9 @@ def _fusable(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None
             or x.numel() > kernels.RMS_NORM_MAX or not kernels.native()):
         return None
     se = mods.get("shared_expert")
-    others = (norm, block, mods["gate"]) + (() if se is None else (se, *se._modules.values(), mods["shared_expert_gate"]))
+    others = (norm, block, mods["gate"])
+    if se is not None:
+        others += (se, *se._modules.values(), mods["shared_expert_gate"])
     if kernels.has_hooks(*others) or experts._forward_hooks:
         return None
     return kernels.module_plan(block, (experts, *others), x.dtype, lambda: _moe_plan(x, norm, block))
