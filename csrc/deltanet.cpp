@@ -26,12 +26,17 @@ inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); 
 struct DeltaWork {
     std::vector<float> y;      // [B, T, C] conv outputs; q and k heads L2-normalised in place (q scaled)
     std::vector<float> gates;  // each (row, head, token)'s decay and beta
+    std::vector<float> h, proj, o;  // deltanet_block_decode's normed input, projections and DeltaNet output
 };
+DeltaWork& delta_work() {  // one op at a time (bindings hold a mutex)
+    static DeltaWork* w = new DeltaWork();
+    return *w;
+}
 
 }  // namespace
 
 void deltanet_decode(const DeltaArgs& a) {
-    static DeltaWork* work = new DeltaWork();  // one op at a time (bindings hold a mutex)
+    DeltaWork* work = &delta_work();
     const int B = a.B, T = a.T, C = a.C, K = a.K, Km = a.K - 1;
     const int kd = a.Hk * a.Dk;
     std::vector<float>& y = work->y;
@@ -122,36 +127,29 @@ void deltanet_decode(const DeltaArgs& a) {
 }
 
 void deltanet_block_decode(DeltaBlockArgs& a) {
-    static std::vector<float>* bufs = new std::vector<float>[3];  // h, projections, o (one op at a time)
+    DeltaWork& w = delta_work();
     DeltaArgs& d = a.d;
     const int M = d.B * d.T, Z = d.Hv * d.Dv, N = d.C + Z + 2 * d.Hv;
-    auto rounded = [&](float* v, size_t n) {
-        if (a.round_bf16)
-            for (size_t i = 0; i < n; ++i) v[i] = bf16_round(v[i]);
-    };
-    std::vector<float>&h = bufs[0], &p = bufs[1], &o = bufs[2];
-    h.resize((size_t)M * a.H);
-    p.resize((size_t)M * N);
-    o.resize((size_t)M * Z);
-    rms_norm(M, a.H, a.x, a.norm_w, a.norm_offset, a.norm_eps, h.data());
-    rounded(h.data(), h.size());
+    w.h.resize((size_t)M * a.H);
+    w.proj.resize((size_t)M * N);
+    w.o.resize((size_t)M * Z);
+    half_input(a.round_bf16, M, a.H, a.x, a.norm_w, a.norm_offset, a.norm_eps, w.h.data());
     const int rows[4] = {d.C, Z, d.Hv, d.Hv};
-    qlinear_multi(M, a.H, 4, a.proj, rows, h.data(), p.data());
-    rounded(p.data(), p.size());
-    // each token's [qkv | z | a | b] side by side: every input a column slice of p
-    d.qkv = p.data();
-    d.z = p.data() + d.C;
-    d.a = p.data() + d.C + Z;
-    d.b = p.data() + d.C + Z + d.Hv;
+    qlinear_multi(M, a.H, 4, a.proj, rows, w.h.data(), w.proj.data());
+    round_bf16_if(a.round_bf16, w.proj.data(), w.proj.size());
+    // each token's [qkv | z | a | b] side by side: every input a column slice of the projections
+    float* p = w.proj.data();
+    d.qkv = p;
+    d.z = p + d.C;
+    d.a = p + d.C + Z;
+    d.b = p + d.C + Z + d.Hv;
     d.qkv_sb = d.z_sb = d.a_sb = d.b_sb = (long)d.T * N;
     d.qkv_st = d.z_st = d.a_st = d.b_st = N;
-    d.out = o.data();
-    deltanet_decode(d);
-    rounded(o.data(), o.size());
-    qlinear_multi(M, Z, 1, &a.out_proj, &a.H, o.data(), a.y);
-    rounded(a.y, (size_t)M * a.H);
-    for (size_t i = 0; i < (size_t)M * a.H; ++i) a.y[i] += a.x[i];
-    rounded(a.y, (size_t)M * a.H);
+    d.out = w.o.data();
+    deltanet_decode(d);  // (its own buffers are y and gates)
+    round_bf16_if(a.round_bf16, w.o.data(), w.o.size());
+    qlinear_multi(M, Z, 1, &a.out_proj, &a.H, w.o.data(), a.y);
+    half_output(a.round_bf16, a.x, a.y, a.y, (size_t)M * a.H);
 }
 
 }  // namespace moerun

@@ -85,6 +85,10 @@ struct Workspace {
     std::vector<float> g, u, y, qkv, att, gate;
     std::vector<int32_t> pair_tok, slot;
     std::vector<int> count, offset;
+    // the layer halves': the normed input, the routing weights and ids, the experts' sum and
+    // the shared expert's output
+    std::vector<float> normed, route_w, moe_out, shared_out;
+    std::vector<int64_t> route_ids;
 };
 Workspace& ws() {
     static Workspace* w = new Workspace();
@@ -230,37 +234,25 @@ void swiglu_mlp(int M, int H, int I, const QWeight& gate, const QWeight& up, con
 }
 
 void moe_block_decode(const MoeBlockArgs& a) {
-    struct Bufs {
-        std::vector<float> h, w, e, s;
-        std::vector<int64_t> ids;
-    };
-    static Bufs* b = new Bufs();  // one op at a time (bindings hold a mutex)
+    Workspace& W = ws();
     const size_t n = (size_t)a.T * a.H, nk = (size_t)a.T * a.K;
-    auto rounded = [&](float* v, size_t len) {
-        if (a.round_bf16)
-            for (size_t i = 0; i < len; ++i) v[i] = bf16_round(v[i]);
-    };
-    float* h = a.h_out ? a.h_out : (b->h.resize(n), b->h.data());
-    int64_t* ids = a.ids_out ? a.ids_out : (b->ids.resize(nk), b->ids.data());
-    float* w = a.w_out ? a.w_out : (b->w.resize(nk), b->w.data());
-    b->e.resize(n);
-    float* e = b->e.data();
-    rms_norm(a.T, a.H, a.x, a.norm_w, a.norm_offset, a.eps, h);
-    rounded(h, n);
+    float* h = a.h_out ? a.h_out : (W.normed.resize(n), W.normed.data());
+    int64_t* ids = a.ids_out ? a.ids_out : (W.route_ids.resize(nk), W.route_ids.data());
+    float* w = a.w_out ? a.w_out : (W.route_w.resize(nk), W.route_w.data());
+    W.moe_out.resize(n);
+    float* e = W.moe_out.data();
+    half_input(a.round_bf16, a.T, a.H, a.x, a.norm_w, a.norm_offset, a.eps, h);
     route_softmax_topk(a.T, a.H, a.E, a.K, a.renorm, h, a.router, ids, w);
-    rounded(w, nk);
+    round_bf16_if(a.round_bf16, w, nk);
     moe_experts(a.efmt, a.T, a.H, a.I, a.E, a.K, h, ids, w, a.experts, e);
-    rounded(e, n);
-    if (a.sg) {
-        b->s.resize(n);
-        float* s = b->s.data();
+    round_bf16_if(a.round_bf16, e, n);
+    if (a.sg) {  // the block adds the shared expert's output to the experts' (both in bf16 for a bf16 model)
+        W.shared_out.resize(n);
+        float* s = W.shared_out.data();
         swiglu_mlp(a.T, a.H, a.Is, *a.sg, *a.su, *a.sd, h, s, a.shared_gate);
-        rounded(s, n);
-        for (size_t i = 0; i < n; ++i) e[i] += s[i];
-        rounded(e, n);
+        half_output(a.round_bf16, e, s, e, n);
     }
-    for (size_t i = 0; i < n; ++i) a.y[i] = a.x[i] + e[i];
-    rounded(a.y, n);
+    half_output(a.round_bf16, a.x, e, a.y, n);
 }
 
 void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, const uint16_t* ws_, float* y) {
@@ -552,16 +544,10 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
                        float scale, float* out, int kv_type, bool gated, int T, const AttnHalf* half) {
     Workspace& W = ws();
     const float* x_in = x;
-    static std::vector<float>* normed = new std::vector<float>();  // one op at a time
-    auto rounded = [&](float* v, size_t n) {
-        if (half && half->round_bf16)
-            for (size_t i = 0; i < n; ++i) v[i] = bf16_round(v[i]);
-    };
     if (half) {
-        normed->resize((size_t)T * H);
-        rms_norm(T, H, x, half->norm_w, half->offset, half->eps, normed->data());
-        rounded(normed->data(), normed->size());
-        x = normed->data();
+        W.normed.resize((size_t)T * H);
+        half_input(half->round_bf16, T, H, x, half->norm_w, half->offset, half->eps, W.normed.data());
+        x = W.normed.data();
     }
     // q, k and v in one job (the small k and v projections share the pool): row t of W.qkv is
     // token t's q (and gate) | k | v
@@ -608,12 +594,7 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
         }
     }
     qlinear(o.fmt, T, Hq * D, H, W.att.data(), o.w, o.s, out);
-    if (half) {
-        const size_t n = (size_t)T * H;
-        rounded(out, n);
-        for (size_t i = 0; i < n; ++i) out[i] += x_in[i];
-        rounded(out, n);
-    }
+    if (half) half_output(half->round_bf16, x_in, out, out, (size_t)T * H);
 }
 
 }  // namespace moerun

@@ -26,6 +26,12 @@ inline float bf16_round(float f) {
     std::memcpy(&r, &u, 4);
     return r;
 }
+// v[0..n) rounded to bf16 in place when `round`: where a bf16 model's separate ops would hand
+// on a bf16 tensor, a fused op (the layer halves below) rounds its float32 intermediate alike
+inline void round_bf16_if(bool round, float* v, size_t n) {
+    if (round)
+        for (size_t i = 0; i < n; ++i) v[i] = bf16_round(v[i]);
+}
 
 // Process-wide settings: which kernel table runs, how many threads the pool has and how long
 // its idle workers spin before they sleep.
@@ -202,5 +208,18 @@ struct DeltaBlockArgs {
     float* y;
 };
 void deltanet_block_decode(DeltaBlockArgs& a);
+
+// The ends of a layer half (moe_block_decode, deltanet_block_decode, attn_block_decode with
+// `half`), as the separate ops compute them: the input RMSNorm, and the residual add of the
+// half's output f (each rounded to bf16 with `round`, as the bf16 ops hand them on).
+inline void half_input(bool round, int T, int H, const float* x, const float* w, float offset, float eps, float* h) {
+    rms_norm(T, H, x, w, offset, eps, h);
+    round_bf16_if(round, h, (size_t)T * H);
+}
+inline void half_output(bool round, const float* x, float* f, float* y, size_t n) {  // y = x + f (y may be f)
+    round_bf16_if(round, f, n);
+    for (size_t i = 0; i < n; ++i) y[i] = x[i] + f[i];
+    round_bf16_if(round, y, n);
+}
 
 }  // namespace moerun
