@@ -85,16 +85,21 @@ struct ActIn {
     }
 };
 
+std::vector<float>& act_out_buffer() {
+    thread_local std::vector<float> buf;
+    return buf;
+}
+
+// (an op with several bf16 outputs gives each but the first a buffer of its own)
 struct ActOut {
     Array& a;
     float* p;
-    ActOut(Array& out, const char* what) : a(out) {
+    ActOut(Array& out, const char* what, std::vector<float>& buf = act_out_buffer()) : a(out) {
         if (!is_bf16(out)) {
             check_dtype(out, dtype_code::Float, 32, what);
             p = (float*)out.data();
             return;
         }
-        thread_local std::vector<float> buf;
         buf.resize(out.size());
         p = buf.data();
     }
@@ -128,7 +133,7 @@ RowsIn rows_in(const Strided& t, std::vector<float>& buf, const char* what) {
     return {buf.data(), (long)(T * inner), (long)inner};
 }
 
-void check_shape(const Array& a, std::initializer_list<size_t> shape, const char* what) {
+void check_shape(const Array& a, const std::vector<size_t>& shape, const char* what) {
     check(a.ndim() == shape.size(), std::string(what) + ": wrong number of dimensions");
     size_t i = 0;
     for (size_t s : shape) {
@@ -157,24 +162,30 @@ void check_rows(const Strided& a, std::initializer_list<size_t> shape, const cha
 
 void check_fmt(int fmt) { check(fmt == moerun::FMT_INT4 || fmt == moerun::FMT_INT8, "fmt must be 4 or 8"); }
 
-// quantized weights: uint8 (int4 packed) or int8
-void check_qweight(const Array& w, int fmt, std::initializer_list<size_t> lead, int nb, const char* what) {
+std::vector<size_t> with_last(std::vector<size_t> lead, size_t last) {
+    lead.push_back(last);
+    return lead;
+}
+
+// quantized weights: uint8 (int4 packed) or int8, lead + [bytes per row]
+void check_qweight(const Array& w, int fmt, const std::vector<size_t>& lead, int nb, const char* what) {
     check((w.dtype().code == (uint8_t)dtype_code::UInt || w.dtype().code == (uint8_t)dtype_code::Int) &&
               w.dtype().bits == 8,
           std::string(what) + ": must be uint8 or int8");
-    std::vector<size_t> shape(lead);
-    shape.push_back(moerun::row_bytes(fmt, nb));
-    check(w.ndim() == shape.size(), std::string(what) + ": wrong number of dimensions");
-    for (size_t i = 0; i < shape.size(); ++i)
-        check(w.shape(i) == shape[i], std::string(what) + ": wrong shape");
+    check_shape(w, with_last(lead, moerun::row_bytes(fmt, nb)), what);
 }
 
-void check_scales(const Array& s, std::initializer_list<size_t> lead, int nb, const char* what) {
+// their fp16 scales, lead + [blocks per row]
+void check_scales(const Array& s, const std::vector<size_t>& lead, int nb, const char* what) {
     check_dtype(s, dtype_code::Float, 16, what);
-    std::vector<size_t> shape(lead);
-    shape.push_back(nb);
-    check(s.ndim() == shape.size(), std::string(what) + ": wrong number of dimensions");
-    for (size_t i = 0; i < shape.size(); ++i) check(s.shape(i) == shape[i], std::string(what) + ": wrong shape");
+    check_shape(s, with_last(lead, nb), what);
+}
+
+// unquantized weights in fmt 32 (float32) or 16 (bf16, as uint16)
+void check_float_weight(const Array& w, int fmt, const std::vector<size_t>& shape, const char* what) {
+    check(w.dtype() == (fmt == moerun::FMT_F32 ? nb::dtype<float>() : nb::dtype<uint16_t>()),
+          std::string(what) + ": must be float32 (fmt 32) or bf16 as uint16 (fmt 16)");
+    check_shape(w, shape, what);
 }
 
 void qlinear(Array x, Array w, Array scales, Array out, int fmt) {
@@ -249,42 +260,25 @@ std::pair<std::vector<moerun::ExpertW>, size_t> expert_table(int fmt, size_t H, 
                                                           ds.size() == gate.size(),
           "scales: one per weight array for int4 / int8 experts, none for float ones");
     const bool stacked = gate[0].ndim() == 3;
-    check(!stacked || gate.size() == 1, "gate: one stack [E, I, row] or one [I, row] array per expert");
+    check((stacked && gate.size() == 1) || gate[0].ndim() == 2, "gate: one stack [E, I, row] or one [I, row] array per expert");
     const size_t E = stacked ? gate[0].shape(0) : gate.size();
     const size_t I = gate[0].shape(stacked ? 1 : 0);
     const int nbH = moerun::blocks_of((int)H), nbI = moerun::blocks_of((int)I);
-    std::vector<size_t> lead_gu = stacked ? std::vector<size_t>{E, I} : std::vector<size_t>{I};
-    std::vector<size_t> lead_d = stacked ? std::vector<size_t>{E, H} : std::vector<size_t>{H};
-    auto check_w = [&](const Array& w, const std::vector<size_t>& lead, size_t in, int nb, const char* what) {
-        if (fl) {
-            check(w.dtype() == (fmt == moerun::FMT_F32 ? nb::dtype<float>() : nb::dtype<uint16_t>()),
-                  std::string(what) + ": must be float32 (fmt 32) or bf16 as uint16 (fmt 16)");
-            check(w.ndim() == lead.size() + 1, std::string(what) + ": wrong number of dimensions");
-            for (size_t i = 0; i < lead.size(); ++i) check(w.shape(i) == lead[i], std::string(what) + ": wrong shape");
-            check(w.shape(lead.size()) == in, std::string(what) + ": wrong shape");
-        } else {
-            check(w.ndim() == lead.size() + 1, std::string(what) + ": wrong number of dimensions");
-            check((w.dtype().code == (uint8_t)dtype_code::UInt || w.dtype().code == (uint8_t)dtype_code::Int) &&
-                      w.dtype().bits == 8, std::string(what) + ": must be uint8 or int8");
-            for (size_t i = 0; i < lead.size(); ++i) check(w.shape(i) == lead[i], std::string(what) + ": wrong shape");
-            check(w.shape(lead.size()) == moerun::row_bytes(fmt, nb), std::string(what) + ": wrong shape");
-        }
-    };
-    auto check_s = [&](const Array& sc, const std::vector<size_t>& lead, int nb, const char* what) {
-        check_dtype(sc, dtype_code::Float, 16, what);
-        check(sc.ndim() == lead.size() + 1, std::string(what) + ": wrong number of dimensions");
-        for (size_t i = 0; i < lead.size(); ++i) check(sc.shape(i) == lead[i], std::string(what) + ": wrong shape");
-        check(sc.shape(lead.size()) == (size_t)nb, std::string(what) + ": wrong shape");
-    };
+    const std::vector<size_t> lead_gu = stacked ? std::vector<size_t>{E, I} : std::vector<size_t>{I};
+    const std::vector<size_t> lead_d = stacked ? std::vector<size_t>{E, H} : std::vector<size_t>{H};
     for (size_t j = 0; j < gate.size(); ++j) {
-        check_w(gate[j], lead_gu, H, nbH, "gate");
-        check_w(up[j], lead_gu, H, nbH, "up");
-        check_w(down[j], lead_d, I, nbI, "down");
-        if (!fl) {
-            check_s(gs[j], lead_gu, nbH, "gate scales");
-            check_s(us[j], lead_gu, nbH, "up scales");
-            check_s(ds[j], lead_d, nbI, "down scales");
+        if (fl) {
+            check_float_weight(gate[j], fmt, with_last(lead_gu, H), "gate");
+            check_float_weight(up[j], fmt, with_last(lead_gu, H), "up");
+            check_float_weight(down[j], fmt, with_last(lead_d, I), "down");
+            continue;
         }
+        check_qweight(gate[j], fmt, lead_gu, nbH, "gate");
+        check_qweight(up[j], fmt, lead_gu, nbH, "up");
+        check_qweight(down[j], fmt, lead_d, nbI, "down");
+        check_scales(gs[j], lead_gu, nbH, "gate scales");
+        check_scales(us[j], lead_gu, nbH, "up scales");
+        check_scales(ds[j], lead_d, nbI, "down scales");
     }
     const size_t grow = moerun::weight_row_bytes(fmt, (int)H) * I, drow = moerun::weight_row_bytes(fmt, (int)I) * H;
     const size_t gsn = I * nbH, dsn = H * nbI;
@@ -405,9 +399,7 @@ void norm_rope_heads(Array x, Array w, Array cos, Array sin, Array out, float ep
 // (fmt 32) / bf16 as uint16 (fmt 16) [rows, in] with no scales (s is ignored)
 moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows, size_t in, const char* what) {
     if (moerun::is_float_fmt(fmt)) {
-        check(w.dtype() == (fmt == moerun::FMT_F32 ? nb::dtype<float>() : nb::dtype<uint16_t>()),
-              std::string(what) + ": a float32 (fmt 32) or bf16 as uint16 (fmt 16) weight");
-        check_shape(w, {rows, in}, what);
+        check_float_weight(w, fmt, {rows, in}, what);
         return {fmt, (const uint8_t*)w.data(), nullptr};
     }
     check_fmt(fmt);
@@ -520,18 +512,18 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
     check(shared_gate.ndim() == 1 && (shared_gate.shape(0) == 0 || shared_gate.shape(0) == H),
           "shared_gate must be [H] or empty");
     check_shape(out, {T, H}, "out");
-    const bool observed = h_out.size() > 0, bf16 = is_bf16(out);
+    const bool observed = h_out.size() > 0;
     check(observed == (ids_out.size() > 0) && observed == (w_out.size() > 0), "h_out, ids_out, w_out: all or none");
+    thread_local std::vector<float> hbuf, wbuf;  // a bf16 model's h and weights before their (exact) rounding
+    std::optional<ActOut> ho, wo;
     if (observed) {
-        check(is_bf16(h_out) == bf16 && is_bf16(w_out) == bf16, "h_out, w_out: x's dtype");
-        if (!bf16) {
-            check_dtype(h_out, dtype_code::Float, 32, "h_out");
-            check_dtype(w_out, dtype_code::Float, 32, "w_out");
-        }
+        check(is_bf16(h_out) == is_bf16(out) && is_bf16(w_out) == is_bf16(out), "h_out, w_out: x's dtype");
         check_shape(h_out, {T, H}, "h_out");
         check_dtype(ids_out, dtype_code::Int, 64, "ids_out");
         check_shape(ids_out, {T, (size_t)K}, "ids_out");
         check_shape(w_out, {T, (size_t)K}, "w_out");
+        ho.emplace(h_out, "h_out", hbuf);
+        wo.emplace(w_out, "w_out", wbuf);
     }
     ActIn xin(x, "x");
     ActOut o(out, "out");
@@ -558,21 +550,18 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
     }
     a.shared_gate = shared_gate.shape(0) ? (const float*)shared_gate.data() : nullptr;
     a.y = o.p;
-    thread_local std::vector<float> hw;  // a bf16 model's h and weights in float32 (bf16 values already)
     if (observed) {
-        if (bf16) hw.resize(T * H + T * K);
-        a.h_out = bf16 ? hw.data() : (float*)h_out.data();
-        a.w_out = bf16 ? hw.data() + T * H : (float*)w_out.data();
+        a.h_out = ho->p;
+        a.w_out = wo->p;
         a.ids_out = (int64_t*)ids_out.data();
     }
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
     moerun::moe_block_decode(a);
     o.finish();
-    if (observed && bf16) {
-        uint16_t *hb = (uint16_t*)h_out.data(), *wb = (uint16_t*)w_out.data();
-        for (size_t i = 0; i < T * H; ++i) hb[i] = moerun::bf16_bits(hw[i]);
-        for (size_t i = 0; i < T * K; ++i) wb[i] = moerun::bf16_bits(hw[T * H + i]);
+    if (observed) {
+        ho->finish();
+        wo->finish();
     }
 }
 
