@@ -513,22 +513,6 @@ class ExpertViews(NamedTuple):
     down_scales: list
 
 
-def float_expert_stack_views(gate, up, down) -> ExpertViews:
-    """Float experts' stacks (or per-expert lists) as `moe_block` takes them."""
-    g, u, d = float_expert_views(gate, up, down)
-    return ExpertViews(FLOAT_FORMATS[(gate if torch.is_tensor(gate) else gate[0]).dtype][1], g, [], u, [], d, [])
-
-
-def packed_expert_views(fmt: str):
-    """-> make(gate, gate_scales, up, up_scales, down, down_scales): packed experts' stacks in
-    `fmt` as `moe_block` takes them (a `native_views` maker)."""
-    return _PACKED_EXPERT_VIEWS[fmt]
-
-
-_PACKED_EXPERT_VIEWS = {fmt: (lambda *ts, code=code: ExpertViews(code, *([_np(t)] for t in ts)))
-                        for fmt, code in formats.FORMATS.items()}
-
-
 def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_offset: float, router: torch.Tensor,
               k: int, renorm: bool, experts: ExpertViews, shared: tuple | None = None,
               shared_gate: torch.Tensor | None = None, observe: bool = False):
@@ -545,22 +529,17 @@ def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_offse
     T, H = x.shape
     x = x.contiguous()  # (a row slice of a wider batch is not), in its dtype: out has it too
     out = _out(x.shape, x.dtype)
-    none = _np(_EMPTY_F32)
     if observe:
         h, w = torch.empty(T, H, dtype=x.dtype), torch.empty(T, k, dtype=x.dtype)
         ids = torch.empty(T, k, dtype=torch.int64)
         obs = (_np(h), _np(ids), _np(w))
     else:
-        obs = (none, _np(_EMPTY_I64), none)
+        obs = (_EMPTY_NP, _EMPTY_I64_NP, _EMPTY_NP)
     sh = ([p.w for p in shared], [p.s for p in shared], [p.code for p in shared]) if shared else ([], [], [])
     _sync_threads(nat)
     nat.moe_block(_np(_act(x)), _np(norm_weight), float(eps), float(norm_offset), _np(router), k, renorm,
-                  *experts, *sh, _np(shared_gate) if shared_gate is not None else none, _np(out), *obs)
+                  *experts, *sh, _EMPTY_NP if shared_gate is None else _np(shared_gate), _np(out), *obs)
     return (out, h, ids, w) if observe else out
-
-
-_EMPTY_F32 = torch.empty(0)
-_EMPTY_I64 = torch.empty(0, dtype=torch.int64)
 
 
 def float_expert_views(*weights) -> tuple:
@@ -704,18 +683,23 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
                 state.copy_(value)
         return o, conv_now if every else conv, S_now if every else S
     nat = _native()
-    B, T, C = qkv.shape
-    Hv, Dk, Dv = S.shape[1:]
-    out = _out((B, T, Hv, Dv), dtype)
-    conv_every = S_every = None
-    if every:
-        conv_every, S_every = every_out or (torch.empty(B, T, C, conv.shape[-1]), torch.empty(B, T, Hv, Dk, Dv))
+    B, T = qkv.shape[:2]
+    out = _out((B, T, S.shape[1], S.shape[3]), dtype)
+    conv_every, S_every = _every_states(B, T, conv, S, every, every_out)
     _sync_threads(nat)
     cw, al, dt, nw = views or deltanet_weight_views(conv_w, A_log, dt_bias, norm_w)
     nat.deltanet_decode(_np(_act_rows(qkv)), cw, _np(conv), None if conv_every is None else _np(conv_every),
                         _np(_act_rows(a)), _np(_act_rows(b)), al, dt, _np(S), None if S_every is None else _np(S_every),
                         _np(_act_rows(z)), nw, float(eps), _np(out), key_heads)
     return (out, conv_every, S_every) if every else (out, conv, S)
+
+
+def _every_states(B: int, T: int, conv, S, every: bool, every_out: tuple | None) -> tuple:
+    """The buffers for each token's states ([B, T, C, K-1] and [B, T, Hv, Dk, Dv]) of a pass
+    that keeps them: `every_out`, or new ones; (None, None) for a pass that does not."""
+    if not every:
+        return None, None
+    return every_out or (torch.empty(B, T, *conv.shape[1:]), torch.empty(B, T, *S.shape[1:]))
 
 
 def deltanet_weight_views(conv_w, A_log, dt_bias, norm_w) -> tuple:
@@ -746,12 +730,8 @@ def deltanet_block(x: torch.Tensor, norm_weight: torch.Tensor, norm_offset: floa
     nat = _native()
     x = x.contiguous()
     B, T, _ = x.shape
-    C = proj[0].w.shape[0]
-    Hv, Dk, Dv = S.shape[1:]
     out = _out(x.shape, x.dtype)
-    conv_every = S_every = None
-    if every:
-        conv_every, S_every = every_out or (torch.empty(B, T, C, conv.shape[-1]), torch.empty(B, T, Hv, Dk, Dv))
+    conv_every, S_every = _every_states(B, T, conv, S, every, every_out)
     cw, al, dt, nw = views
     _sync_threads(nat)
     nat.deltanet_block(_np(_act(x)), _np(norm_weight), float(norm_offset), float(norm_eps), [p.w for p in proj],
@@ -915,6 +895,7 @@ def float_linear_forward(self, x):
 
 _EMPTY = torch.empty(0)
 _EMPTY_NP = _EMPTY.numpy()
+_EMPTY_I64_NP = torch.empty(0, dtype=torch.int64).numpy()
 FUSED_MAX_TOKENS = 5  # a decode step, or a speculative verification pass of up to 4 drafts
 
 

@@ -43,7 +43,8 @@ class Experts(nn.Module):
         here (`native_float_experts`; see `moe_residual`)."""
         if not native_float_experts(x, self.gate_proj):
             return None
-        return kernels.native_views(self, EXPERT_WEIGHTS, kernels.float_expert_stack_views)
+        g, u, d = kernels.native_views(self, EXPERT_WEIGHTS, kernels.float_expert_views)  # the forward's own
+        return kernels.ExpertViews(kernels.FLOAT_FORMATS[self.gate_proj.dtype][1], g, [], u, [], d, [])
 
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")

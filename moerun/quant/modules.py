@@ -99,7 +99,10 @@ class QuantizedExperts(nn.Module):
     def fused_views(self, x: torch.Tensor) -> kernels.ExpertViews | None:
         """The experts as `kernels.moe_block` takes them, when the native kernels run (see
         `layers.moe.moe_residual`)."""
-        return kernels.native_views(self, BUFFERS, kernels.packed_expert_views(self.fmt)) if kernels.native() else None
+        if not kernels.native():
+            return None
+        g, gs, u, us, d, ds = kernels.native_views(self, BUFFERS, kernels.numpy_views)  # the forward's own
+        return kernels.ExpertViews(formats.FORMATS[self.fmt], [g], [gs], [u], [us], [d], [ds])
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]."""
