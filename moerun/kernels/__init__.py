@@ -294,11 +294,18 @@ def module_plan(owner: torch.nn.Module, modules: tuple, key, make):
     return value
 
 
+_module_mod = torch.nn.modules.module  # where torch keeps the global forward hooks
+
+
 def has_hooks(*modules: torch.nn.Module) -> bool:
     """Whether calling any of these modules would run a forward hook or pre-hook (its own, or
-    a global one): a fused op that stands in for their calls must not run then."""
-    return bool(torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks
-                or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
+    a global one): a native op that stands in for their calls must not run then."""
+    if _module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks:
+        return True
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks:
+            return True
+    return False
 
 
 def _own_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:

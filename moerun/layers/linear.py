@@ -51,7 +51,7 @@ def plain_float_linear(lin: nn.Module) -> bool:
     params = lin._parameters
     w = params.get("weight")
     return (w is not None and "bias" in params and params["bias"] is None and w.dtype in kernels.FLOAT_DTYPES
-            and w.is_cpu and w.is_contiguous() and not (lin._forward_pre_hooks or lin._forward_hooks))
+            and w.is_cpu and w.is_contiguous() and not kernels.has_hooks(lin))
 
 
 def native_call_views(lin: nn.Module, x: torch.Tensor) -> kernels.Packed | None:

@@ -57,7 +57,7 @@ def rms_norm_cat(owner: nn.Module, norm_names: tuple[str, ...], xs: list[torch.T
     dtype = xs[0].dtype
     if (native and kernels.native() and all(x.dtype == dtype and x.shape == xs[0].shape for x in xs)
             and (dtype == torch.float32 or (dtype == torch.bfloat16 and xs[0].numel() * len(xs) <= kernels.RMS_NORM_MAX))
-            and not torch.is_grad_enabled() and not any(n._forward_hooks or n._forward_pre_hooks for n in norms)):
+            and not torch.is_grad_enabled() and not kernels.has_hooks(*norms)):
         # bf16 (decode sizes): float32 in, rounded once at the end, as each RMSNorm's own bf16 path
         u = torch.cat(xs, dim=-1)
         return kernels.rms_norm(u.view(-1, len(xs), xs[0].shape[-1]), weights, norms[0].eps, dtype=dtype).view(u.shape)

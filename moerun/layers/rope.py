@@ -111,7 +111,7 @@ def norm_rope(x: torch.Tensor, norm, cos_sin: tuple[torch.Tensor, torch.Tensor])
     anything else, or a norm with hooks (they must see it called), runs the torch ops."""
     cos, sin = cos_sin
     w = None if norm is None else norm.weight
-    hooked = norm is not None and bool(norm._forward_pre_hooks or norm._forward_hooks)
+    hooked = norm is not None and kernels.has_hooks(norm)
     if (x.shape[0] == 1 and x.is_cpu and x.dtype == torch.float32 and not hooked
             and (w is None or w.dtype == torch.float32)):
         T = x.shape[1]
