@@ -1,5 +1,5 @@
 """The fused halves of a decoder layer, each one native call in decode: the MoE half
-(`layers.moe.moe_residual`, `kernels.moe_block`) and Qwen3.5's linear-attention half
+(`layers.moe.moe_residual`, `kernels.moe_block_run`) and Qwen3.5's linear-attention half
 (`GatedDeltaNet.residual`, `kernels.deltanet_block`). Bit-identical to the modules one by
 one, hooks still served, fallbacks where they cannot run."""
 
@@ -63,16 +63,16 @@ def make(dtype, experts="float", shared=True, shared_fmt=None, renorm=True, zero
 def run(x, norm, block, fused: bool, monkeypatch):
     """moe_residual with the fusion allowed or not -> (output, how many fused calls ran)."""
     calls = []
-    real = kernels.moe_block
+    real = kernels.moe_block_run
 
     def counted(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
     with monkeypatch.context() as m:
-        m.setattr(kernels, "moe_block", counted)
+        m.setattr(kernels, "moe_block_run", counted)
         if not fused:
-            m.setattr(moe, "_fusable", lambda *a: None)
+            m.setattr(moe, "moe_fusable", lambda *a: None)
         with torch.inference_mode():
             return moe_residual(x, norm, block), len(calls)
 
@@ -155,7 +155,7 @@ def test_falls_back_where_it_cannot_fuse(monkeypatch):
                 assert torch.equal(got, xi + block(norm(xi)))
     norm, block = make(torch.float32)
     calls = []
-    monkeypatch.setattr(kernels, "moe_block", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(kernels, "moe_block_run", lambda *a, **k: calls.append(1))
     y = moe_residual(x, norm, block)  # autograd on
     assert not calls and y.requires_grad
 

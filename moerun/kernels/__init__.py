@@ -194,6 +194,11 @@ def _np(t: torch.Tensor):
     return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
+_EMPTY = torch.empty(0)
+_EMPTY_NP = _EMPTY.numpy()
+_EMPTY_I64_NP = torch.empty(0, dtype=torch.int64).numpy()
+
+
 class Packed(NamedTuple):
     """One packed quantized weight as the native ops take it: the tensors, and numpy views of
     them with the format's code (made once per module: `native_views`)."""
@@ -532,21 +537,100 @@ def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_offse
     (`rms_norm`, `route_softmax_topk`, `moe_experts*`, `swiglu_mlp` and two adds, each in
     bf16) round it: bit-identical to them. With `observe`: (out, h, ids, weights) as the
     separate ops hand them on (h and weights in x's dtype), for their hooks."""
+    return moe_block_run(x, moe_block_args(norm_weight, eps, norm_offset, router, k, renorm, experts, shared,
+                                           shared_gate), observe)
+
+
+def moe_block_args(norm_weight: torch.Tensor, eps: float, norm_offset: float, router: torch.Tensor, k: int,
+                   renorm: bool, experts: ExpertViews, shared: tuple | None = None,
+                   shared_gate: torch.Tensor | None = None) -> tuple:
+    """`moe_block`'s weights and settings as the binding takes them (everything between x and
+    out), made once where a plan keeps them (`layers.moe`): a decode step then converts only
+    its activations."""
+    sh = ([p.w for p in shared], [p.s for p in shared], [p.code for p in shared]) if shared else ([], [], [])
+    return (_np(norm_weight), float(eps), float(norm_offset), _np(router), int(k), bool(renorm), *experts, *sh,
+            _EMPTY_NP if shared_gate is None else _np(shared_gate))
+
+
+def moe_block_run(x: torch.Tensor, args: tuple, observe: bool = False):
+    """`moe_block` with its weights and settings as `moe_block_args` made them."""
     nat = _native()
     T, H = x.shape
     x = x.contiguous()  # (a row slice of a wider batch is not), in its dtype: out has it too
     out = _out(x.shape, x.dtype)
-    if observe:
-        h, w = torch.empty(T, H, dtype=x.dtype), torch.empty(T, k, dtype=x.dtype)
-        ids = torch.empty(T, k, dtype=torch.int64)
-        obs = (_np(h), _np(ids), _np(w))
-    else:
-        obs = (_EMPTY_NP, _EMPTY_I64_NP, _EMPTY_NP)
-    sh = ([p.w for p in shared], [p.s for p in shared], [p.code for p in shared]) if shared else ([], [], [])
+    observed, obs = _moe_observed(T, H, args[4], x.dtype) if observe else (None, _NOT_OBSERVED)
     _sync_threads(nat)
-    nat.moe_block(_np(_act(x)), _np(norm_weight), float(eps), float(norm_offset), _np(router), k, renorm,
-                  *experts, *sh, _EMPTY_NP if shared_gate is None else _np(shared_gate), _np(out), *obs)
-    return (out, h, ids, w) if observe else out
+    nat.moe_block(_np(_act(x)), *args, _np(out), *obs)
+    return (out, *observed) if observe else out
+
+
+_NOT_OBSERVED = (_EMPTY_NP, _EMPTY_I64_NP, _EMPTY_NP)
+
+
+def _moe_observed(T: int, H: int, k: int, dtype: torch.dtype) -> tuple:
+    """New (h [T, H], ids [T, k], weights [T, k]) for `moe_block` to fill (what the experts'
+    hooks are called with; they may keep them), and their numpy views."""
+    h, ids, w = torch.empty(T, H, dtype=dtype), torch.empty(T, k, dtype=torch.int64), torch.empty(T, k, dtype=dtype)
+    return (h, ids, w), (_np(h), _np(ids), _np(w))
+
+
+class MtpStep:
+    """A one-layer MTP head (`layers.mtp.native_step`) over T <= FUSED_MAX_TOKENS tokens of one
+    row (a draft step, or a catch-up over the tokens accepted since the last), the MoE half
+    and what follows on the last token only, as six native calls: the two input RMSNorms
+    (`rms_norm` with their weights stacked), fc (`qlinear_multi`), the layer's attention half
+    (`attn_block_decode` with its norm) and MoE half (`moe_block`), the final norm and the
+    head. Bit-identical to the modules one by one: each call is the one their own decode
+    paths make, in the same dtype. The weights' arguments and the intermediate buffers are
+    made once (a draft step's wrappers and conversions otherwise cost several times its
+    arithmetic)."""
+
+    def __init__(self, H: int, dtype: torch.dtype, pre_w: torch.Tensor, pre_eps: float, fc: Packed,
+                 final: tuple, head: Packed):
+        self.H, self.dtype = H, _out_dtype(dtype)
+        n = FUSED_MAX_TOKENS
+        self.u = torch.empty(n, 2, H, dtype=self.dtype)  # per token: its embedding, its hidden state
+        normed, a, b, c = (torch.empty(n, 2, H, dtype=self.dtype), *(torch.empty(n, H, dtype=self.dtype) for _ in range(3)))
+        self._keep = (normed, a, b, c)
+        # numpy views: the norms' rows [2n, H], fc's [n, 2H], the attention's [n, H]
+        self._np = (_np(self.u.view(2 * n, H)), _np(normed.view(2 * n, H)), _np(normed.view(n, 2 * H)), _np(a), _np(b),
+                    _np(c))
+        self.pre = (_np(pre_w), float(pre_eps))
+        self.fc = ([fc.w], [fc.s], [fc.code])
+        final_w, eps, offset = final
+        self.final = (_np(final_w), float(eps), float(offset))
+        self.head, self.V = ([head.w], [head.s], [head.code]), head.qweight.shape[0]
+        self._rope = (None, None)
+
+    def rope_rows(self, table: tuple, pos: int, T: int) -> tuple:
+        """Rows pos..pos+T-1 of a rope's `float_table` (cos, sin) as the attention takes them."""
+        if self._rope[0] is not table:
+            self._rope = (table, tuple(_np(t) for t in table))
+        return tuple(t[pos : pos + T] for t in self._rope[1])
+
+    def run(self, embeddings: torch.Tensor, hidden: torch.Tensor, attn: tuple, attn_norm: tuple, rope: tuple,
+            kv_slot: tuple, pos: int, moe: tuple, observe: bool = False) -> tuple:
+        """embeddings, hidden [T, H] -> (logits [1, V], h [1, H] of the last token, and with
+        `observe` the MoE half's (h, ids, weights) for the experts' hooks, else None). attn:
+        `attn_plan`; attn_norm: `half_norm_args`; rope: `rope_rows`; kv_slot: `_cache_slot`;
+        moe: `moe_block_args`."""
+        nat = _native()
+        _sync_threads(nat)
+        T = hidden.shape[0]
+        u, normed, normed_rows, a, b, c = self._np
+        self.u[:T, 0].copy_(embeddings)
+        self.u[:T, 1].copy_(hidden)
+        nat.rms_norm(u[: 2 * T], self.pre[0], normed[: 2 * T], self.pre[1], 0.0)
+        nat.qlinear_multi(normed_rows[:T], *self.fc, a[:T])
+        weights, heads_scale, gated = attn
+        nat.attn_block_decode(a[:T], *weights, *rope, *kv_slot, pos, *heads_scale, b[:T], gated, *attn_norm)
+        observed, obs = _moe_observed(1, self.H, moe[4], self.dtype) if observe else (None, _NOT_OBSERVED)
+        nat.moe_block(b[T - 1 : T], *moe, c[:1], *obs)
+        h, logits = torch.empty(1, self.H, dtype=self.dtype), torch.empty(1, self.V, dtype=self.dtype)
+        h_np = _np(h)
+        nat.rms_norm(c[:1], self.final[0], h_np, *self.final[1:])
+        nat.qlinear_multi(h_np, *self.head, _np(logits))
+        return logits, h, observed
 
 
 def float_expert_views(*weights) -> tuple:
@@ -802,31 +886,49 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0, norm=None):
         return self._unfused_forward(x, cos_sin, kv, slots, pos0)
     B, T, H = x.shape
     s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
-    m = self._modules
+    return attn_block_run(x.reshape(T, H), attn_plan(self), _rope_rows(cos_sin, T), _cache_slot(kv, s), p,
+                          () if norm is None else half_norm_args(norm)).view(1, T, H).to(x.dtype)
+
+
+def attn_plan(attn) -> tuple:
+    """A fused attention's weights and settings as `attn_block_run` takes them (kept on it:
+    `module_plan`)."""
+    m = attn._modules
     group = tuple(m[n] for n in _FUSED_MODULES if n in m)  # the projections, then the norms if any
-    q, k, v, o, qn, kn = module_plan(self, group, None, lambda: _fused_views(self))
-    cos, sin = _rope_rows(cos_sin, T)
-    kc, vc = _cache_slot(kv, s)
-    out = _out((T, H), x.dtype)
+    return module_plan(attn, group, None, lambda: _fused_args(attn))
+
+
+def half_norm_args(norm) -> tuple:
+    """A layer half's input RMSNorm as the native halves take it: (float32 weight, offset, eps)."""
+    return _np(float32_weight(norm)), 1.0 if norm.zero_centered else 0.0, float(norm.eps)
+
+
+def attn_block_run(x: torch.Tensor, plan: tuple, rope: tuple, kv_slot: tuple, pos: int,
+                   half: tuple = ()) -> torch.Tensor:
+    """x [T, H] (float32 or bf16) through a fused attention (`attn_plan`) at positions pos..
+    (its rope rows `_rope_rows`, its cache slot `_cache_slot`); with `half` (`half_norm_args`)
+    x + attention(norm(x)). -> [T, H] in x's dtype."""
+    weights, heads_scale, gated = plan
+    out = _out(x.shape, x.dtype)
     nat = _native()
     _sync_threads(nat)
-    half = () if norm is None else (_np(float32_weight(norm)), 1.0 if norm.zero_centered else 0.0, float(norm.eps))
-    nat.attn_block_decode(
-        _np(_act(x.reshape(T, H).contiguous())), q.w, q.s, q.code, k.w, k.s, k.code, v.w, v.s, v.code, o.w, o.s,
-        o.code, qn, kn, self._fused_eps, cos, sin, kc, vc, p, self.n_heads, float(self.scale), _np(out),
-        self._fused_gate, *half)
-    return out.view(1, T, H).to(x.dtype)
+    nat.attn_block_decode(_np(_act(x.contiguous())), *weights, *rope, *kv_slot, pos, *heads_scale, _np(out), gated,
+                          *half)
+    return out
 
 
 _FUSED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 
 
-def _fused_views(attn) -> tuple:
-    """The fused attention's weights as the binding takes them: q, k, v, o `Packed`, then the
-    q and k norms' effective weights (`_norm_weight`; empty for none)."""
+def _fused_args(attn) -> tuple:
+    """The fused attention's weights as the binding takes them (q, k, v, o `Packed`, then the q
+    and k norms' effective weights, `_norm_weight`: empty for none, and their eps), then its
+    heads and scale, then whether it is gated."""
     projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
-    return (*(float_linear_views(m) if type(m) is torch.nn.Linear else m.views() for m in projs),
-            *(_norm_weight(getattr(attn, name, None)) for name in ("q_norm", "k_norm")))
+    q, k, v, o = (float_linear_views(m) if type(m) is torch.nn.Linear else m.views() for m in projs)
+    qn, kn = (_norm_weight(getattr(attn, name, None)) for name in ("q_norm", "k_norm"))
+    return ((q.w, q.s, q.code, k.w, k.s, k.code, v.w, v.s, v.code, o.w, o.s, o.code, qn, kn, attn._fused_eps),
+            (attn.n_heads, float(attn.scale)), attn._fused_gate)
 
 
 def _kv_cache_class():
@@ -900,9 +1002,6 @@ def float_linear_forward(self, x):
     return qlinear_multi(x, [float_linear_views(self)], dtype=x.dtype)[0]
 
 
-_EMPTY = torch.empty(0)
-_EMPTY_NP = _EMPTY.numpy()
-_EMPTY_I64_NP = torch.empty(0, dtype=torch.int64).numpy()
 FUSED_MAX_TOKENS = 5  # a decode step, or a speculative verification pass of up to 4 drafts
 
 
@@ -912,7 +1011,8 @@ __all__ = [
     "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "numpy_views", "swiglu_mlp",
     "swiglu_mlp_ref",
     "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
-    "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block", "ExpertViews", "rms_norm",
+    "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block", "moe_block_args",
+    "moe_block_run", "MtpStep", "ExpertViews", "rms_norm",
     "rms_norm_ref", "norm_rope_heads", "norm_rope_heads_ref",
     "attn_decode_is_native", "fuse_decode_attention", "fused_attention_applies",
 ]

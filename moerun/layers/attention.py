@@ -84,7 +84,13 @@ def attn_residual(x, norm, attn, cos_sin, kv, slots, pos0) -> torch.Tensor:
     one of them (`kernels.fused_attention_applies`), the norm and the residual add join the
     same native call: bit-identical to the modules one by one, which run otherwise (and
     whenever the norm or the attention has hooks)."""
-    if (type(norm) is RMSNorm and norm.weight.dtype == x.dtype and "_unfused_forward" in attn.__dict__
-            and kernels.fused_attention_applies(x, kv) and not kernels.has_hooks(attn, norm)):
+    if attn_half_fuses(x, norm, attn, kv):
         return attn.forward(x, cos_sin, kv, slots, pos0, norm=norm)
     return x + attn(norm(x), cos_sin, kv, slots, pos0)
+
+
+def attn_half_fuses(x, norm, attn, kv) -> bool:
+    """Whether x + attn(norm(x)) runs as one native call (`attn_residual`): a fused attention
+    that takes this pass, an RMSNorm of x's dtype, no hooks on either."""
+    return (type(norm) is RMSNorm and norm.weight.dtype == x.dtype and "_unfused_forward" in attn.__dict__
+            and kernels.fused_attention_applies(x, kv) and not kernels.has_hooks(attn, norm))

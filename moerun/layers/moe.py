@@ -131,32 +131,38 @@ def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> torch.Te
     top-k MoE block (`gate`: the router, `top_k`, `norm_topk_prob`, `experts`, and maybe a
     shared expert with its gate, `shared_expert` and `shared_expert_gate`) whose parts all
     run natively, one native call (`kernels.moe_block`) instead of four and two torch adds:
-    bit-identical to the modules one by one, which run otherwise (`_fusable`). Forward
+    bit-identical to the modules one by one, which run otherwise (`moe_fusable`). Forward
     pre-hooks on the experts (expert trackers) are then called after it with the arguments
     the experts would have had; one that returns new arguments cannot be honoured there and
     raises."""
-    plan = _fusable(x, norm, block)
+    plan = moe_fusable(x, norm, block)
     if plan is None:
         return x + block(norm(x))
-    experts, views, shared, shared_gate, norm_weight, router = plan
+    experts, args = plan
     hooks = experts._forward_pre_hooks
-    r = kernels.moe_block(x.reshape(-1, x.shape[-1]), norm_weight, norm.eps, 1.0 if norm.zero_centered else 0.0,
-                          router, block.top_k, block.norm_topk_prob, views, shared, shared_gate, observe=bool(hooks))
+    r = kernels.moe_block_run(x.reshape(-1, x.shape[-1]), args, observe=bool(hooks))
     if not hooks:
         return r.view(x.shape)
-    y, args = r[0], r[1:]
-    for key, hook in list(hooks.items()):
+    call_observers(experts, r[1:])
+    return r[0].view(x.shape)
+
+
+def call_observers(experts: nn.Module, args: tuple) -> None:
+    """Call the experts' forward pre-hooks (expert trackers) with the arguments (h, ids,
+    weights) a fused op (`moe_residual`) ran them on in their stead; a hook that returns new
+    arguments cannot be honoured there and raises."""
+    for key, hook in list(experts._forward_pre_hooks.items()):
         kw = key in experts._forward_pre_hooks_with_kwargs
         if (hook(experts, args, {}) if kw else hook(experts, args)) is not None:
             raise RuntimeError(f"a forward pre-hook on {type(experts).__name__} returned new arguments: "
                                "the fused MoE block cannot take them (moerun.layers.moe.moe_residual)")
-    return y.view(x.shape)
 
 
-def _fusable(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None:
-    """What `moe_residual` passes to `kernels.moe_block` (the experts module and its
-    `fused_views`, the shared expert's packed views and its gate as float32 [H] or None, the
-    norm's and the router's float32 weights) when it may run x through norm and block in one
+def moe_fusable(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None:
+    """What `moe_residual` passes to `kernels.moe_block_run` (the experts module, and the op's
+    weights and settings from `kernels.moe_block_args`: the norm's and the router's float32
+    weights, the experts' `fused_views`, the shared expert's packed views and its gate as
+    float32 [H] or None) when it may run x through norm and block in one
     native call: a decode-sized float32 or bf16 pass without autograd, a zero-centred or plain
     `RMSNorm` of x's dtype, a block of the shape above whose parts all run natively on their
     own, no hooks on the norm, the block, the router or the shared expert, no forward hooks on
@@ -174,7 +180,9 @@ def _fusable(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None
         others += (se, *se._modules.values(), mods["shared_expert_gate"])
     if kernels.has_hooks(*others) or experts._forward_hooks:
         return None
-    return kernels.module_plan(block, (experts, *others), x.dtype, lambda: _moe_plan(x, norm, block))
+    # the key: what the plan takes besides the modules' tensors (settings are plain attributes)
+    key = (x.dtype, norm.eps, norm.zero_centered, block.top_k, block.norm_topk_prob)
+    return kernels.module_plan(block, (experts, *others), key, lambda: _moe_plan(x, norm, block))
 
 
 def _moe_plan(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None:
@@ -191,7 +199,9 @@ def _moe_plan(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | Non
         if shared is None or not native_float_linear(block.shared_expert_gate, h):
             return None
         shared_gate = kernels.float32_weight(block.shared_expert_gate).view(-1)
-    return block.experts, views, shared, shared_gate, kernels.float32_weight(norm), kernels.float32_weight(block.gate)
+    return block.experts, kernels.moe_block_args(kernels.float32_weight(norm), norm.eps, 1.0 if norm.zero_centered else 0.0,
+                                                 kernels.float32_weight(block.gate), block.top_k, block.norm_topk_prob,
+                                                 views, shared, shared_gate)
 
 
 def native_float_linear(lin: nn.Linear, x: torch.Tensor) -> bool:

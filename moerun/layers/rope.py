@@ -94,6 +94,19 @@ class Rope(torch.nn.Module):
         cos, sin = table[0][index], table[1][index]
         return (cos, sin) if dtype == cos.dtype else (cos.to(dtype), sin.to(dtype))
 
+    def float_table(self, need: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [n, rotary_dim] float32 for positions 0..n-1 (n >= need) holding the values
+        `span` gives in dtype (rounded to it): a native op reads its rows. Kept per dtype until
+        the tables grow (the same tensors are returned until then)."""
+        table = self._table
+        if table is None or table[0].shape[0] < need or table[0].device != self.inv_freq.device:
+            table = self._grow(need)
+        kept = self.__dict__.setdefault("_float_tables", {})
+        got = kept.get(dtype)
+        if got is None or got[0] is not table:
+            got = kept[dtype] = (table, tuple(t.to(dtype).float() for t in table))
+        return got[1]
+
     def _grow(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [n, rotary_dim] float32 for positions 0..n-1, n >= need (doubling)."""
         have = 0 if self._table is None else self._table[0].shape[0]

@@ -37,6 +37,7 @@ from ..layers.attention import attend, attn_residual
 from ..layers.deltanet import FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, split_heads
 from ..layers.linear import native_call_views, packed_views, project
 from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
+from ..layers.mtp import MtpParts, native_step
 from ..layers.norm import RMSNorm, rms_norm_cat
 from ..layers.rope import Rope, norm_rope
 
@@ -406,6 +407,15 @@ class Model(nn.Module):
         B, T, _ = hidden.shape
         slots, pos0 = self._positions(B, cache, slots)
         mtp, m = self.mtp, self.model
+        if B == 1 and (T == 1 or last_only) and cache is not None and len(mtp.layers) == 1:  # a draft step: few native calls
+            layer = mtp.layers[0]
+            parts = MtpParts(m.embed_tokens, (mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden), mtp.fc, layer,
+                             layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp,
+                             mtp.norm, head or self.lm_head)
+            got = native_step(mtp, parts, hidden, next_token_ids, cache.layers[0], int(slots[0]), int(pos0[0]), m.rope)
+            if got is not None:
+                cache.advance(slots, T)
+                return got if return_hidden else got[0]
         e = m.embed_tokens(next_token_ids)
         normed = rms_norm_cat(mtp, ("pre_fc_norm_embedding", "pre_fc_norm_hidden"), [e, hidden.to(e.dtype)])
         x = mtp.fc(normed)  # [B, T, H]
