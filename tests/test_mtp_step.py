@@ -1,0 +1,126 @@
+"""An MTP head's draft steps as a few native calls (`layers.mtp.native_step`,
+`kernels.MtpStep`): bit-identical to its modules one by one, over the calls speculative
+decoding makes (a catch-up over the tokens accepted since the last draft, then chained
+one-token drafts), in float32 and bf16, with quantized weights and a drafter's smaller head;
+the experts' hooks still see their arguments; anything it does not cover runs the modules."""
+
+import pytest
+import torch
+from torch import nn
+
+import moerun
+from moerun import kernels
+from moerun.engine.cache import Cache
+from moerun.engine.speculative import ExpertTracker, draft_head
+from moerun.models import qwen3_5_moe
+
+pytestmark = pytest.mark.skipif(not kernels.native(), reason="native extension not built")
+
+
+@pytest.fixture(scope="module")
+def mtp_path(tmp_path_factory):
+    from test_speculative import build_qwen
+
+    return build_qwen(tmp_path_factory.mktemp("qwen_mtp_step"), vocab_size=300)
+
+
+def draft_calls(net, head=None, counted=None):
+    """MTP calls as a speculative run makes them, on 2 slots of one cache (slot 1 at its own
+    positions): a catch-up over 3 pending pairs, chained drafts, a catch-up over 2, one over
+    6 (more than a fused pass takes) -> every call's logits and hidden state, and the cache's
+    keys and values."""
+    g = torch.Generator().manual_seed(3)
+    H, V = net.args.hidden_size, net.args.vocab_size
+    dtype = net.model.embed_tokens.weight.dtype
+    cache = Cache(net.mtp_cache_spec(), 2, 24, dtype)
+    cache.lengths[0] = 4  # the head's cache starts where the trunk's pending states do
+    out = []
+    for slot, T in ((1, 3), (1, 1), (1, 1), (0, 2), (1, 1), (0, 6), (0, 1)):
+        hidden = torch.randn(1, T, H, generator=g).to(dtype)
+        tokens = torch.randint(0, V, (1, T), generator=g)
+        logits, h = net.mtp_logits(hidden, tokens, cache, torch.tensor([slot]), return_hidden=True, head=head,
+                                   last_only=True)
+        out += [logits, h]
+    kv = cache.layers[0]
+    return out, [kv.k.clone(), kv.v.clone()], cache.lengths.clone()
+
+
+def run_both(net, monkeypatch, head=None, calls=draft_calls):
+    """`calls` (draft_calls) with the native step, then with the modules -> (both, how many
+    calls the native step took)."""
+    taken = []
+    real = qwen3_5_moe.native_step
+    with monkeypatch.context() as m, torch.inference_mode():
+        m.setattr(qwen3_5_moe, "native_step", lambda *a: taken.append(r := real(*a)) or r)
+        got = calls(net, head)
+        m.setattr(qwen3_5_moe, "native_step", lambda *a: None)
+        want = calls(net, head)
+    return got, want, sum(r is not None for r in taken)
+
+
+def assert_same(got, want):
+    for a, b in zip(got, want):
+        assert len(a) == len(b) if isinstance(a, list) else True
+        pairs = zip(a, b) if isinstance(a, list) else [(a, b)]
+        for x, y in pairs:
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quant", [None, "int4"])
+@pytest.mark.parametrize("draft_vocab", [None, 64])
+def test_native_step_is_bit_identical(mtp_path, dtype, quant, draft_vocab, monkeypatch):
+    net = moerun.load(mtp_path, dtype=dtype, threads=2, quant=quant).net
+    head = None if draft_vocab is None else draft_head(net.lm_head, draft_vocab)
+    got, want, native = run_both(net, monkeypatch, head)
+    assert native == 6  # every call but the catch-up over 6 tokens
+    assert got[0][0].shape == (1, 1, draft_vocab or net.args.vocab_size)
+    assert_same(got, want)
+
+
+def test_experts_hooks_see_the_native_step(mtp_path, monkeypatch):
+    """An expert tracker on the head's experts counts the same union either way."""
+    net = moerun.load(mtp_path, dtype="bfloat16", threads=2).net
+    tracker = ExpertTracker(net)
+    bytes_seen = []
+
+    def tracked(net, head):
+        tracker.start_pass("draft")
+        r = draft_calls(net, head)
+        tracker.end_pass()
+        bytes_seen.append(tracker.bytes["draft"])
+        return r
+
+    got, want, native = run_both(net, monkeypatch, calls=tracked)
+    tracker.close()
+    assert native == 6 and bytes_seen[0] > 0 and bytes_seen[1] == 2 * bytes_seen[0]
+    assert_same(got, want)
+
+
+def test_hooks_and_unfusable_parts_run_the_modules(mtp_path, monkeypatch):
+    """A hook on fc, the final norm or the decoder layer, or a head no native call reads:
+    the modules (the hook sees its call), the same outputs; new weights are followed."""
+    net = moerun.load(mtp_path, dtype="float32", threads=2).net
+    mtp = net.mtp
+    for module in (mtp.fc, mtp.norm, mtp.layers[0], net.model.embed_tokens):
+        seen = []
+        handle = module.register_forward_hook(lambda m, a, o: seen.append(1))
+        got, want, native = run_both(net, monkeypatch)
+        handle.remove()
+        assert native == 0 and len(seen) == 2 * 7 and len(got[0]) == len(want[0])
+        assert_same(got, want)
+
+    class Head(nn.Module):  # a head of another kind: the modules run it
+        def forward(self, h):
+            return net.lm_head(h) * 2
+
+    got, want, native = run_both(net, monkeypatch, Head())
+    assert native == 0
+    assert_same(got, want)
+    before, _, native = run_both(net, monkeypatch)
+    assert native == 6
+    with torch.no_grad():
+        mtp.fc.weight.data = mtp.fc.weight.data * -1  # new memory: the plan kept on the head follows it
+    got, want, native = run_both(net, monkeypatch)
+    assert native == 6 and not torch.equal(got[0][0], before[0][0])
+    assert_same(got, want)
