@@ -475,6 +475,94 @@ void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf,
     o.finish();
 }
 
+// A MoE half's weights and settings for T tokens of H, checked (moe_block's norm_w ...
+// shared_gate) into `a` (x, y and the observed outputs left null); `ex` and `sw` hold the
+// experts' table and the shared expert's weights it points into.
+struct MoeCall {
+    moerun::MoeBlockArgs a{};
+    std::vector<moerun::ExpertW> ex;
+    std::vector<moerun::QWeight> sw;
+    // h_out, ids_out, w_out (`observe`): a bf16 model's h and weights before their (exact) rounding
+    std::optional<ActOut> ho, wo;
+};
+
+void moe_block_args(MoeCall& c, size_t T, size_t H, bool round_bf16, const Array& norm_w, float eps,
+                    float norm_offset, const Array& router, int K, bool renorm, int efmt,
+                    const std::vector<Array>& gate, const std::vector<Array>& gs, const std::vector<Array>& up,
+                    const std::vector<Array>& us, const std::vector<Array>& down, const std::vector<Array>& ds,
+                    const std::vector<Array>& shared, const std::vector<Array>& shared_s,
+                    const std::vector<int>& shared_fmts, const Array& shared_gate) {
+    check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
+    check_shape(norm_w, {H}, "norm_w");
+    check_dtype(router, dtype_code::Float, 32, "router");
+    check(router.ndim() == 2 && router.shape(1) == H && router.shape(0) >= 1, "router must be [E, H]");
+    const size_t E = router.shape(0);
+    check(K >= 1 && (size_t)K <= E, "K must be between 1 and the number of experts");
+    auto [ex, I] = expert_table(efmt, H, gate, gs, up, us, down, ds);
+    check(ex.size() == E, "experts: as many as the router's rows");
+    check(shared.empty() || (shared.size() == 3 && shared_s.size() == 3 && shared_fmts.size() == 3),
+          "shared: none, or gate, up, down with their scales and fmts");
+    size_t Is = 0;
+    if (!shared.empty()) {
+        check(shared[0].ndim() == 2, "shared gate must be [Is, row]");
+        Is = shared[0].shape(0);
+        c.sw = {qweight_of(shared[0], shared_s[0], shared_fmts[0], Is, H, "shared gate"),
+                qweight_of(shared[1], shared_s[1], shared_fmts[1], Is, H, "shared up"),
+                qweight_of(shared[2], shared_s[2], shared_fmts[2], H, Is, "shared down")};
+    }
+    check_dtype(shared_gate, dtype_code::Float, 32, "shared_gate");
+    check(shared_gate.ndim() == 1 && (shared_gate.shape(0) == 0 || shared_gate.shape(0) == H),
+          "shared_gate must be [H] or empty");
+    c.ex = std::move(ex);
+    moerun::MoeBlockArgs& a = c.a;
+    a.T = (int)T;
+    a.H = (int)H;
+    a.E = (int)E;
+    a.K = K;
+    a.I = (int)I;
+    a.Is = (int)Is;
+    a.renorm = renorm;
+    a.round_bf16 = round_bf16;
+    a.norm_w = (const float*)norm_w.data();
+    a.norm_offset = norm_offset;
+    a.eps = eps;
+    a.router = (const float*)router.data();
+    a.efmt = efmt;
+    a.experts = c.ex.data();
+    if (!c.sw.empty()) {
+        a.sg = &c.sw[0];
+        a.su = &c.sw[1];
+        a.sd = &c.sw[2];
+    }
+    a.shared_gate = shared_gate.shape(0) ? (const float*)shared_gate.data() : nullptr;
+}
+
+// the outputs a MoE half fills for its experts' hooks, when not empty: h_out [T, H] and w_out
+// [T, K] in the model's dtype (bf16: round_bf16), ids_out [T, K] int64
+void moe_observe(MoeCall& c, Array& h_out, Array& ids_out, Array& w_out) {
+    const bool observed = h_out.size() > 0;
+    check(observed == (ids_out.size() > 0) && observed == (w_out.size() > 0), "h_out, ids_out, w_out: all or none");
+    if (!observed) return;
+    const bool bf16 = c.a.round_bf16;
+    const size_t T = c.a.T, K = c.a.K;
+    check(is_bf16(h_out) == bf16 && is_bf16(w_out) == bf16, "h_out, w_out: x's dtype");
+    check_shape(h_out, {T, (size_t)c.a.H}, "h_out");
+    check_dtype(ids_out, dtype_code::Int, 64, "ids_out");
+    check_shape(ids_out, {T, K}, "ids_out");
+    check_shape(w_out, {T, K}, "w_out");
+    thread_local std::vector<float> hbuf, wbuf;
+    c.ho.emplace(h_out, "h_out", hbuf);
+    c.wo.emplace(w_out, "w_out", wbuf);
+    c.a.h_out = c.ho->p;
+    c.a.w_out = c.wo->p;
+    c.a.ids_out = (int64_t*)ids_out.data();
+}
+
+void moe_observed_finish(MoeCall& c) {
+    if (c.ho) c.ho->finish();
+    if (c.wo) c.wo->finish();
+}
+
 // The MoE half of a decoder layer for a few tokens (moerun::moe_block_decode): out = x +
 // experts(h) [+ shared expert(h)], h = RMSNorm(x). x [T, H] and out (float32, or both bf16:
 // then every intermediate is rounded as the separate bf16 ops round it); norm_w [H] and
@@ -489,91 +577,32 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
     check(x.ndim() == 2, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
     check(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
-    check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
-    check_shape(norm_w, {H}, "norm_w");
-    check_dtype(router, dtype_code::Float, 32, "router");
-    check(router.ndim() == 2 && router.shape(1) == H && router.shape(0) >= 1, "router must be [E, H]");
-    const size_t E = router.shape(0);
-    check(K >= 1 && (size_t)K <= E, "K must be between 1 and the number of experts");
-    const auto [ex, I] = expert_table(efmt, H, gate, gs, up, us, down, ds);
-    check(ex.size() == E, "experts: as many as the router's rows");
-    check(shared.empty() || (shared.size() == 3 && shared_s.size() == 3 && shared_fmts.size() == 3),
-          "shared: none, or gate, up, down with their scales and fmts");
-    std::vector<moerun::QWeight> sw;
-    size_t Is = 0;
-    if (!shared.empty()) {
-        check(shared[0].ndim() == 2, "shared gate must be [Is, row]");
-        Is = shared[0].shape(0);
-        sw = {qweight_of(shared[0], shared_s[0], shared_fmts[0], Is, H, "shared gate"),
-              qweight_of(shared[1], shared_s[1], shared_fmts[1], Is, H, "shared up"),
-              qweight_of(shared[2], shared_s[2], shared_fmts[2], H, Is, "shared down")};
-    }
-    check_dtype(shared_gate, dtype_code::Float, 32, "shared_gate");
-    check(shared_gate.ndim() == 1 && (shared_gate.shape(0) == 0 || shared_gate.shape(0) == H),
-          "shared_gate must be [H] or empty");
+    MoeCall c;
+    moe_block_args(c, T, H, is_bf16(out), norm_w, eps, norm_offset, router, K, renorm, efmt, gate, gs, up, us, down, ds,
+                   shared, shared_s, shared_fmts, shared_gate);
     check_shape(out, {T, H}, "out");
-    const bool observed = h_out.size() > 0;
-    check(observed == (ids_out.size() > 0) && observed == (w_out.size() > 0), "h_out, ids_out, w_out: all or none");
-    thread_local std::vector<float> hbuf, wbuf;  // a bf16 model's h and weights before their (exact) rounding
-    std::optional<ActOut> ho, wo;
-    if (observed) {
-        check(is_bf16(h_out) == is_bf16(out) && is_bf16(w_out) == is_bf16(out), "h_out, w_out: x's dtype");
-        check_shape(h_out, {T, H}, "h_out");
-        check_dtype(ids_out, dtype_code::Int, 64, "ids_out");
-        check_shape(ids_out, {T, (size_t)K}, "ids_out");
-        check_shape(w_out, {T, (size_t)K}, "w_out");
-        ho.emplace(h_out, "h_out", hbuf);
-        wo.emplace(w_out, "w_out", wbuf);
-    }
+    moe_observe(c, h_out, ids_out, w_out);
     ActIn xin(x, "x");
     ActOut o(out, "out");
-    moerun::MoeBlockArgs a{};
-    a.T = (int)T;
-    a.H = (int)H;
-    a.E = (int)E;
-    a.K = K;
-    a.I = (int)I;
-    a.Is = (int)Is;
-    a.renorm = renorm;
-    a.round_bf16 = is_bf16(out);
-    a.x = xin.p;
-    a.norm_w = (const float*)norm_w.data();
-    a.norm_offset = norm_offset;
-    a.eps = eps;
-    a.router = (const float*)router.data();
-    a.efmt = efmt;
-    a.experts = ex.data();
-    if (!sw.empty()) {
-        a.sg = &sw[0];
-        a.su = &sw[1];
-        a.sd = &sw[2];
-    }
-    a.shared_gate = shared_gate.shape(0) ? (const float*)shared_gate.data() : nullptr;
-    a.y = o.p;
-    if (observed) {
-        a.h_out = ho->p;
-        a.w_out = wo->p;
-        a.ids_out = (int64_t*)ids_out.data();
-    }
+    c.a.x = xin.p;
+    c.a.y = o.p;
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::moe_block_decode(a);
+    moerun::moe_block_decode(c.a);
     o.finish();
-    if (observed) {
-        ho->finish();
-        wo->finish();
-    }
+    moe_observed_finish(c);
 }
 
-// x [T, H]; q/k/v/o quantized [rows, bytes] + scales (q: Hq * D rows, 2 * Hq * D when gated);
-// qn, kn [D] or empty; cos, sin [T, rd]; kc, vc [Hkv, max_len, D] (one slot of the cache:
-// float32, or bf16 as uint16); out [T, H]. Token t sits at position pos + t.
-void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf,
-                       Array ow, Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc,
-                       Array vc, int pos, int Hq, float scale, Array out, bool gated,
-                       std::optional<Array> in_norm, float in_offset, float in_eps) {
-    check(x.ndim() == 2 && x.shape(0) >= 1, "x must be [T, H]");
-    const size_t T = x.shape(0), H = x.shape(1);
+// T tokens of H through a decoder layer's attention: q/k/v/o quantized [rows, bytes] + scales
+// (q: Hq * D rows, 2 * Hq * D when gated); qn, kn [D] or empty; cos, sin [T, rd]; kc, vc
+// [Hkv, max_len, D] (one slot of the cache: float32, or bf16 as uint16); token t sits at
+// position pos + t. With in_norm [H] (float32) the call is the layer's first half (x + the
+// block of the normed x; round_bf16 for a bf16 model's). -> attn_block_decode's arguments.
+moerun::AttnBlockArgs attn_block_args(size_t T, size_t H, Array qw, Array qs, int qf, Array kw, Array ks, int kf,
+                                      Array vw, Array vs, int vf, Array ow, Array os, int of, Array qn, Array kn,
+                                      float eps, Array cos, Array sin, Array kc, Array vc, int pos, int Hq, float scale,
+                                      bool gated, const std::optional<Array>& in_norm, float in_offset, float in_eps,
+                                      bool round_bf16) {
     const bool bf16 = is_bf16(kc);
     check((bf16 || kc.dtype() == nb::dtype<float>()) && vc.dtype() == kc.dtype(),
           "k, v cache: must be both float32 or both bf16 (as uint16)");
@@ -582,10 +611,11 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
     check_shape(vc, {Hkv, L, D}, "v cache");
     check(Hq > 0 && Hkv > 0 && Hq % Hkv == 0, "q heads must be a multiple of kv heads");
     check(pos >= 0 && (size_t)pos + T <= L, "position outside the cache");
-    auto q = qweight_of(qw, qs, qf, Hq * D * (gated ? 2 : 1), H, "q_proj");
-    auto k = qweight_of(kw, ks, kf, Hkv * D, H, "k_proj");
-    auto v = qweight_of(vw, vs, vf, Hkv * D, H, "v_proj");
-    auto o_proj = qweight_of(ow, os, of, H, Hq * D, "o_proj");
+    moerun::AttnBlockArgs a{};
+    a.q = qweight_of(qw, qs, qf, Hq * D * (gated ? 2 : 1), H, "q_proj");
+    a.k = qweight_of(kw, ks, kf, Hkv * D, H, "k_proj");
+    a.v = qweight_of(vw, vs, vf, Hkv * D, H, "v_proj");
+    a.o = qweight_of(ow, os, of, H, Hq * D, "o_proj");
     for (const Array* n : {&qn, &kn}) {
         check_dtype(*n, dtype_code::Float, 32, "q/k norm");
         check(n->ndim() == 1 && (n->shape(0) == 0 || n->shape(0) == D), "q/k norm weight must be [D] or empty");
@@ -596,25 +626,139 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
           "cos, sin must be [T, rd]");
     const size_t rd = cos.shape(1);
     check(rd % 2 == 0 && rd <= D, "rotary dims must be even and at most the head dim");
-    check_shape(out, {T, H}, "out");
-    const bool half_layer = in_norm.has_value();
-    if (half_layer) {
+    if (in_norm) {
         check_dtype(*in_norm, dtype_code::Float, 32, "in_norm");
         check_shape(*in_norm, {H}, "in_norm");
-        check(is_bf16(x) == is_bf16(out), "with in_norm, x and out: both float32 or both bf16");
     }
-    const moerun::AttnHalf half{half_layer ? (const float*)in_norm->data() : nullptr, in_offset, in_eps, is_bf16(out)};
+    a.H = (int)H;
+    a.Hq = Hq;
+    a.Hkv = (int)Hkv;
+    a.D = (int)D;
+    a.qn = qn.shape(0) ? (const float*)qn.data() : nullptr;
+    a.kn = kn.shape(0) ? (const float*)kn.data() : nullptr;
+    a.eps = eps;
+    a.cos = (const float*)cos.data();
+    a.sin = (const float*)sin.data();
+    a.rd = (int)rd;
+    a.kc = kc.data();
+    a.vc = vc.data();
+    a.c_sh = (long)(L * D);
+    a.pos = pos;
+    a.scale = scale;
+    a.kv_type = bf16 ? moerun::KV_BF16 : moerun::KV_F32;
+    a.gated = gated;
+    a.T = (int)T;
+    a.has_half = in_norm.has_value();
+    a.half = {in_norm ? (const float*)in_norm->data() : nullptr, in_offset, in_eps, round_bf16};
+    return a;
+}
+
+// x [T, H] and out [T, H] (float32, or bf16: then with in_norm both bf16) through
+// attn_block_args' attention.
+void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf,
+                       Array ow, Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc,
+                       Array vc, int pos, int Hq, float scale, Array out, bool gated,
+                       std::optional<Array> in_norm, float in_offset, float in_eps) {
+    check(x.ndim() == 2 && x.shape(0) >= 1, "x must be [T, H]");
+    const size_t T = x.shape(0), H = x.shape(1);
+    check_shape(out, {T, H}, "out");
+    if (in_norm) check(is_bf16(x) == is_bf16(out), "with in_norm, x and out: both float32 or both bf16");
+    const moerun::AttnBlockArgs a = attn_block_args(T, H, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps,
+                                                    cos, sin, kc, vc, pos, Hq, scale, gated, in_norm, in_offset, in_eps,
+                                                    is_bf16(out));
     ActIn xin(x, "x");
     ActOut o(out, "out");
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::attn_block_decode((int)H, Hq, (int)Hkv, (int)D, xin.p, q, k, v, o_proj,
-                              qn.shape(0) ? (const float*)qn.data() : nullptr,
-                              kn.shape(0) ? (const float*)kn.data() : nullptr, eps, (const float*)cos.data(),
-                              (const float*)sin.data(), (int)rd, kc.data(), vc.data(), (long)(L * D), pos, scale,
-                              o.p, bf16 ? moerun::KV_BF16 : moerun::KV_F32, gated, (int)T,
-                              half_layer ? &half : nullptr);
+    moerun::attn_block_decode(a, xin.p, o.p);
     o.finish();
+}
+
+// One draft step of a one-layer MTP head (moerun::mtp_step_decode) over T tokens of one row:
+// embed [Ve, H] (the token embedding) and tokens [T] int64 (each < Ve): the rows read;
+// hidden [T, H]: the trunk's states; both in the model's dtype (float32, or bf16 as uint16),
+// which h [1, H] (the final norm's output) and logits [1, V] have too. pre_w [2, H] float32:
+// the two input norms' weights (offsets added); fc: H rows of 2H (weight, scales, fmt as
+// qlinear_multi takes them); the attention half as attn_block_decode takes it (without x and
+// out; in_norm required); the MoE half as moe_block takes it (without x and out, one token),
+// with its observed outputs; the final norm (norm_w [H] float32, eps, offset); the head: V
+// rows of H.
+void mtp_step(Array embed, Array tokens, Array hidden, Array pre_w, float pre_eps, Array fcw, Array fcs, int fcf,
+              Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf, Array ow, Array os,
+              int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc, Array vc, int pos, int Hq,
+              float scale, bool gated, Array in_norm, float in_offset, float in_eps, Array moe_norm_w, float moe_eps,
+              float moe_norm_offset, Array router, int K, bool renorm, int efmt, std::vector<Array> gate,
+              std::vector<Array> gs, std::vector<Array> up, std::vector<Array> us, std::vector<Array> down,
+              std::vector<Array> ds, std::vector<Array> shared, std::vector<Array> shared_s,
+              std::vector<int> shared_fmts, Array shared_gate, Array h_out, Array ids_out, Array w_out, Array norm_w,
+              float norm_eps, float norm_offset, Array hw, Array hs, int hf, Array h, Array logits) {
+    const bool bf16 = is_bf16(h);
+    check(bf16 || h.dtype() == nb::dtype<float>(), "h: must be float32 or bf16 (as uint16)");
+    check(hidden.ndim() == 2 && hidden.shape(0) >= 1, "hidden must be [T, H]");
+    const size_t T = hidden.shape(0), H = hidden.shape(1);
+    for (const Array* t : {&embed, &hidden, &logits})
+        check(t->dtype() == h.dtype(), "embed, hidden, h, logits: all in the model's dtype");
+    check(embed.ndim() == 2 && embed.shape(1) == H, "embed must be [vocab, H]");
+    check_dtype(tokens, dtype_code::Int, 64, "tokens");
+    check_shape(tokens, {T}, "tokens");
+    const int64_t* tok = (const int64_t*)tokens.data();
+    for (size_t t = 0; t < T; ++t) check(tok[t] >= 0 && (size_t)tok[t] < embed.shape(0), "tokens: outside the embedding");
+    check_dtype(pre_w, dtype_code::Float, 32, "pre_w");
+    check_shape(pre_w, {2, H}, "pre_w");
+    check(fcw.ndim() == 2, "fc must be [H, row]");
+    const moerun::QWeight fc = qweight_of(fcw, fcs, fcf, H, 2 * H, "fc");
+    const moerun::AttnBlockArgs attn = attn_block_args(T, H, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps,
+                                                       cos, sin, kc, vc, pos, Hq, scale, gated, in_norm, in_offset,
+                                                       in_eps, bf16);
+    MoeCall c;
+    moe_block_args(c, 1, H, bf16, moe_norm_w, moe_eps, moe_norm_offset, router, K, renorm, efmt, gate, gs, up, us, down,
+                   ds, shared, shared_s, shared_fmts, shared_gate);
+    moe_observe(c, h_out, ids_out, w_out);
+    check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
+    check_shape(norm_w, {H}, "norm_w");
+    check(hw.ndim() == 2, "head must be [V, row]");
+    const size_t V = hw.shape(0);
+    const moerun::QWeight head = qweight_of(hw, hs, hf, V, H, "head");
+    check_shape(h, {1, H}, "h");
+    check_shape(logits, {1, V}, "logits");
+    thread_local std::vector<float> u;  // per token: its embedding row, its hidden state (float32, exact)
+    u.resize(2 * T * H);
+    for (size_t t = 0; t < T; ++t) {
+        const size_t e = (size_t)tok[t] * H;
+        float *ue = u.data() + 2 * t * H, *uh = ue + H;
+        if (bf16) {
+            widen_bf16((const uint16_t*)embed.data() + e, ue, H);
+            widen_bf16((const uint16_t*)hidden.data() + t * H, uh, H);
+        } else {
+            std::memcpy(ue, (const float*)embed.data() + e, H * 4);
+            std::memcpy(uh, (const float*)hidden.data() + t * H, H * 4);
+        }
+    }
+    thread_local std::vector<float> hbuf;
+    ActOut ho(h, "h", hbuf), lo(logits, "logits");
+    moerun::MtpStepArgs a{};
+    a.T = (int)T;
+    a.H = (int)H;
+    a.V = (int)V;
+    a.round_bf16 = bf16;
+    a.u = u.data();
+    a.pre_w = (const float*)pre_w.data();
+    a.pre_eps = pre_eps;
+    a.fc = fc;
+    a.attn = attn;
+    a.moe = c.a;
+    a.norm_w = (const float*)norm_w.data();
+    a.norm_offset = norm_offset;
+    a.norm_eps = norm_eps;
+    a.head = head;
+    a.h = ho.p;
+    a.logits = lo.p;
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::mtp_step_decode(a);
+    ho.finish();
+    lo.finish();
+    moe_observed_finish(c);
 }
 
 // A Gated DeltaNet layer's weights and states for B rows of T tokens of C conv channels, all
@@ -818,6 +962,7 @@ NB_MODULE(_native, m) {
           nb::arg("eps"), nb::arg("out"), nb::arg("hk"),
           "the linear-attention half of a Qwen3.5 decoder layer for a few tokens per row: out = x + "
           "out_proj(DeltaNet(projections of RMSNorm(x)))");
+    m.def("mtp_step", &mtp_step, "one draft step of a one-layer MTP head (moerun::mtp_step_decode)");
     m.def("moe_experts_float", &moe_experts_float, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("up"), nb::arg("down"), nb::arg("out"), "fused routed experts with float32 or bf16 weights");
     m.def("moe_experts", &moe_experts, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),

@@ -89,6 +89,7 @@ struct Workspace {
     // the shared expert's output
     std::vector<float> normed, route_w, moe_out, shared_out;
     std::vector<int64_t> route_ids;
+    std::vector<float> mtp[4];  // an MTP step's normed inputs, fc's output, the attention half's, the MoE half's
 };
 Workspace& ws() {
     static Workspace* w = new Workspace();
@@ -595,6 +596,29 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
     }
     qlinear(o.fmt, T, Hq * D, H, W.att.data(), o.w, o.s, out);
     if (half) half_output(half->round_bf16, x_in, out, out, (size_t)T * H);
+}
+
+void mtp_step_decode(MtpStepArgs& a) {
+    Workspace& W = ws();
+    const int T = a.T, H = a.H;
+    const size_t n = (size_t)T * H;
+    W.mtp[0].resize(2 * n);
+    W.mtp[1].resize(n);
+    W.mtp[2].resize(n);
+    W.mtp[3].resize(H);
+    float *normed = W.mtp[0].data(), *f = W.mtp[1].data(), *x = W.mtp[2].data(), *y = W.mtp[3].data();
+    rms_norm(2 * T, H, a.u, a.pre_w, 0.f, a.pre_eps, normed, 2);
+    round_bf16_if(a.round_bf16, normed, 2 * n);
+    qlinear_multi(T, 2 * H, 1, &a.fc, &H, normed, f);
+    round_bf16_if(a.round_bf16, f, n);
+    attn_block_decode(a.attn, f, x);
+    a.moe.x = x + (size_t)(T - 1) * H;
+    a.moe.y = y;
+    moe_block_decode(a.moe);
+    rms_norm(1, H, y, a.norm_w, a.norm_offset, a.norm_eps, a.h);
+    round_bf16_if(a.round_bf16, a.h, H);
+    qlinear_multi(1, H, 1, &a.head, &a.V, a.h, a.logits);
+    round_bf16_if(a.round_bf16, a.logits, a.V);
 }
 
 }  // namespace moerun

@@ -133,6 +133,29 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
                        float scale, float* out, int kv_type = KV_F32, bool gated = false, int T = 1,
                        const AttnHalf* half = nullptr);
 
+// attn_block_decode's arguments but x and out, for an op that runs it inside (mtp_step_decode)
+struct AttnBlockArgs {
+    int H, Hq, Hkv, D;
+    QWeight q, k, v, o;
+    const float *qn, *kn;
+    float eps;
+    const float *cos, *sin;
+    int rd;
+    void *kc, *vc;
+    long c_sh;
+    int pos;
+    float scale;
+    int kv_type;
+    bool gated;
+    int T;
+    AttnHalf half;
+    bool has_half;
+};
+inline void attn_block_decode(const AttnBlockArgs& a, const float* x, float* out) {
+    attn_block_decode(a.H, a.Hq, a.Hkv, a.D, x, a.q, a.k, a.v, a.o, a.qn, a.kn, a.eps, a.cos, a.sin, a.rd, a.kc, a.vc,
+                      a.c_sh, a.pos, a.scale, out, a.kv_type, a.gated, a.T, a.has_half ? &a.half : nullptr);
+}
+
 // The MoE half of a decoder layer for T tokens (decode-sized), in one call: y = x + moe(h)
 // with h = RMSNorm(x) (weight norm_w + norm_offset, eps); moe(h) routes h by softmax top-k
 // (route_softmax_topk: router [E, H] float32, renorm), runs the routed experts (moe_experts:
@@ -208,6 +231,31 @@ struct DeltaBlockArgs {
     float* y;
 };
 void deltanet_block_decode(DeltaBlockArgs& a);
+
+// One draft step of a one-layer MTP head (Qwen3.5's) over T tokens of one row, in one call:
+// for each token its embedding and the trunk's hidden state (u [T, 2, H]) RMS-normed with
+// their own weights (pre_w [2, H], weights already offset), side by side through fc (H rows
+// of 2H); the decoder layer's attention half over the T tokens (`attn`, its x and out this
+// call's), its MoE half on the last token only (`moe`: T = 1, x and y left null); the final
+// RMSNorm into h [H] and the head (V rows of H) into logits [V]. With round_bf16 (a bf16
+// model) every intermediate the separate ops hand on in bf16 is rounded here: bit-identical
+// to them.
+struct MtpStepArgs {
+    int T, H, V;
+    bool round_bf16;
+    const float* u;
+    const float* pre_w;
+    float pre_eps;
+    QWeight fc;
+    AttnBlockArgs attn;
+    MoeBlockArgs moe;
+    const float* norm_w;
+    float norm_offset, norm_eps;
+    QWeight head;
+    float* h;
+    float* logits;
+};
+void mtp_step_decode(MtpStepArgs& a);
 
 // The ends of a layer half (moe_block_decode, deltanet_block_decode, attn_block_decode with
 // `half`), as the separate ops compute them: the input RMSNorm, and the residual add of the

@@ -576,30 +576,21 @@ def _moe_observed(T: int, H: int, k: int, dtype: torch.dtype) -> tuple:
 
 class MtpStep:
     """A one-layer MTP head (`layers.mtp.native_step`) over T <= FUSED_MAX_TOKENS tokens of one
-    row (a draft step, or a catch-up over the tokens accepted since the last), the MoE half
-    and what follows on the last token only, as six native calls: the two input RMSNorms
-    (`rms_norm` with their weights stacked), fc (`qlinear_multi`), the layer's attention half
-    (`attn_block_decode` with its norm) and MoE half (`moe_block`), the final norm and the
-    head. Bit-identical to the modules one by one: each call is the one their own decode
-    paths make, in the same dtype. The weights' arguments and the intermediate buffers are
-    made once (a draft step's wrappers and conversions otherwise cost several times its
+    row (a draft step, or a catch-up over the tokens accepted since the last) in one native
+    call (`mtp_step`): the two input RMSNorms, fc, the layer's attention half over the T
+    tokens, its MoE half on the last token, the final norm and the head, each as its own
+    decode op computes it (in a bf16 model rounded to bf16 where those hand on a bf16 tensor):
+    bit-identical to the modules one by one. The weights' arguments are made once (a draft
+    step's module calls, wrappers and conversions otherwise cost several times its
     arithmetic)."""
 
-    def __init__(self, H: int, dtype: torch.dtype, pre_w: torch.Tensor, pre_eps: float, fc: Packed,
-                 final: tuple, head: Packed):
-        self.H, self.dtype = H, _out_dtype(dtype)
-        n = FUSED_MAX_TOKENS
-        self.u = torch.empty(n, 2, H, dtype=self.dtype)  # per token: its embedding, its hidden state
-        normed, a, b, c = (torch.empty(n, 2, H, dtype=self.dtype), *(torch.empty(n, H, dtype=self.dtype) for _ in range(3)))
-        self._keep = (normed, a, b, c)
-        # numpy views: the norms' rows [2n, H], fc's [n, 2H], the attention's [n, H]
-        self._np = (_np(self.u.view(2 * n, H)), _np(normed.view(2 * n, H)), _np(normed.view(n, 2 * H)), _np(a), _np(b),
-                    _np(c))
-        self.pre = (_np(pre_w), float(pre_eps))
-        self.fc = ([fc.w], [fc.s], [fc.code])
+    def __init__(self, H: int, dtype: torch.dtype, embed: torch.Tensor, pre_w: torch.Tensor, pre_eps: float,
+                 fc: Packed, final: tuple, head: Packed):
+        self.H, self.dtype, self.V = H, _out_dtype(dtype), head.qweight.shape[0]
+        self.embed = _np(embed)
+        self.pre = (_np(pre_w), float(pre_eps), fc.w, fc.s, fc.code)
         final_w, eps, offset = final
-        self.final = (_np(final_w), float(eps), float(offset))
-        self.head, self.V = ([head.w], [head.s], [head.code]), head.qweight.shape[0]
+        self.post = (_np(final_w), float(eps), float(offset), head.w, head.s, head.code)
         self._rope = (None, None)
 
     def rope_rows(self, table: tuple, pos: int, T: int) -> tuple:
@@ -608,28 +599,19 @@ class MtpStep:
             self._rope = (table, tuple(_np(t) for t in table))
         return tuple(t[pos : pos + T] for t in self._rope[1])
 
-    def run(self, embeddings: torch.Tensor, hidden: torch.Tensor, attn: tuple, attn_norm: tuple, rope: tuple,
+    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, attn: tuple, attn_norm: tuple, rope: tuple,
             kv_slot: tuple, pos: int, moe: tuple, observe: bool = False) -> tuple:
-        """embeddings, hidden [T, H] -> (logits [1, V], h [1, H] of the last token, and with
-        `observe` the MoE half's (h, ids, weights) for the experts' hooks, else None). attn:
-        `attn_plan`; attn_norm: `half_norm_args`; rope: `rope_rows`; kv_slot: `_cache_slot`;
-        moe: `moe_block_args`."""
+        """tokens [T] (int64), hidden [T, H] (the model's dtype) -> (logits [1, V], h [1, H] of
+        the last token, and with `observe` the MoE half's (h, ids, weights) for the experts'
+        hooks, else None). attn: `attn_plan`; attn_norm: `half_norm_args`; rope: `rope_rows`;
+        kv_slot: `_cache_slot`; moe: `moe_block_args`."""
         nat = _native()
         _sync_threads(nat)
-        T = hidden.shape[0]
-        u, normed, normed_rows, a, b, c = self._np
-        self.u[:T, 0].copy_(embeddings)
-        self.u[:T, 1].copy_(hidden)
-        nat.rms_norm(u[: 2 * T], self.pre[0], normed[: 2 * T], self.pre[1], 0.0)
-        nat.qlinear_multi(normed_rows[:T], *self.fc, a[:T])
         weights, heads_scale, gated = attn
-        nat.attn_block_decode(a[:T], *weights, *rope, *kv_slot, pos, *heads_scale, b[:T], gated, *attn_norm)
         observed, obs = _moe_observed(1, self.H, moe[4], self.dtype) if observe else (None, _NOT_OBSERVED)
-        nat.moe_block(b[T - 1 : T], *moe, c[:1], *obs)
         h, logits = torch.empty(1, self.H, dtype=self.dtype), torch.empty(1, self.V, dtype=self.dtype)
-        h_np = _np(h)
-        nat.rms_norm(c[:1], self.final[0], h_np, *self.final[1:])
-        nat.qlinear_multi(h_np, *self.head, _np(logits))
+        nat.mtp_step(self.embed, _np(tokens), _np(hidden), *self.pre, *weights, *rope, *kv_slot, pos, *heads_scale, gated,
+                     *attn_norm, *moe, *obs, *self.post, _np(h), _np(logits))
         return logits, h, observed
 
 

@@ -64,7 +64,7 @@ def native_step(owner: nn.Module, parts: MtpParts, hidden: torch.Tensor, tokens:
         return None
     experts, moe_args = moe
     observe = bool(experts._forward_pre_hooks)
-    logits, h, observed = step.run(embed.weight[tokens.reshape(T)], x.reshape(T, H), kernels.attn_plan(parts.attn),
+    logits, h, observed = step.run(tokens.reshape(T).contiguous(), x.reshape(T, H).contiguous(), kernels.attn_plan(parts.attn),
                                    kernels.half_norm_args(parts.attn_norm),
                                    step.rope_rows(rope.float_table(pos + T, dtype), pos, T), kernels._cache_slot(kv, slot),
                                    pos, moe_args, observe)
@@ -85,5 +85,5 @@ def _plan(parts: MtpParts, dtype: torch.dtype, H: int) -> kernels.MtpStep | None
         return None
     pre_w = torch.stack([n.weight.detach().float() + (1.0 if n.zero_centered else 0.0) for n in parts.pre_norms])
     n = parts.norm
-    return kernels.MtpStep(H, dtype, pre_w, parts.pre_norms[0].eps, fc,
+    return kernels.MtpStep(H, dtype, parts.embed.weight.detach(), pre_w, parts.pre_norms[0].eps, fc,
                            (kernels.float32_weight(n), n.eps, 1.0 if n.zero_centered else 0.0), head)
