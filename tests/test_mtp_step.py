@@ -4,6 +4,7 @@ decoding makes (a catch-up over the tokens accepted since the last draft, then c
 one-token drafts), in float32 and bf16, with quantized weights and a drafter's smaller head;
 the experts' hooks still see their arguments; anything it does not cover runs the modules."""
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -124,3 +125,33 @@ def test_hooks_and_unfusable_parts_run_the_modules(mtp_path, monkeypatch):
     got, want, native = run_both(net, monkeypatch)
     assert native == 6 and not torch.equal(got[0][0], before[0][0])
     assert_same(got, want)
+
+
+def test_mtp_step_refuses_bad_arguments(mtp_path, monkeypatch):
+    """The binding checks what it is given: one clear ValueError each, nothing run."""
+    net = moerun.load(mtp_path, dtype="float32", threads=2).net
+    nat = kernels._native()
+    real = nat.mtp_step
+    captured = []
+    monkeypatch.setattr(nat, "mtp_step", lambda *a: captured.append(a) or real(*a))
+    with torch.inference_mode():
+        draft_calls(net)
+    monkeypatch.setattr(nat, "mtp_step", real)
+    args = list(captured[1])  # a one-token call: embed, tokens, hidden, pre_w, pre_eps, fc ...
+    H = net.args.hidden_size
+    real(*args)  # as captured: runs
+
+    def bad(i, value, match):
+        a = list(args)
+        a[i] = value
+        with pytest.raises(ValueError, match=match):
+            real(*a)
+
+    bad(1, np.array([net.args.vocab_size], dtype=np.int64), "outside the embedding")
+    bad(1, np.array([1, 2], dtype=np.int64), "tokens")
+    bad(2, np.zeros((1, H), dtype=np.uint16), "model's dtype")
+    bad(3, np.zeros((3, H), dtype=np.float32), "pre_w")
+    bad(5, np.zeros((H + 1, 2 * H), dtype=np.float32), "fc")
+    bad(27, 10**6, "position outside the cache")
+    bad(len(args) - 2, np.zeros((2, H), dtype=np.float32), "h")
+    bad(len(args) - 1, np.zeros((1, 7), dtype=np.float32), "logits")
