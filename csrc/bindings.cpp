@@ -537,9 +537,15 @@ void moe_block_args(MoeCall& c, size_t T, size_t H, bool round_bf16, const Array
     a.shared_gate = shared_gate.shape(0) ? (const float*)shared_gate.data() : nullptr;
 }
 
-// the outputs a MoE half fills for its experts' hooks, when not empty: h_out [T, H] and w_out
-// [T, K] in the model's dtype (bf16: round_bf16), ids_out [T, K] int64
-void moe_observe(MoeCall& c, Array& h_out, Array& ids_out, Array& w_out) {
+// the outputs a MoE half fills for whoever watches its experts, when not empty: h_out [T, H]
+// and w_out [T, K] in the model's dtype (bf16: round_bf16), ids_out [T, K] int64 (for their
+// hooks); seen [E + 1] uint8, a route mask (an expert tracker's)
+void moe_observe(MoeCall& c, Array& h_out, Array& ids_out, Array& w_out, Array& seen) {
+    if (seen.size() > 0) {
+        check(seen.dtype() == nb::dtype<uint8_t>(), "seen: must be uint8");
+        check_shape(seen, {(size_t)c.a.E + 1}, "seen");
+        c.a.seen = (uint8_t*)seen.data();
+    }
     const bool observed = h_out.size() > 0;
     check(observed == (ids_out.size() > 0) && observed == (w_out.size() > 0), "h_out, ids_out, w_out: all or none");
     if (!observed) return;
@@ -573,7 +579,8 @@ void moe_observed_finish(MoeCall& c) {
 void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router, int K, bool renorm, int efmt,
                std::vector<Array> gate, std::vector<Array> gs, std::vector<Array> up, std::vector<Array> us,
                std::vector<Array> down, std::vector<Array> ds, std::vector<Array> shared, std::vector<Array> shared_s,
-               std::vector<int> shared_fmts, Array shared_gate, Array out, Array h_out, Array ids_out, Array w_out) {
+               std::vector<int> shared_fmts, Array shared_gate, Array out, Array h_out, Array ids_out, Array w_out,
+               Array seen) {
     check(x.ndim() == 2, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
     check(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
@@ -581,7 +588,7 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
     moe_block_args(c, T, H, is_bf16(out), norm_w, eps, norm_offset, router, K, renorm, efmt, gate, gs, up, us, down, ds,
                    shared, shared_s, shared_fmts, shared_gate);
     check_shape(out, {T, H}, "out");
-    moe_observe(c, h_out, ids_out, w_out);
+    moe_observe(c, h_out, ids_out, w_out, seen);
     ActIn xin(x, "x");
     ActOut o(out, "out");
     c.a.x = xin.p;
@@ -690,8 +697,8 @@ void mtp_step(Array embed, Array tokens, Array hidden, Array pre_w, float pre_ep
               float moe_norm_offset, Array router, int K, bool renorm, int efmt, std::vector<Array> gate,
               std::vector<Array> gs, std::vector<Array> up, std::vector<Array> us, std::vector<Array> down,
               std::vector<Array> ds, std::vector<Array> shared, std::vector<Array> shared_s,
-              std::vector<int> shared_fmts, Array shared_gate, Array h_out, Array ids_out, Array w_out, Array norm_w,
-              float norm_eps, float norm_offset, Array hw, Array hs, int hf, Array h, Array logits) {
+              std::vector<int> shared_fmts, Array shared_gate, Array h_out, Array ids_out, Array w_out, Array seen,
+              Array norm_w, float norm_eps, float norm_offset, Array hw, Array hs, int hf, Array h, Array logits) {
     const bool bf16 = is_bf16(h);
     check(bf16 || h.dtype() == nb::dtype<float>(), "h: must be float32 or bf16 (as uint16)");
     check(hidden.ndim() == 2 && hidden.shape(0) >= 1, "hidden must be [T, H]");
@@ -713,7 +720,7 @@ void mtp_step(Array embed, Array tokens, Array hidden, Array pre_w, float pre_ep
     MoeCall c;
     moe_block_args(c, 1, H, bf16, moe_norm_w, moe_eps, moe_norm_offset, router, K, renorm, efmt, gate, gs, up, us, down,
                    ds, shared, shared_s, shared_fmts, shared_gate);
-    moe_observe(c, h_out, ids_out, w_out);
+    moe_observe(c, h_out, ids_out, w_out, seen);
     check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
     check_shape(norm_w, {H}, "norm_w");
     check(hw.ndim() == 2, "head must be [V, row]");
@@ -952,7 +959,7 @@ NB_MODULE(_native, m) {
           nb::arg("router"), nb::arg("k"), nb::arg("renorm"), nb::arg("efmt"), nb::arg("gate"), nb::arg("gate_scales"),
           nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"), nb::arg("shared"),
           nb::arg("shared_scales"), nb::arg("shared_fmts"), nb::arg("shared_gate"), nb::arg("out"), nb::arg("h_out"),
-          nb::arg("ids_out"), nb::arg("w_out"),
+          nb::arg("ids_out"), nb::arg("w_out"), nb::arg("seen"),
           "the MoE half of a decoder layer for a few tokens: out = x + experts(h) [+ shared expert(h)], h = RMSNorm(x), "
           "softmax top-k routing");
     m.def("deltanet_block", &deltanet_block, nb::arg("x"), nb::arg("norm_w"), nb::arg("norm_offset"),

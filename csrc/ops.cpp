@@ -244,6 +244,10 @@ void moe_block_decode(const MoeBlockArgs& a) {
     float* e = W.moe_out.data();
     half_input(a.round_bf16, a.T, a.H, a.x, a.norm_w, a.norm_offset, a.eps, h);
     route_softmax_topk(a.T, a.H, a.E, a.K, a.renorm, h, a.router, ids, w);
+    if (a.seen) {
+        for (size_t i = 0; i < nk; ++i) a.seen[ids[i]] = 1;
+        a.seen[a.E] = (uint8_t)a.K;
+    }
     round_bf16_if(a.round_bf16, w, nk);
     moe_experts(a.efmt, a.T, a.H, a.I, a.E, a.K, h, ids, w, a.experts, e);
     round_bf16_if(a.round_bf16, e, n);

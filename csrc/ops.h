@@ -165,6 +165,7 @@ inline void attn_block_decode(const AttnBlockArgs& a, const float* x, float* out
 // also rounded to bf16 where the separate calls hand a bf16 tensor on (h, the routing weights,
 // the experts' sum, the shared expert's output, their sum, y), so y is bit-identical to them.
 // h_out, ids_out, w_out (each may be null) receive h, the ids [T, K] and the weights [T, K].
+// seen (null, or E + 1 bytes: a route mask) gets a 1 at each routed expert and K at [E].
 struct MoeBlockArgs {
     int T, H, E, K, I, Is;
     bool renorm, round_bf16;
@@ -180,6 +181,7 @@ struct MoeBlockArgs {
     float* h_out;
     int64_t* ids_out;
     float* w_out;
+    uint8_t* seen;
 };
 void moe_block_decode(const MoeBlockArgs& a);
 

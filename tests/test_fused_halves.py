@@ -196,15 +196,22 @@ def test_native_op_refuses_bad_arguments():
     w, r = kernels._np(kernels.float32_weight(norm)), kernels._np(block.gate.weight)
     empty, ids0 = e.numpy(), torch.empty(0, dtype=torch.int64).numpy()
 
-    def call(router=r, k=2, o=out, ex=views):
+    no_mask = torch.empty(0, dtype=torch.uint8).numpy()
+
+    def call(router=r, k=2, o=out, ex=views, seen=no_mask):
         nat.moe_block(x.numpy(), w, 1e-6, 1.0, router, k, True, *ex, [], [], [], empty, kernels._np(o), empty, ids0,
-                      empty)
+                      empty, seen)
 
     call()
+    seen = torch.zeros(5, dtype=torch.uint8)
+    call(seen=seen.numpy())  # a route mask: the K routed experts marked, K at [E]
+    assert int(seen[:4].sum()) == 2 and int(seen[4]) == 2
     for bad, msg in (({"k": 5}, "K must be"), ({"router": r[:3]}, "as many as the router"),
                      ({"o": torch.empty(1, 96, dtype=torch.bfloat16)}, "both float32 or both bf16"),
                      ({"o": torch.empty(2, 96)}, "out"),
-                     ({"ex": views._replace(code=16)}, "bf16 as uint16")):
+                     ({"ex": views._replace(code=16)}, "bf16 as uint16"),
+                     ({"seen": torch.zeros(4, dtype=torch.uint8).numpy()}, "seen"),
+                     ({"seen": torch.zeros(5, dtype=torch.int32).numpy()}, "seen: must be uint8")):
         with pytest.raises(ValueError, match=msg):
             call(**bad)
 

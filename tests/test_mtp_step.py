@@ -79,22 +79,30 @@ def test_native_step_is_bit_identical(mtp_path, dtype, quant, draft_vocab, monke
     assert_same(got, want)
 
 
-def test_experts_hooks_see_the_native_step(mtp_path, monkeypatch):
-    """An expert tracker on the head's experts counts the same union either way."""
+def test_experts_watchers_see_the_native_step(mtp_path, monkeypatch):
+    """An expert tracker (route masks) counts the same union either way, and a forward
+    pre-hook on the head's experts is called with the same (h, ids, weights)."""
     net = moerun.load(mtp_path, dtype="bfloat16", threads=2).net
     tracker = ExpertTracker(net)
     bytes_seen = []
+    hooked = []
+    handle = net.mtp.layers[0].mlp.experts.register_forward_pre_hook(lambda m, args: hooked.append(args))
 
     def tracked(net, head):
+        hooked.clear()
         tracker.start_pass("draft")
         r = draft_calls(net, head)
         tracker.end_pass()
         bytes_seen.append(tracker.bytes["draft"])
-        return r
+        return r, list(hooked)
 
-    got, want, native = run_both(net, monkeypatch, calls=tracked)
+    (got, got_args), (want, want_args), native = run_both(net, monkeypatch, calls=lambda n, h: tracked(n, h))
+    handle.remove()
     tracker.close()
     assert native == 6 and bytes_seen[0] > 0 and bytes_seen[1] == 2 * bytes_seen[0]
+    assert len(got_args) == len(want_args) == 7
+    for a, b in zip(got_args, want_args):
+        assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
     assert_same(got, want)
 
 

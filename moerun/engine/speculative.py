@@ -89,6 +89,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from .. import kernels
@@ -242,17 +243,16 @@ class _FirstRows(torch.nn.Module):
 
 
 class ExpertTracker:
-    """Counts the routed-expert bytes each pass reads: the union of ids per Experts module."""
+    """Counts the routed-expert bytes each pass reads: the union of ids per Experts module,
+    from the route mask each module marks while tracked (`layers.routes`)."""
 
     def __init__(self, net):
         self.phase: str | None = None
-        self._seen: list = []  # (module, ids) of the current pass's Experts calls
         self.bytes = {"verify": 0, "draft": 0}
         self.pass_bytes = 0
         self.token_bytes = 0  # K * bytes per expert summed over the last pass's modules
         self.top_k = 0
         self.num_experts = 0
-        self._handles = []
         self.per_expert: dict[torch.nn.Module, int] = {}  # module -> bytes of one expert
         store = getattr(net, "expert_store", None)
         stored = []
@@ -265,39 +265,36 @@ class ExpertTracker:
                     self.per_expert[m] = sum(t.numel() * t.element_size() for t in held) // max(m.num_experts, 1)
                 else:
                     stored.append(m)
-                self._handles.append(m.register_forward_pre_hook(self._hook, with_kwargs=True))
+                m.routes_seen = np.zeros(m.num_experts + 1, dtype=np.uint8)
         if stored:  # the store's bytes over every expert it holds
             per = store.stats()["experts_bytes"] // sum(m.num_experts for m in stored)
             self.per_expert.update(dict.fromkeys(stored, per))
 
-    def _hook(self, m, args, kwargs):
-        # only note the call: counting here would cost a decode step tens of microseconds per layer
-        if self.phase is not None:
-            self._seen.append((m, args[1] if len(args) > 1 else kwargs["ids"]))
-
     def start_pass(self, phase: str) -> None:
         self.phase = phase
-        self._seen = []
+        for m in self.per_expert:  # (calls outside a pass count nowhere)
+            m.routes_seen[:] = 0
         if phase == "verify":
             self.pass_bytes = self.token_bytes = 0
 
     def end_pass(self) -> None:
         """Count what the pass's Experts calls read: the union of their ids, per module."""
         phase, self.phase = self.phase, None
-        for m, ids in self._seen:
-            per = self.per_expert.get(m, 0)
-            b = len(set(ids.numpy().ravel().tolist())) * per  # a few ids: a set beats np.unique 3x
+        for m, per in self.per_expert.items():
+            seen = m.routes_seen
+            k = int(seen[-1])
+            if not k:  # not called in this pass
+                continue
+            b = int(seen[:-1].sum()) * per
             self.bytes[phase] += b
             if phase == "verify":
                 self.pass_bytes += b
-                self.token_bytes += ids.shape[-1] * per
-                self.top_k, self.num_experts = ids.shape[-1], m.num_experts
-        self._seen = []
+                self.token_bytes += k * per
+                self.top_k, self.num_experts = k, m.num_experts
 
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        for m in self.per_expert:
+            m.__dict__.pop("routes_seen", None)
 
 
 def store_figures(store) -> tuple[int, float]:

@@ -197,6 +197,7 @@ def _np(t: torch.Tensor):
 _EMPTY = torch.empty(0)
 _EMPTY_NP = _EMPTY.numpy()
 _EMPTY_I64_NP = torch.empty(0, dtype=torch.int64).numpy()
+_EMPTY_U8_NP = torch.empty(0, dtype=torch.uint8).numpy()
 
 
 class Packed(NamedTuple):
@@ -552,15 +553,16 @@ def moe_block_args(norm_weight: torch.Tensor, eps: float, norm_offset: float, ro
             _EMPTY_NP if shared_gate is None else _np(shared_gate))
 
 
-def moe_block_run(x: torch.Tensor, args: tuple, observe: bool = False):
-    """`moe_block` with its weights and settings as `moe_block_args` made them."""
+def moe_block_run(x: torch.Tensor, args: tuple, observe: bool = False, seen=None):
+    """`moe_block` with its weights and settings as `moe_block_args` made them; `seen`: a route
+    mask to mark (`layers.moe.routes_seen`), or None."""
     nat = _native()
     T, H = x.shape
     x = x.contiguous()  # (a row slice of a wider batch is not), in its dtype: out has it too
     out = _out(x.shape, x.dtype)
     observed, obs = _moe_observed(T, H, args[4], x.dtype) if observe else (None, _NOT_OBSERVED)
     _sync_threads(nat)
-    nat.moe_block(_np(_act(x)), *args, _np(out), *obs)
+    nat.moe_block(_np(_act(x)), *args, _np(out), *obs, _EMPTY_U8_NP if seen is None else seen)
     return (out, *observed) if observe else out
 
 
@@ -600,18 +602,18 @@ class MtpStep:
         return tuple(t[pos : pos + T] for t in self._rope[1])
 
     def run(self, tokens: torch.Tensor, hidden: torch.Tensor, attn: tuple, attn_norm: tuple, rope: tuple,
-            kv_slot: tuple, pos: int, moe: tuple, observe: bool = False) -> tuple:
+            kv_slot: tuple, pos: int, moe: tuple, observe: bool = False, seen=None) -> tuple:
         """tokens [T] (int64), hidden [T, H] (the model's dtype) -> (logits [1, V], h [1, H] of
         the last token, and with `observe` the MoE half's (h, ids, weights) for the experts'
         hooks, else None). attn: `attn_plan`; attn_norm: `half_norm_args`; rope: `rope_rows`;
-        kv_slot: `_cache_slot`; moe: `moe_block_args`."""
+        kv_slot: `_cache_slot`; moe: `moe_block_args`; seen: the experts' route mask or None."""
         nat = _native()
         _sync_threads(nat)
         weights, heads_scale, gated = attn
         observed, obs = _moe_observed(1, self.H, moe[4], self.dtype) if observe else (None, _NOT_OBSERVED)
         h, logits = torch.empty(1, self.H, dtype=self.dtype), torch.empty(1, self.V, dtype=self.dtype)
         nat.mtp_step(self.embed, _np(tokens), _np(hidden), *self.pre, *weights, *rope, *kv_slot, pos, *heads_scale, gated,
-                     *attn_norm, *moe, *obs, *self.post, _np(h), _np(logits))
+                     *attn_norm, *moe, *obs, _EMPTY_U8_NP if seen is None else seen, *self.post, _np(h), _np(logits))
         return logits, h, observed
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from .. import kernels
 from .linear import packed_views, plain_float_linear, project
 from .norm import RMSNorm
+from .routes import note_routes, routes_seen
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
 
@@ -32,6 +33,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]. Decode-sized passes
         run as one native call (`kernels.moe_experts_float`), the rest expert by expert."""
+        note_routes(self, ids)
         if native_float_experts(x, self.gate_proj):
             views = kernels.native_views(self, EXPERT_WEIGHTS, kernels.float_expert_views)
             return kernels.moe_experts_float(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj,
@@ -140,7 +142,7 @@ def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> torch.Te
         return x + block(norm(x))
     experts, args = plan
     hooks = experts._forward_pre_hooks
-    r = kernels.moe_block_run(x.reshape(-1, x.shape[-1]), args, observe=bool(hooks))
+    r = kernels.moe_block_run(x.reshape(-1, x.shape[-1]), args, observe=bool(hooks), seen=routes_seen(experts))
     if not hooks:
         return r.view(x.shape)
     call_observers(experts, r[1:])

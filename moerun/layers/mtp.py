@@ -19,7 +19,7 @@ from torch import nn
 from .. import kernels
 from .attention import attn_half_fuses
 from .linear import native_call_views
-from .moe import call_observers, moe_fusable
+from .moe import call_observers, moe_fusable, routes_seen
 from .norm import RMSNorm
 
 
@@ -67,7 +67,7 @@ def native_step(owner: nn.Module, parts: MtpParts, hidden: torch.Tensor, tokens:
     logits, h, observed = step.run(tokens.reshape(T).contiguous(), x.reshape(T, H).contiguous(), kernels.attn_plan(parts.attn),
                                    kernels.half_norm_args(parts.attn_norm),
                                    step.rope_rows(rope.float_table(pos + T, dtype), pos, T), kernels._cache_slot(kv, slot),
-                                   pos, moe_args, observe)
+                                   pos, moe_args, observe, routes_seen(experts))
     if observe:
         call_observers(experts, observed)
     return logits.view(1, 1, -1), h.view(1, 1, H)
