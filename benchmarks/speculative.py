@@ -14,7 +14,9 @@ equals the plain greedy output, and prints the machine's load average before and
 With --ram-budget the routed experts sit in an expert store holding that share in RAM (the
 rest read from disk on a miss); each speculative setting then runs with and without
 hinting the drafts' experts to the store (`DraftPrefetch`), and the rows add the bytes read
-from disk and the seconds waited for experts, per emitted token.
+from disk and the seconds waited for experts, per emitted token. Every run starts from an
+emptied store (`ExpertStore.evict_all`): otherwise each would find what the run before it,
+on the same prompt, left in RAM.
 
 --draft-vocab lists draft vocabularies (`all`, or N: draft among the first N token ids);
 each speculative setting runs with each, interleaved too, and --pass-times times an MTP
@@ -67,6 +69,8 @@ def run_one(llm, prompt: str, gen_tokens: int, draft, prefetch: bool = True, cho
     """One greedy continuation: plain (draft 0) or speculative; its ids and figures."""
     ids = llm.encode_prompt(prompt)
     store = getattr(llm, "store", None)
+    if store is not None:  # every run starts from the same cold store, not from what the one before left
+        store.evict_all()
     before = store_figures(store) if store is not None else (0, 0.0)
     cpu0 = time.thread_time()
     if draft == 0:

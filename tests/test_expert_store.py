@@ -171,6 +171,21 @@ def test_pinned_hot_set_never_evicted(tmp_path, policy):
         assert s.stats()["tiers"]["host"]["peak_bytes"] <= 6 * b
 
 
+def test_evict_all_leaves_the_pinned_and_starts_cold(tmp_path):
+    """evict_all empties the tier but for the pinned set; the next use reads from disk again."""
+    profile = {0: [0, 9, 0, 5, 0, 0, 0, 0], 1: [0] * 8}
+    b = expert_bytes()
+    with make_store(tmp_path, ram_budget=6 * b, top_k=1, pin_hot=2, profile=profile) as s:
+        touch(s, 0, [0, 2, 4])
+        assert {0, 1, 2, 3, 4} <= resident(s)
+        reads = s.stats()["tiers"]["disk"]["reads"]
+        evictions = s.tiers["host"].evictions
+        assert s.evict_all() == 3 and resident(s) == {1, 3}
+        assert s.tiers["host"].evictions == evictions  # not counted
+        touch(s, 0, [0, 1])
+        assert s.stats()["tiers"]["disk"]["reads"] > reads and {0, 1, 3} <= resident(s)
+
+
 def test_pin_hot_from_the_prompt_routing(tmp_path):
     # no profile: the routing seen in the first pass picks the pinned set
     with make_store(tmp_path, ram_budget=6 * expert_bytes(), top_k=1, pin_hot=1) as s:

@@ -586,6 +586,24 @@ class ExpertStore:
         with self._cv:
             return {l: list(c) for l, c in self.routing.items()}
 
+    def evict_all(self) -> int:
+        """Empty the tiers of every expert not pinned, in use or on its way (so that runs
+        compared side by side each start from the same cold store, not from what the one
+        before left); returns how many were evicted. Evictions here are not counted."""
+        with self._cv:
+            n = 0
+            for tier in (DEVICE, HOST):  # the device first: an inclusive link keeps its experts on the host
+                if tier not in self.tiers:
+                    continue
+                ok = self._evictable(tier)
+                keep = self.tiers[tier].evictions
+                for key, ent in self.entries.items():
+                    if key not in self.pinned and ent.job is None and ok(key):
+                        self._evict(tier, ent)
+                        n += 1
+                self.tiers[tier].evictions = keep
+            return n
+
     def reset_stats(self) -> None:
         with self._cv:
             self._reset_locked()
