@@ -207,8 +207,14 @@ class RecurrentState:
 
 
 def _is_range(slots: torch.Tensor, capacity: int) -> bool:
-    n = slots.numel()
-    return n <= capacity and (n == 1 and int(slots[0]) == 0 or bool((slots == torch.arange(n)).all()))
+    """Whether slots are 0..n-1 (n <= capacity): their states are then a view of the leading
+    rows. Kept on the slots tensor (a forward pass asks it of the same one a few times a
+    layer; slots are made for a pass and never written in place)."""
+    first = slots.__dict__.get("_leading")
+    if first is None:
+        n = slots.numel()
+        first = slots.__dict__["_leading"] = n == 1 and int(slots[0]) == 0 or bool((slots == torch.arange(n)).all())
+    return first and slots.numel() <= capacity
 
 
 class Cache:
