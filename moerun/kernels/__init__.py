@@ -526,36 +526,29 @@ class ExpertViews(NamedTuple):
     down_scales: list
 
 
-def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_offset: float, router: torch.Tensor,
-              k: int, renorm: bool, experts: ExpertViews, shared: tuple | None = None,
-              shared_gate: torch.Tensor | None = None, observe: bool = False):
-    """The MoE half of a decoder layer for a decode-sized x [T, H] in one native call:
-    x + experts(h) (+ sigmoid(h . shared_gate) * shared(h) with a shared expert), h = RMSNorm(x)
-    with norm_weight + norm_offset (float32 [H]), softmax top-k routing over router [E, H]
-    (float32) renormalised over the k when `renorm`. `experts`: `ExpertViews`; `shared`: the
-    shared expert's (gate, up, down) `Packed`; shared_gate [H] float32. Out in x's dtype
-    (float32 or bf16); a bf16 x has every intermediate rounded where the separate ops
-    (`rms_norm`, `route_softmax_topk`, `moe_experts*`, `swiglu_mlp` and two adds, each in
-    bf16) round it: bit-identical to them. With `observe`: (out, h, ids, weights) as the
-    separate ops hand them on (h and weights in x's dtype), for their hooks."""
-    return moe_block_run(x, moe_block_args(norm_weight, eps, norm_offset, router, k, renorm, experts, shared,
-                                           shared_gate), observe)
-
-
 def moe_block_args(norm_weight: torch.Tensor, eps: float, norm_offset: float, router: torch.Tensor, k: int,
                    renorm: bool, experts: ExpertViews, shared: tuple | None = None,
                    shared_gate: torch.Tensor | None = None) -> tuple:
-    """`moe_block`'s weights and settings as the binding takes them (everything between x and
-    out), made once where a plan keeps them (`layers.moe`): a decode step then converts only
-    its activations."""
+    """The MoE half of a decoder layer for a decode-sized x [T, H] as one native call
+    (`moe_block_run`): x + experts(h) (+ sigmoid(h . shared_gate) * shared(h) with a shared
+    expert), h = RMSNorm(x) with norm_weight + norm_offset (float32 [H]), softmax top-k
+    routing over router [E, H] (float32) renormalised over the k when `renorm`. `experts`:
+    `ExpertViews`; `shared`: the shared expert's (gate, up, down) `Packed`; shared_gate [H]
+    float32. -> those weights and settings as the binding takes them (everything between x
+    and out), made once where a plan keeps them (`layers.moe`): a decode step then converts
+    only its activations."""
     sh = ([p.w for p in shared], [p.s for p in shared], [p.code for p in shared]) if shared else ([], [], [])
     return (_np(norm_weight), float(eps), float(norm_offset), _np(router), int(k), bool(renorm), *experts, *sh,
             _EMPTY_NP if shared_gate is None else _np(shared_gate))
 
 
 def moe_block_run(x: torch.Tensor, args: tuple, observe: bool = False, seen=None):
-    """`moe_block` with its weights and settings as `moe_block_args` made them; `seen`: a route
-    mask to mark (`layers.moe.routes_seen`), or None."""
+    """x [T, H] through the MoE half whose weights and settings `moe_block_args` made. Out in
+    x's dtype (float32 or bf16); a bf16 x has every intermediate rounded where the separate
+    ops (`rms_norm`, `route_softmax_topk`, `moe_experts*`, `swiglu_mlp` and two adds, each in
+    bf16) round it: bit-identical to them. With `observe`: (out, h, ids, weights) as the
+    separate ops hand them on (h and weights in x's dtype), for the experts' hooks. `seen`: a
+    route mask to mark (`layers.routes`), or None."""
     nat = _native()
     T, H = x.shape
     x = x.contiguous()  # (a row slice of a wider batch is not), in its dtype: out has it too
@@ -882,9 +875,15 @@ def attn_plan(attn) -> tuple:
     return module_plan(attn, group, None, lambda: _fused_args(attn))
 
 
+def norm_args(norm) -> tuple:
+    """An RMSNorm as the native ops take it: (float32 weight, eps, offset: 1 zero-centred)."""
+    return float32_weight(norm), float(norm.eps), 1.0 if norm.zero_centered else 0.0
+
+
 def half_norm_args(norm) -> tuple:
-    """A layer half's input RMSNorm as the native halves take it: (float32 weight, offset, eps)."""
-    return _np(float32_weight(norm)), 1.0 if norm.zero_centered else 0.0, float(norm.eps)
+    """A layer half's input RMSNorm as the attention half takes it: (weight, offset, eps)."""
+    w, eps, offset = norm_args(norm)
+    return _np(w), offset, eps
 
 
 def attn_block_run(x: torch.Tensor, plan: tuple, rope: tuple, kv_slot: tuple, pos: int,
@@ -995,8 +994,7 @@ __all__ = [
     "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "numpy_views", "swiglu_mlp",
     "swiglu_mlp_ref",
     "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
-    "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block", "moe_block_args",
-    "moe_block_run", "MtpStep", "ExpertViews", "rms_norm",
+    "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block_args", "moe_block_run", "MtpStep", "ExpertViews", "rms_norm",
     "rms_norm_ref", "norm_rope_heads", "norm_rope_heads_ref",
     "attn_decode_is_native", "fuse_decode_attention", "fused_attention_applies",
 ]

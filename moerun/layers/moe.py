@@ -41,7 +41,7 @@ class Experts(nn.Module):
         return expert_mlp(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj)
 
     def fused_views(self, x: torch.Tensor) -> kernels.ExpertViews | None:
-        """The experts as `kernels.moe_block` takes them, for a pass that would run natively
+        """The experts as `kernels.moe_block_args` takes them, for a pass that would run natively
         here (`native_float_experts`; see `moe_residual`)."""
         if not native_float_experts(x, self.gate_proj):
             return None
@@ -132,7 +132,7 @@ def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> torch.Te
     """x + block(norm(x)): a decoder layer's MLP half. For a decode-sized x through a softmax
     top-k MoE block (`gate`: the router, `top_k`, `norm_topk_prob`, `experts`, and maybe a
     shared expert with its gate, `shared_expert` and `shared_expert_gate`) whose parts all
-    run natively, one native call (`kernels.moe_block`) instead of four and two torch adds:
+    run natively, one native call (`kernels.moe_block_run`) instead of four and two torch adds:
     bit-identical to the modules one by one, which run otherwise (`moe_fusable`). Forward
     pre-hooks on the experts (expert trackers) are then called after it with the arguments
     the experts would have had; one that returns new arguments cannot be honoured there and
@@ -201,9 +201,8 @@ def _moe_plan(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | Non
         if shared is None or not native_float_linear(block.shared_expert_gate, h):
             return None
         shared_gate = kernels.float32_weight(block.shared_expert_gate).view(-1)
-    return block.experts, kernels.moe_block_args(kernels.float32_weight(norm), norm.eps, 1.0 if norm.zero_centered else 0.0,
-                                                 kernels.float32_weight(block.gate), block.top_k, block.norm_topk_prob,
-                                                 views, shared, shared_gate)
+    return block.experts, kernels.moe_block_args(*kernels.norm_args(norm), kernels.float32_weight(block.gate),
+                                                 block.top_k, block.norm_topk_prob, views, shared, shared_gate)
 
 
 def native_float_linear(lin: nn.Linear, x: torch.Tensor) -> bool:

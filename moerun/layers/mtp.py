@@ -1,12 +1,12 @@
-"""One draft step of a multi-token-prediction head as a few native calls.
+"""One draft step of a multi-token-prediction head as one native call.
 
 An MTP head (Qwen3.5's `mtp`) takes the next token's embedding and the trunk's final hidden
 state, RMS-norms each, runs them side by side through a linear (`fc`), one decoder layer
 (attention half, MoE half), a final norm and the LM head. Speculative decoding calls it
 once per draft, one row and one token at a time, where its ~10 module calls cost several
 times their arithmetic. `native_step` runs the same ops (the layer's two halves as their
-fused calls) with every weight's arguments made once: bit-identical to the modules one by
-one, which the caller runs wherever these would not all run natively.
+fused ops compute them) in one call, with every weight's arguments made once: bit-identical
+to the modules one by one, which the caller runs wherever these would not all run natively.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .. import kernels
 from .attention import attn_half_fuses
 from .linear import native_call_views
 from .moe import call_observers, moe_fusable, routes_seen
-from .norm import RMSNorm
+from .norm import RMSNorm, stacked_norm_weights
 
 
 class MtpParts(NamedTuple):
@@ -76,14 +76,12 @@ def native_step(owner: nn.Module, parts: MtpParts, hidden: torch.Tensor, tokens:
 def _plan(parts: MtpParts, dtype: torch.dtype, H: int) -> kernels.MtpStep | None:
     """The head's `kernels.MtpStep` (its input norms' weights stacked [2, H] float32, fc, the
     final norm, the head), or None where a part would not run natively."""
-    norms = (*parts.pre_norms, parts.norm)
-    if any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms) or parts.pre_norms[0].eps != parts.pre_norms[1].eps:
+    if any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in (*parts.pre_norms, parts.norm)):
         return None
+    pre_w = stacked_norm_weights(parts.pre_norms)
     fc = native_call_views(parts.fc, torch.empty(1, 2 * H, dtype=dtype))
     head = native_call_views(parts.head, torch.empty(1, H, dtype=dtype))
-    if fc is None or head is None:
+    if pre_w is None or fc is None or head is None:
         return None
-    pre_w = torch.stack([n.weight.detach().float() + (1.0 if n.zero_centered else 0.0) for n in parts.pre_norms])
-    n = parts.norm
     return kernels.MtpStep(H, dtype, parts.embed.weight.detach(), pre_w, parts.pre_norms[0].eps, fc,
-                           (kernels.float32_weight(n), n.eps, 1.0 if n.zero_centered else 0.0), head)
+                           kernels.norm_args(parts.norm), head)

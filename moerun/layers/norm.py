@@ -50,15 +50,23 @@ def rms_norm_cat(owner: nn.Module, norm_names: tuple[str, ...], xs: list[torch.T
 
     def plan(*weights):
         norms = [owner.get_submodule(n) for n in norm_names]
-        stacked = torch.stack([w.detach().float() + (1.0 if n.zero_centered else 0.0) for w, n in zip(weights, norms)])
-        return norms, stacked, len({n.eps for n in norms}) == 1
+        return norms, stacked_norm_weights(norms)
 
-    norms, weights, native = kernels.native_views(owner, tuple(f"{n}.weight" for n in norm_names), plan)
+    norms, weights = kernels.native_views(owner, tuple(f"{n}.weight" for n in norm_names), plan)
     dtype = xs[0].dtype
-    if (native and kernels.native() and all(x.dtype == dtype and x.shape == xs[0].shape for x in xs)
+    if (weights is not None and kernels.native() and all(x.dtype == dtype and x.shape == xs[0].shape for x in xs)
             and (dtype == torch.float32 or (dtype == torch.bfloat16 and xs[0].numel() * len(xs) <= kernels.RMS_NORM_MAX))
             and not torch.is_grad_enabled() and not kernels.has_hooks(*norms)):
         # bf16 (decode sizes): float32 in, rounded once at the end, as each RMSNorm's own bf16 path
         u = torch.cat(xs, dim=-1)
         return kernels.rms_norm(u.view(-1, len(xs), xs[0].shape[-1]), weights, norms[0].eps, dtype=dtype).view(u.shape)
     return torch.cat([n(x) for n, x in zip(norms, xs)], dim=-1)
+
+
+def stacked_norm_weights(norms) -> torch.Tensor | None:
+    """RMSNorms' effective weights (w, or 1 + w zero-centred) stacked [G, D] in float32: one
+    native norm over their column blocks (`kernels.rms_norm` with a [G, D] weight) stands in
+    for them all. None unless they share eps."""
+    if len({n.eps for n in norms}) != 1:
+        return None
+    return torch.stack([n.weight.detach().float() + (1.0 if n.zero_centered else 0.0) for n in norms])

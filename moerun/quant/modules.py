@@ -98,7 +98,7 @@ class QuantizedExperts(nn.Module):
         return m
 
     def fused_views(self, x: torch.Tensor) -> kernels.ExpertViews | None:
-        """The experts as `kernels.moe_block` takes them, when the native kernels run (see
+        """The experts as `kernels.moe_block_args` takes them, when the native kernels run (see
         `layers.moe.moe_residual`)."""
         if not kernels.native():
             return None
