@@ -25,7 +25,7 @@ def mtp_path(tmp_path_factory):
     return build_qwen(tmp_path_factory.mktemp("qwen_mtp_step"), vocab_size=300)
 
 
-def draft_calls(net, head=None, counted=None):
+def draft_calls(net, head=None, kv_dtype=None):
     """MTP calls as a speculative run makes them, on 2 slots of one cache (slot 1 at its own
     positions): a catch-up over 3 pending pairs, chained drafts, a catch-up over 2, one over
     6 (more than a fused pass takes) -> every call's logits and hidden state, and the cache's
@@ -33,7 +33,7 @@ def draft_calls(net, head=None, counted=None):
     g = torch.Generator().manual_seed(3)
     H, V = net.args.hidden_size, net.args.vocab_size
     dtype = net.model.embed_tokens.weight.dtype
-    cache = Cache(net.mtp_cache_spec(), 2, 24, dtype)
+    cache = Cache(net.mtp_cache_spec(), 2, 24, dtype, kv_dtype)
     cache.lengths[0] = 4  # the head's cache starts where the trunk's pending states do
     out = []
     for slot, T in ((1, 3), (1, 1), (1, 1), (0, 2), (1, 1), (0, 6), (0, 1)):
@@ -124,6 +124,10 @@ def test_hooks_and_unfusable_parts_run_the_modules(mtp_path, monkeypatch):
             return net.lm_head(h) * 2
 
     got, want, native = run_both(net, monkeypatch, Head())
+    assert native == 0
+    assert_same(got, want)
+    # an int8 KV cache (the fused attention reads float ones only): the modules
+    got, want, native = run_both(net, monkeypatch, calls=lambda n, h: draft_calls(n, h, torch.int8))
     assert native == 0
     assert_same(got, want)
     before, _, native = run_both(net, monkeypatch)
