@@ -570,5 +570,15 @@ def test_expert_tracker_counts_the_union_per_module():
         net[1](x[:1], torch.tensor([[3, 4]]), w[:1])
         tracker.end_pass()
         assert tracker.bytes == {"verify": 5 * per, "draft": 2 * per} and tracker.pass_bytes == 5 * per
+        # a new tracker while this one lingers (a run dropped unfinished): closing the old one
+        # leaves the new one counting
+        newer = ExpertTracker(net)
+        tracker.close()
+        newer.start_pass("verify")
+        net[0](x, torch.tensor([[3, 4], [3, 4], [3, 4]]), w)
+        newer.end_pass()
+        assert newer.pass_bytes == 2 * per
+        newer.close()
+        assert not any("routes_seen" in m.__dict__ for m in net)
     finally:
         tracker.close()

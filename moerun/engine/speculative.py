@@ -254,6 +254,7 @@ class ExpertTracker:
         self.top_k = 0
         self.num_experts = 0
         self.per_expert: dict[torch.nn.Module, int] = {}  # module -> bytes of one expert
+        self.masks: dict[torch.nn.Module, np.ndarray] = {}  # module -> its route mask (`layers.routes`)
         store = getattr(net, "expert_store", None)
         stored = []
         for m in net.modules():
@@ -265,15 +266,17 @@ class ExpertTracker:
                     self.per_expert[m] = sum(t.numel() * t.element_size() for t in held) // max(m.num_experts, 1)
                 else:
                     stored.append(m)
-                m.routes_seen = np.zeros(m.num_experts + 1, dtype=np.uint8)
+                # its own mask, installed on the module: a tracker left behind by an earlier run
+                # (a generator dropped unfinished) neither shares it nor takes it away (close)
+                self.masks[m] = m.routes_seen = np.zeros(m.num_experts + 1, dtype=np.uint8)
         if stored:  # the store's bytes over every expert it holds
             per = store.stats()["experts_bytes"] // sum(m.num_experts for m in stored)
             self.per_expert.update(dict.fromkeys(stored, per))
 
     def start_pass(self, phase: str) -> None:
         self.phase = phase
-        for m in self.per_expert:  # (calls outside a pass count nowhere)
-            m.routes_seen[:] = 0
+        for mask in self.masks.values():  # (calls outside a pass count nowhere)
+            mask[:] = 0
         if phase == "verify":
             self.pass_bytes = self.token_bytes = 0
 
@@ -281,7 +284,7 @@ class ExpertTracker:
         """Count what the pass's Experts calls read: the union of their ids, per module."""
         phase, self.phase = self.phase, None
         for m, per in self.per_expert.items():
-            seen = m.routes_seen
+            seen = self.masks[m]
             k = int(seen[-1])
             if not k:  # not called in this pass
                 continue
@@ -293,8 +296,9 @@ class ExpertTracker:
                 self.top_k, self.num_experts = k, m.num_experts
 
     def close(self) -> None:
-        for m in self.per_expert:
-            m.__dict__.pop("routes_seen", None)
+        for m, mask in self.masks.items():
+            if m.__dict__.get("routes_seen") is mask:
+                del m.__dict__["routes_seen"]
 
 
 def store_figures(store) -> tuple[int, float]:

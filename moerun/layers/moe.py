@@ -134,9 +134,9 @@ def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> torch.Te
     shared expert with its gate, `shared_expert` and `shared_expert_gate`) whose parts all
     run natively, one native call (`kernels.moe_block_run`) instead of four and two torch adds:
     bit-identical to the modules one by one, which run otherwise (`moe_fusable`). Forward
-    pre-hooks on the experts (expert trackers) are then called after it with the arguments
-    the experts would have had; one that returns new arguments cannot be honoured there and
-    raises."""
+    pre-hooks on the experts (predictors, profilers) are then called after it with the
+    arguments the experts would have had; one that returns new arguments cannot be honoured
+    there and raises. A route mask on the experts (`layers.routes`) is marked natively."""
     plan = moe_fusable(x, norm, block)
     if plan is None:
         return x + block(norm(x))
@@ -150,7 +150,7 @@ def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> torch.Te
 
 
 def call_observers(experts: nn.Module, args: tuple) -> None:
-    """Call the experts' forward pre-hooks (expert trackers) with the arguments (h, ids,
+    """Call the experts' forward pre-hooks (predictors, profilers) with the arguments (h, ids,
     weights) a fused op (`moe_residual`) ran them on in their stead; a hook that returns new
     arguments cannot be honoured there and raises."""
     for key, hook in list(experts._forward_pre_hooks.items()):

@@ -88,9 +88,7 @@ class Rope(torch.nn.Module):
     def _rows(self, index, need: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) rows at `index` (positions, or a slice of them) of the tables, grown to
         hold positions 0..need-1, in dtype."""
-        table = self._table
-        if table is None or table[0].shape[0] < need or table[0].device != self.inv_freq.device:
-            table = self._grow(need)
+        table = self._tables(need)
         cos, sin = table[0][index], table[1][index]
         return (cos, sin) if dtype == cos.dtype else (cos.to(dtype), sin.to(dtype))
 
@@ -98,14 +96,19 @@ class Rope(torch.nn.Module):
         """(cos, sin) [n, rotary_dim] float32 for positions 0..n-1 (n >= need) holding the values
         `span` gives in dtype (rounded to it): a native op reads its rows. Kept per dtype until
         the tables grow (the same tensors are returned until then)."""
-        table = self._table
-        if table is None or table[0].shape[0] < need or table[0].device != self.inv_freq.device:
-            table = self._grow(need)
+        table = self._tables(need)
         kept = self.__dict__.setdefault("_float_tables", {})
         got = kept.get(dtype)
         if got is None or got[0] is not table:
             got = kept[dtype] = (table, tuple(t.to(dtype).float() for t in table))
         return got[1]
+
+    def _tables(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) tables, grown to hold positions 0..need-1 if they do not."""
+        table = self._table
+        if table is None or table[0].shape[0] < need or table[0].device != self.inv_freq.device:
+            table = self._grow(need)
+        return table
 
     def _grow(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [n, rotary_dim] float32 for positions 0..n-1, n >= need (doubling)."""
