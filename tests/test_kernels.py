@@ -346,15 +346,18 @@ def test_split_threads_finds_any_native_module():
 @pytest.mark.parametrize("isa", NATIVE)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("hq,hkv,S,D,Dv,spread", [(8, 2, 1, 32, 32, 1.0), (4, 4, 7, 20, 13, 1.0), (6, 1, 300, 64, 72, 1.0),
-                                                  (32, 4, 700, 128, 128, 1.0), (3, 3, 65, 8, 8, 1.0), (4, 2, 130, 32, 32, 40.0)])
-def test_attn_decode(isa, threads, hq, hkv, S, D, Dv, spread):
+                                                  (32, 4, 700, 128, 128, 1.0), (3, 3, 65, 8, 8, 1.0), (4, 2, 130, 32, 32, 40.0),
+                                                  (16, 2, 33, 20, 24, 1.0), (16, 1, 300, 64, 64, 40.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attn_decode(isa, threads, hq, hkv, S, D, Dv, spread, dtype):
     """Odd head dims (tails of the 8-lane loops), one position, chunked long caches, G = 1,
-    and scores spread wide enough that most exp() underflow; k and v are views of a longer
-    cache, as in decode."""
+    groups of 8 and 16 query heads (their scores go 8 heads at a time), and scores spread
+    wide enough that most exp() underflow; k and v are views of a longer cache, as in
+    decode, in float32 or bf16."""
     g = torch.Generator().manual_seed(S * 7 + D)
     q = torch.randn(hq, D, generator=g) * spread
-    k = torch.randn(hkv, S + 37, D, generator=g)[:, :S]
-    v = torch.randn(hkv, S + 37, Dv, generator=g)[:, :S]
+    k = torch.randn(hkv, S + 37, D, generator=g).to(dtype)[:, :S]
+    v = torch.randn(hkv, S + 37, Dv, generator=g).to(dtype)[:, :S]
     ref = kernels.attn_decode_ref(q, k, v, D**-0.5)
     before = torch.get_num_threads()
     try:
@@ -451,7 +454,7 @@ def test_fused_decode_attention_skips_mixed_and_biased_modules():
 
 
 @pytest.mark.parametrize("isa", NATIVE)
-@pytest.mark.parametrize("hq,hkv,S,D", [(8, 2, 1, 32), (4, 4, 9, 20), (32, 4, 700, 128)])
+@pytest.mark.parametrize("hq,hkv,S,D", [(8, 2, 1, 32), (4, 4, 9, 20), (32, 4, 700, 128), (16, 2, 9, 20)])
 def test_attn_decode_int8_cache(isa, hq, hkv, S, D):
     """int8 keys/values with per-position scales (views of an int8 cache) against the
     reference on the dequantized values: the kernel applies the scales as it reads."""
