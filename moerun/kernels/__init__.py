@@ -782,12 +782,11 @@ def deltanet_decode_is_native(qkv, conv, S) -> bool:
             and conv.is_contiguous() and S.is_contiguous())
 
 
-def deltanet_block(x: torch.Tensor, norm_weight: torch.Tensor, norm_offset: float, norm_eps: float, proj: tuple,
-                   out_proj: Packed, conv, S, views: tuple, eps: float, key_heads: int, every: bool = False,
-                   every_out: tuple | None = None):
+def deltanet_block(x: torch.Tensor, norm: tuple, proj: tuple, out_proj: Packed, conv, S, views: tuple, eps: float,
+                   key_heads: int, every: bool = False, every_out: tuple | None = None):
     """The linear-attention half of a Qwen3.5 decoder layer for a few tokens per row in one
     native call: x + out_proj(DeltaNet(in_proj_qkv, in_proj_z, in_proj_a, in_proj_b of
-    RMSNorm(x))), x [B, T, H] float32 or bf16. norm_weight [H] float32 (+ norm_offset);
+    RMSNorm(x))), x [B, T, H] float32 or bf16. norm: the RMSNorm as `norm_args` gives it;
     proj: the four projections' `Packed`; out_proj's. The DeltaNet's states, `every` and
     `every_out` as `deltanet_decode` takes them (float32 and contiguous:
     `deltanet_decode_is_native`), its weights as `deltanet_weight_views` gives them (`views`).
@@ -801,8 +800,9 @@ def deltanet_block(x: torch.Tensor, norm_weight: torch.Tensor, norm_offset: floa
     out = _out(x.shape, x.dtype)
     conv_every, S_every = _every_states(B, T, conv, S, every, every_out)
     cw, al, dt, nw = views
+    norm_weight, norm_eps, norm_offset = norm
     _sync_threads(nat)
-    nat.deltanet_block(_np(_act(x)), _np(norm_weight), float(norm_offset), float(norm_eps), [p.w for p in proj],
+    nat.deltanet_block(_np(_act(x)), _np(norm_weight), norm_offset, norm_eps, [p.w for p in proj],
                        [p.s for p in proj], [p.code for p in proj], out_proj.w, out_proj.s, out_proj.code, cw,
                        _np(conv), None if conv_every is None else _np(conv_every), al, dt, _np(S),
                        None if S_every is None else _np(S_every), nw, float(eps), _np(out), key_heads)
@@ -872,7 +872,8 @@ def attn_plan(attn) -> tuple:
     `module_plan`)."""
     m = attn._modules
     group = tuple(m[n] for n in _FUSED_MODULES if n in m)  # the projections, then the norms if any
-    return module_plan(attn, group, None, lambda: _fused_args(attn))
+    key = (attn.n_heads, attn.scale, attn._fused_eps, attn._fused_gate)  # settings: plain attributes
+    return module_plan(attn, group, key, lambda: _fused_args(attn))
 
 
 def norm_args(norm) -> tuple:
@@ -994,7 +995,7 @@ __all__ = [
     "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "numpy_views", "swiglu_mlp",
     "swiglu_mlp_ref",
     "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
-    "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block_args", "moe_block_run", "MtpStep", "ExpertViews", "rms_norm",
-    "rms_norm_ref", "norm_rope_heads", "norm_rope_heads_ref",
+    "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block_args", "moe_block_run", "MtpStep",
+    "ExpertViews", "norm_args", "rms_norm", "rms_norm_ref", "norm_rope_heads", "norm_rope_heads_ref",
     "attn_decode_is_native", "fuse_decode_attention", "fused_attention_applies",
 ]

@@ -223,10 +223,9 @@ class GatedDeltaNet(nn.Module):
         views = kernels.native_views(self, DELTA_WEIGHTS, kernels.deltanet_weight_views)
         fused = self._fusable(x, norm, conv, rec) if norm is not None else None
         if fused is not None:
-            proj, out_proj, norm_weight = fused
-            y, conv_all, rec_all = kernels.deltanet_block(
-                x, norm_weight, 1.0 if norm.zero_centered else 0.0, norm.eps, proj, out_proj, conv, rec, views,
-                self.norm.eps, self.n_k, every, bufs)
+            proj, out_proj, norm_args = fused
+            y, conv_all, rec_all = kernels.deltanet_block(x, norm_args, proj, out_proj, conv, rec, views, self.norm.eps,
+                                                          self.n_k, every, bufs)
         else:
             h = x if norm is None else norm(x)
             qkv, z, a, b = project(h, self.in_proj_qkv, self.in_proj_z, self.in_proj_a, self.in_proj_b)
@@ -243,7 +242,7 @@ class GatedDeltaNet(nn.Module):
         return y if norm is None else x + y
 
     def _fusable(self, x, norm, conv, rec) -> tuple | None:
-        """(the projections' packed views, out_proj's, the norm's float32 weight) when
+        """(the projections' packed views, out_proj's, the norm's `kernels.norm_args`) when
         `residual` may run norm and this layer as one native call: a decode-sized pass without
         autograd, the DeltaNet step native (`kernels.deltanet_decode_is_native`), a zero-centred
         or plain `RMSNorm` of x's dtype, the projections one native call (`packed_views`) and
@@ -254,15 +253,15 @@ class GatedDeltaNet(nn.Module):
         if (type(norm) is not RMSNorm or torch.is_grad_enabled() or not kernels.float_decode_rows(x)
                 or not kernels.deltanet_decode_is_native(x, conv, rec) or kernels.has_hooks(*group)):
             return None
-        return kernels.module_plan(self, group, (x.dtype, m["out_proj"].__dict__.get("forward")),
-                                   lambda: self._plan(x, norm))
+        key = (x.dtype, m["out_proj"].__dict__.get("forward"), norm.eps, norm.zero_centered)
+        return kernels.module_plan(self, group, key, lambda: self._plan(x, norm))
 
     def _plan(self, x, norm) -> tuple | None:
         if norm.weight.dtype != x.dtype:
             return None
         proj = packed_views(self.in_proj_qkv, self.in_proj_z, self.in_proj_a, self.in_proj_b, x=x)
         out = native_call_views(self.out_proj, x) if proj is not None else None
-        return None if out is None else (proj, out, kernels.float32_weight(norm))
+        return None if out is None else (proj, out, kernels.norm_args(norm))
 
 
 class SparseMoeBlock(nn.Module):
@@ -407,7 +406,7 @@ class Model(nn.Module):
         B, T, _ = hidden.shape
         slots, pos0 = self._positions(B, cache, slots)
         mtp, m = self.mtp, self.model
-        if B == 1 and (T == 1 or last_only) and cache is not None and len(mtp.layers) == 1:  # a draft step: few native calls
+        if B == 1 and (T == 1 or last_only) and cache is not None and len(mtp.layers) == 1:  # a draft step: one native call
             layer = mtp.layers[0]
             parts = MtpParts(m.embed_tokens, (mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden), mtp.fc, layer,
                              layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp,
