@@ -180,7 +180,9 @@ def test_a_changed_block_is_seen(monkeypatch):
         norm.weight.data = norm.weight.data + 0.5
     check(1)
     block.experts = QuantizedExperts.from_experts(block.experts, "int4")  # a swapped module
-    check(1)
+    before = check(1)
+    norm.eps, block.top_k = 0.5, 2  # settings the plan keeps are part of its key
+    assert not torch.equal(check(1), before)
     handle = block.shared_expert.up_proj.register_forward_hook(lambda m, a, o: None)
     check(0)  # the shared expert's linears are called one by one then (torch's product)
     handle.remove()

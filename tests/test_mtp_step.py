@@ -60,10 +60,12 @@ def run_both(net, monkeypatch, head=None, calls=draft_calls):
 
 
 def assert_same(got, want):
+    """Every tensor of `got` (tensors, or lists of them) equals `want`'s bit for bit."""
+    assert len(got) == len(want)
     for a, b in zip(got, want):
-        assert len(a) == len(b) if isinstance(a, list) else True
-        pairs = zip(a, b) if isinstance(a, list) else [(a, b)]
-        for x, y in pairs:
+        a, b = (a, b) if isinstance(a, list) else ([a], [b])
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
             assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
 
 
