@@ -21,6 +21,8 @@
 namespace moerun {
 
 constexpr int QK = 32;
+// bytes of weights the x86 GEMMs prefetch ahead of the row they compute (kernels_x86.inc)
+constexpr int kPrefetchBytes = 4096;
 // FMT_BF16 / FMT_F32: unquantized weights (rows of `in` bf16 or float32 values), run against
 // float32 activations as they are (no blocks, no scales)
 enum Fmt : int { FMT_INT4 = 4, FMT_INT8 = 8, FMT_BF16 = 16, FMT_F32 = 32 };
@@ -116,8 +118,8 @@ struct KernelTable {
 extern const KernelTable generic_kernels;
 // only valid where the CPU has them (checked by the dispatch point below)
 extern const KernelTable avx2_kernels;        // AVX2 + FMA + F16C
-extern const KernelTable avxvnni_kernels;     // + AVX-VNNI (untested: no such CPU here)
-extern const KernelTable avx512vnni_kernels;  // + AVX-512F/VL/VNNI, 256-bit (untested)
+extern const KernelTable avxvnni_kernels;     // + AVX-VNNI
+extern const KernelTable avx512vnni_kernels;  // + AVX-512F/BW/VL/VNNI (512-bit integer GEMM)
 
 // The one dispatch point. Returns nullptr for an unknown or unsupported name.
 const KernelTable* kernels_for(const char* name);

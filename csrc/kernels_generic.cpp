@@ -181,7 +181,8 @@ bool cpu_has_avx2() {
 }
 
 static bool cpu_has_avx512vnni() {
-    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512vnni");
 }
 
