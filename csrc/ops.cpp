@@ -35,13 +35,16 @@ struct Tile {
     int e, r0, nr, t0, nt;
 };
 
-// Rows per tile: enough tiles to balance the pool, few enough that each tile's weights
-// (nr rows) stay in L1/L2 while its tokens stream past them.
-int row_tile(int rows, int n_groups, int threads) {
+// Rows per tile: enough tiles to balance the pool; where a tile has more tokens than the
+// kernel takes in one pass over its rows (4), few enough rows that they stay in L1/L2 while
+// the tokens stream past them. With at most 4 tokens each row is read once, so a tile is one
+// long stream: what its start costs (the first rows, before the prefetches ahead of the
+// rows pay off) is paid once per tile, not once per 64 rows.
+int row_tile(int rows, int n_groups, int threads, int max_tok) {
     int want = std::max(1, 8 * threads / std::max(1, n_groups));
     int rt = (rows + want - 1) / want;
     rt = (rt + 3) / 4 * 4;
-    return std::max(4, std::min(rt, 64));
+    return std::max(4, max_tok <= 4 ? rt : std::min(rt, 64));
 }
 
 void gemm(int fmt, const GemmArgs& a) {
@@ -120,7 +123,7 @@ void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const
     for (int p = 0; p < P; ++p) off[p + 1] = off[p] + rows[p];
     const int N = off[P];
     const int n_tt = (M + kTokTile - 1) / kTokTile;
-    const int rt = row_tile(N, n_tt, pool().size());
+    const int rt = row_tile(N, n_tt, pool().size(), M);
     std::vector<Tile> tiles;  // e: which weight
     for (int p = 0; p < P; ++p)
         for (int r0 = 0; r0 < rows[p]; r0 += rt)
@@ -310,9 +313,12 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
 
     // tiles over (expert, weight rows, tokens of that expert)
     auto make_tiles = [&](int rows, std::vector<Tile>& tiles) {
-        int active = 0;
-        for (int e = 0; e < E; ++e) active += W.count[e] > 0;
-        int rt = row_tile(rows, active, pool().size());
+        int active = 0, most = 0;
+        for (int e = 0; e < E; ++e) {
+            active += W.count[e] > 0;
+            most = std::max(most, W.count[e]);
+        }
+        int rt = row_tile(rows, active, pool().size(), most);
         tiles.clear();
         for (int e = 0; e < E; ++e)
             for (int t0 = 0; t0 < W.count[e]; t0 += kTokTile)
