@@ -22,7 +22,9 @@ same logits). Both engines stay loaded and take turns for
 ratios (measured side by side, so drifting machine bandwidth cancels) with its range.
 
 Needs `gguf` and `llama-cpp-python` (pip install gguf llama-cpp-python; the latter compiles
-llama.cpp for this CPU). Weights are random: routing is near uniform, outputs meaningless.
+llama.cpp for this CPU). llama.cpp first runs a few tokens in a child process: where it dies
+there (its AMX path does on some Xeons), the benchmark stops with one line saying how to
+build it without that path. Weights are random: routing is near uniform, outputs meaningless.
 """
 
 from __future__ import annotations
@@ -286,6 +288,35 @@ def load_llamacpp(path: Path, prompt: list[int], gen: int, threads: int):
     return llm
 
 
+PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_batch=32, n_threads=int(sys.argv[2]), verbose=False)
+llm.eval(list(range(300, 332)))
+llm.eval([300])
+"""
+
+
+def probe_llamacpp(path: Path, threads: int) -> str | None:
+    """Runs llama.cpp on a few tokens in a child process first: where one of its code paths
+    dies on this CPU (a signal), this says so in one line instead of taking the benchmark down."""
+    import signal
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", PROBE, str(path), str(threads)], capture_output=True, text=True)
+    if r.returncode >= 0:
+        last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+        return None if r.returncode == 0 else f"llama.cpp failed on a probe run: {last}"
+    name = signal.Signals(-r.returncode).name
+    hint = ""
+    if name == "SIGILL":
+        hint = ("; its AMX path dies like this on some Xeons (ggml-org/llama.cpp#26954): reinstall it without AMX, "
+                "e.g. CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON "
+                "-DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON\" "
+                "pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python")
+    return f"llama.cpp died with {name} on a probe run of {path.name}{hint}"
+
+
 def run_llamacpp(llm, prompt: list[int], gen: int) -> dict:
     llm.reset()
     with CpuClock() as pre:
@@ -355,6 +386,10 @@ def main(argv=None) -> int:
                 os.sync()
             if a.gguf_only:
                 continue
+            failure = probe_llamacpp(gguf_path, a.threads)
+            if failure:
+                print(f"error: {failure}", file=sys.stderr)
+                return 1
             llm = load_llamacpp(gguf_path, prompt, a.gen_tokens, a.threads)
         ours_runs, lc_runs, bws = [], [], []
         for r in range(a.rounds):
