@@ -120,6 +120,7 @@ extern const KernelTable generic_kernels;
 extern const KernelTable avx2_kernels;        // AVX2 + FMA + F16C
 extern const KernelTable avxvnni_kernels;     // + AVX-VNNI
 extern const KernelTable avx512vnni_kernels;  // + AVX-512F/BW/VL/VNNI (512-bit integer GEMM)
+extern const KernelTable amx_kernels;         // + AMX-INT8 tiles for GEMMs of 16 tokens or more
 
 // The one dispatch point. Returns nullptr for an unknown or unsupported name.
 const KernelTable* kernels_for(const char* name);

@@ -2,6 +2,13 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "kernels.h"
 
@@ -186,6 +193,25 @@ static bool cpu_has_avx512vnni() {
            __builtin_cpu_supports("avx512vnni");
 }
 
+// AMX tiles with int8 products, and Linux's leave to use them: the tile data state is off
+// for a process until it asks (arch_prctl ARCH_REQ_XCOMP_PERM); asked once, here.
+static bool cpu_has_amx() {
+    static const bool ok = [] {
+        if (!cpu_has_avx512vnni()) return false;
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+        unsigned lo, hi;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        if ((lo & (3u << 17)) != (3u << 17)) return false;  // the OS keeps no tile state
+#ifdef __linux__
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return false;
+#endif
+        return true;
+    }();
+    return ok;
+}
+
 static bool cpu_has_avxvnni() { return cpu_has_avx2() && __builtin_cpu_supports("avxvnni"); }
 
 // Every path this CPU can run, slowest first; the last is the default.
@@ -195,6 +221,7 @@ int supported_kernels(const KernelTable** out) {
     if (cpu_has_avx2()) out[n++] = &avx2_kernels;
     if (cpu_has_avxvnni()) out[n++] = &avxvnni_kernels;
     if (cpu_has_avx512vnni()) out[n++] = &avx512vnni_kernels;
+    if (cpu_has_amx()) out[n++] = &amx_kernels;
     return n;
 }
 

@@ -69,6 +69,47 @@ def test_qlinear(isa, fmt, M, K, N):
     assert norm_rel(y, x @ w.T) < FLOAT_TOL[fmt]
 
 
+needs_amx = pytest.mark.skipif("amx" not in NATIVE, reason="this CPU has no AMX tiles (or Linux did not grant them)")
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("M,K,N", [(16, 256, 16), (17, 300, 33), (40, 2048, 70), (100, 768, 130), (64, 520, 5)])
+def test_qlinear_amx_tiles_equal_vnni(fmt, M, K, N):
+    """The AMX path (tiles of 16 or more tokens; whole groups of 8 blocks on tiles, the tail
+    blocks as the other kernels add them; partial row and token tiles) gives the bits of the
+    512-bit kernel, which gives those of a decode step for each token."""
+    g = torch.Generator().manual_seed(M + K + N)
+    q, s = formats.quantize(torch.randn(N, K, generator=g) * 0.05, fmt)
+    x = torch.randn(M, K, generator=g)
+    with kernels.use_isa("amx"):
+        y = kernels.qlinear(x, q, s, fmt, K).clone()
+    with kernels.use_isa("avx512vnni"):
+        v = kernels.qlinear(x, q, s, fmt, K).clone()
+        one = torch.cat([kernels.qlinear(x[t : t + 1], q, s, fmt, K).clone() for t in range(M)])
+    assert torch.equal(y, v)
+    assert torch.equal(y, one)
+    assert max_rel(y, kernels.qlinear_ref(x, q, s, fmt, K)) < 1e-5
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", FMTS)
+def test_moe_experts_amx_tiles_equal_vnni(fmt):
+    """Experts with 16 or more tokens each (their tokens gathered by index) on AMX tiles: the
+    same bits as the 512-bit kernel."""
+    g = torch.Generator().manual_seed(5)
+    T, H, I, E, K = 80, 512, 96, 4, 2
+    qe = QuantizedExperts.from_experts(_experts(E, H, I, seed=3), fmt)
+    x = torch.randn(T, H, generator=g)
+    ids, w = _route(T, E, K, g)
+    assert int(torch.bincount(ids.flatten(), minlength=E).min()) >= 16
+    with kernels.use_isa("amx"):
+        y = qe(x, ids, w).clone()
+    with kernels.use_isa("avx512vnni"):
+        v = qe(x, ids, w).clone()
+    assert torch.equal(y, v)
+
+
 @pytest.mark.parametrize("isa", NATIVE)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_qlinear_threads_agree(isa, threads):
