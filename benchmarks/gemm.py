@@ -3,13 +3,16 @@ at decode, verification and prefill shapes, for int4 and int8, and float32 / bfl
 
     python benchmarks/gemm.py [--threads 1] [--shapes 1x32768x2048,4x32768x2048,48x768x2048]
                               [--formats int4,int8,bfloat16,float32] [--rounds 5] [--import-from DIR]
+                              [--isas avx512vnni,amx]
 
 A shape is TOKENSxROWSxINPUTS. Weights with many rows come from DRAM (decode streams them);
 for rows that fit in the caches the same matrix is reused, as a prefill tile reuses an
 expert's rows. It prints GMAC/s and the weight bytes read per second, best of --rounds.
 --import-from DIR measures another checkout's code instead (`git worktree add /tmp/old
 COMMIT`, its native extension built or copied into DIR/moerun), for a before/after
-comparison run back to back; each checkout quantizes with its own formats.
+comparison run back to back; each checkout quantizes with its own formats. --isas runs each
+shape on several kernel paths of this CPU (`kernels.available_isas()`), taking turns call by
+call, and says whether they gave the same bits.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="1x32768x2048,4x32768x2048,48x768x2048")
     ap.add_argument("--formats", default="int4,int8")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--isas", default=None, help="kernel paths to compare side by side (default: the one in use)")
     a = parse_args(ap, argv)
     import torch
 
@@ -34,9 +38,15 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     kernels.set_threads(a.threads)
+    isas = a.isas.split(",") if a.isas else [kernels.isa()]
+    for isa in isas:
+        if isa not in kernels.available_isas():
+            print(f"error: kernel path {isa!r} is not available here ({', '.join(kernels.available_isas())})")
+            return 1
     print(f"{kernels.describe()}; {a.threads} thread(s); code from {kernels.__file__}")
-    print("| format | tokens x rows x inputs | GMAC/s | weight GB/s |")
-    print("|---|---|---|---|")
+    print("| format | tokens x rows x inputs | " + " | ".join(f"{i} GMAC/s | {i} weight GB/s" for i in isas)
+          + (" | same bits |" if len(isas) > 1 else ""))
+    print("|---|---|" + "---|---|" * len(isas) + ("---|" if len(isas) > 1 else ""))
     for fmt in a.formats.split(","):
         for shape in a.shapes.split(","):
             T, N, K = map(int, shape.split("x"))
@@ -45,18 +55,24 @@ def main(argv=None) -> int:
                 w = (torch.randn(N, K) * 0.02).to(getattr(torch, fmt))
                 s = torch.empty(0)
                 p = kernels.float_packed(w)
-                run = lambda: kernels.qlinear_multi(x, [p])  # noqa: E731
+                run = lambda: kernels.qlinear_multi(x, [p])[0]  # noqa: E731
             else:
                 w, s = formats.quantize(torch.randn(N, K) * 0.02, fmt)
                 run = lambda: kernels.qlinear(x, w, s, fmt, K)  # noqa: E731
-            run()  # warm-up (and the workspace)
-            best = float("inf")
+            best, outs = {}, {}
+            for isa in isas:
+                with kernels.use_isa(isa):
+                    outs[isa] = run().clone()  # warm-up (and the workspace); the bits compared
             for _ in range(a.rounds):
-                t = time.perf_counter()
-                run()
-                best = min(best, time.perf_counter() - t)
+                for isa in isas:
+                    with kernels.use_isa(isa):
+                        t = time.perf_counter()
+                        run()
+                        best[isa] = min(best.get(isa, float("inf")), time.perf_counter() - t)
             nbytes = w.numel() * w.element_size() + s.numel() * s.element_size()
-            print(f"| {fmt} | {shape} | {T * N * K / best / 1e9:.1f} | {nbytes / best / 1e9:.1f} |")
+            row = " | ".join(f"{T * N * K / best[i] / 1e9:.1f} | {nbytes / best[i] / 1e9:.1f}" for i in isas)
+            same = all(torch.equal(outs[isas[0]], outs[i]) for i in isas)
+            print(f"| {fmt} | {shape} | {row} |" + (f" {'yes' if same else 'no'} |" if len(isas) > 1 else ""))
     return 0
 
 

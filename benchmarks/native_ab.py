@@ -7,8 +7,10 @@ built with cmake, see checkout.py) side by side, and times the same calls on bot
 alternating call by call, so that a drifting machine falls on both alike: one decode step's
 attention (`attn_decode`, bf16 keys and values, heads of 128, 8 layers' caches so that they
 come from memory) at a few cache lengths and head groupings, and int8 matrix-vector products
-of Qwen3-30B-A3B's attention and LM-head shapes. Prints the median time of each and says
-whether both builds gave the same bits.
+of Qwen3-30B-A3B's attention and LM-head shapes, and the routed experts of a decode step (8
+of 128, int4, from memory: each call draws its own experts from 3 layers' worth, 1 GB, so
+that neither build finds in the caches what the other just read). Prints the median time of
+each and says whether both builds gave the same bits (on the same inputs, one more call each).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def main(argv=None):
             v = [bf16_np(torch.randn(hkv, 2048, 128, generator=g)) for _ in range(8)]
             q = torch.randn(hq, 128, generator=g).numpy()
 
-            def attn(m, out, k=k, v=v, q=q, S=S):
+            def attn(m, out, i, k=k, v=v, q=q, S=S):
                 for kl, vl in zip(k, v):
                     m.attn_decode(q, kl[:, :S], vl[:, :S], out, 128**-0.5, None, None)
 
@@ -66,22 +68,45 @@ def main(argv=None):
              for _ in range(max(1, 8 * 2048 * 5120 // (rows * cols)))]
         x = torch.randn(1, cols, generator=g).numpy()
 
-        def linear(m, out, w=w, x=x):
+        def linear(m, out, i, w=w, x=x):
             for p in w:
                 m.qlinear_multi(x, [p.w], [p.s], [p.code], out)
 
         jobs.append((f"int8 {rows}x{cols} product, each", linear, (1, rows), len(w)))
+    E, H, I, K = 128, 2048, 768, 8
+    gq, gs = formats.quantize(torch.randn(I, H, generator=g) * 0.02, "int4")
+    dq, ds = formats.quantize(torch.randn(H, I, generator=g) * 0.02, "int4")
+    layers = []
+    for _ in range(3):  # experts differ by a rotation of their rows (what the bits check sees)
+        gate = torch.stack([gq.roll(e, 0) for e in range(E)])
+        down = torch.stack([dq.roll(e, 0) for e in range(E)])
+        layers.append(tuple(t.numpy() for t in (gate, gs.expand(E, *gs.shape).contiguous(), gate.clone(),
+                                                gs.expand(E, *gs.shape).contiguous(), down,
+                                                ds.expand(E, *ds.shape).contiguous())))
+    xe = torch.randn(1, H, generator=g).numpy()
+    we = torch.full((1, K), 1.0 / K).numpy()
+    draw = np.random.default_rng(0)
+
+    def experts(m, out, i):
+        rng = np.random.default_rng(0) if i < 0 else draw  # i < 0: the bits check's fixed inputs
+        for _ in range(1 if i < 0 else 20):
+            ids = rng.permutation(E)[:K][None].astype(np.int64)
+            m.moe_experts(xe, ids, we, *layers[int(rng.integers(len(layers)))], out, formats.FORMATS["int4"], I)
+
+    jobs.append(("routed experts of a decode step (8 of 128, int4), from memory, each", experts, (1, H), 20))
     print(f"this build vs {a.other}, {a.threads} threads, median of {a.rounds} alternating rounds (us)")
     for name, run, shape, n in jobs:
         times: dict[str, list[float]] = {b: [] for b in builds}
         outs = {}
-        for _ in range(a.rounds):
+        for r in range(a.rounds):
             for b, m in builds.items():
                 out = np.empty(shape, np.float32)
                 t = time.perf_counter()
-                run(m, out)
+                run(m, out, r)
                 times[b].append((time.perf_counter() - t) / n * 1e6)
-                outs[b] = out
+        for b, m in builds.items():
+            outs[b] = np.empty(shape, np.float32)
+            run(m, outs[b], -1)
         this, other = statistics.median(times["this"]), statistics.median(times["other"])
         same = np.array_equal(outs["this"], outs["other"])
         print(f"{name}: this {this:.1f}, other {other:.1f} ({this / other:.2f}x){'' if same else ', DIFFERENT bits'}")
