@@ -1,12 +1,13 @@
 """The one import point of moerun's native CPU kernels, with a pure-torch reference beside
 every native op.
 
-The kernel path is chosen once at run time from the CPU (`moerun._native` checks it with
-`__builtin_cpu_supports`), the fastest the CPU has of: `generic` (portable C++), `avx2`
-(AVX2 + FMA + F16C), `avxvnni` and `avx512vnni` (the same 256-bit tiles with vpdpbusd dot
-products; written but untested, no CPU here has VNNI). `MOERUN_ISA=torch|generic|avx2|...`
+The kernel path is chosen once at run time from the CPU (`moerun._native` checks it), the
+fastest the CPU has of: `generic` (portable C++), `avx2` (AVX2 + FMA + F16C), `avxvnni` (the
+same 256-bit kernels with vpdpbusd dot products), `avx512vnni` (its int4 / int8 GEMMs 512
+bits wide, the same results) and `amx` (GEMMs of 16 or more tokens on AMX-INT8 tiles, the
+same results again; where Linux grants the tile state). `MOERUN_ISA=torch|generic|avx2|...`
 forces a path (`torch` runs the references, which is also what happens when the extension
-is not built). Full 512-bit AVX-512 and AMX tiles are not written yet.
+is not built).
 
 Ops: quantized linears (`qlinear`, and `qlinear_multi` for several weights of one input),
 the fused routed experts of a layer (`moe_experts`), decode attention over a cache
