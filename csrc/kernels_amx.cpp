@@ -249,7 +249,7 @@ MOERUN_TARGET void gemm_q8_amx(const GemmArgs& a) { gemm_amx<FMT_INT8>(a); }
 }  // namespace
 }  // namespace amx
 
-const KernelTable amx_kernels = {"amx", amx::quantize_row, amx::gemm_q4_amx, amx::gemm_q8_amx, amx::attn_chunk,
+const KernelTable amx_kernels = {"amx", amx::quantize_row, amx::gemm_q4_amx, amx::gemm_q8_amx, amx::attn_chunk_zmm,
                                  amx::delta_head, amx::gemm_f32, amx::gemm_bf16};
 
 }  // namespace moerun

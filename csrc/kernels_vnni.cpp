@@ -38,7 +38,7 @@ namespace {
 }  // namespace avxvnni
 
 const KernelTable avx512vnni_kernels = {"avx512vnni", avx512vnni::quantize_row, avx512vnni::gemm_q4_zmm, avx512vnni::gemm_q8_zmm,
-                                        avx512vnni::attn_chunk, avx512vnni::delta_head, avx512vnni::gemm_f32,
+                                        avx512vnni::attn_chunk_zmm, avx512vnni::delta_head, avx512vnni::gemm_f32,
                                         avx512vnni::gemm_bf16};
 const KernelTable avxvnni_kernels = {"avxvnni", avxvnni::quantize_row, avxvnni::gemm_q4, avxvnni::gemm_q8,
                                      avxvnni::attn_chunk, avxvnni::delta_head, avxvnni::gemm_f32, avxvnni::gemm_bf16};
