@@ -3,9 +3,10 @@ every native op.
 
 The kernel path is chosen once at run time from the CPU (`moerun._native` checks it), the
 fastest the CPU has of: `generic` (portable C++), `avx2` (AVX2 + FMA + F16C), `avxvnni` (the
-same 256-bit kernels with vpdpbusd dot products), `avx512vnni` (its int4 / int8 GEMMs 512
-bits wide, the same results) and `amx` (GEMMs of 16 or more tokens on AMX-INT8 tiles, the
-same results again; where Linux grants the tile state). `MOERUN_ISA=torch|generic|avx2|...`
+same 256-bit kernels with vpdpbusd dot products), `avx512vnni` (its int4 / int8 GEMMs 512 bits
+wide, the same results, and its decode attention, in another summation order) and `amx`
+(GEMMs of 16 or more tokens on AMX-INT8 tiles, the same results again; where Linux grants
+the tile state). `MOERUN_ISA=torch|generic|avx2|...`
 forces a path (`torch` runs the references, which is also what happens when the extension
 is not built).
 
@@ -84,7 +85,7 @@ def native() -> bool:
 
 
 def isa() -> str:
-    """The kernel path in use: 'torch', 'generic', 'avx2', 'avxvnni' or 'avx512vnni'."""
+    """The kernel path in use: 'torch', 'generic', 'avx2', 'avxvnni', 'avx512vnni' or 'amx'."""
     nat = _native()
     return "torch" if nat is None else nat.isa()
 
