@@ -90,6 +90,7 @@ MOERUN_TARGET inline void token_group(const int8_t* const* x, uint8_t* dst) {
 struct Scratch {
     uint8_t* p = nullptr;
     size_t n = 0;
+    ~Scratch() { free(p); }  // a pool thread's, when the pool is resized
     uint8_t* get(size_t want) {
         if (want > n) {
             free(p);
