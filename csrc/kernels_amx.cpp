@@ -112,9 +112,10 @@ MOERUN_TARGET void gemm_amx(const GemmArgs& a) {
     constexpr int kBlockBytes = FMT == FMT_INT4 ? QK / 2 : QK;
     constexpr int kGroupBytes = 8 * kBlockBytes;
     const int ntt = (a.ntok + 15) / 16;  // token tiles
-    // scratch: B tiles [ntt][ng][8 blocks][512], A tiles [8 blocks][16 rows][32], C [16][16],
-    // per token tile the scales by block [nb][16] (d_x, 8 * d_x * sum) and the float sums
-    // [16 rows][8 lanes][16 tokens]
+    // scratch: B tiles [ntt][ng][8 blocks][512]; A tiles [8 blocks][16 rows][32]; the products
+    // C [8 blocks][16 rows][16 tokens] (int32) and the group's weight scales [16 rows][8 blocks];
+    // per token tile the activation scales by block [nb][16] (d_x, then 8 * d_x * sum) and the
+    // float sums [16 rows][8 lanes][16 tokens]
     const size_t b_bytes = (size_t)ntt * ng * 8 * 512, a_bytes = 8 * 16 * 32, c_bytes = 8 * 16 * 16 * 4 + 8 * 16 * 4;
     const size_t s_bytes = (size_t)ntt * nb * 16 * 4 * 2, acc_bytes = (size_t)ntt * 16 * 8 * 16 * 4;
     uint8_t* base = t_scratch.get(b_bytes + a_bytes + c_bytes + s_bytes + acc_bytes);
@@ -124,8 +125,8 @@ MOERUN_TARGET void gemm_amx(const GemmArgs& a) {
     }
     uint8_t* B = base;
     uint8_t* A = B + b_bytes;
-    int32_t* C = (int32_t*)(A + a_bytes);  // [8 blocks][16 rows][16 tokens]
-    float* dwf = (float*)(C + 8 * 16 * 16);  // the group's weight scales [16 rows][8 blocks]
+    int32_t* C = (int32_t*)(A + a_bytes);
+    float* dwf = (float*)(C + 8 * 16 * 16);
     float* dxT = (float*)((uint8_t*)C + c_bytes);
     float* xsT = dxT + (size_t)ntt * nb * 16;
     float* acc = xsT + (size_t)ntt * nb * 16;
@@ -225,18 +226,13 @@ MOERUN_TARGET void gemm_amx(const GemmArgs& a) {
             for (int t = 0; t < 16 && 16 * tt + t < a.ntok; ++t) {
                 const int i = 16 * tt + t;
                 float* y = a.y + (size_t)i * a.y_row + r0;
-                if (nb % 8 == 0) {
-                    for (int m = 0; m < nr; ++m) y[m] = sums[m * 16 + t];
-                    continue;
-                }
-                const size_t row = a.xidx ? (size_t)a.xidx[i] : (size_t)i;
-                const int8_t* xq = a.xq + row * nb * QK;
-                const float* xd = a.xd + row * nb;
-                const float* xs = a.xs + row * nb;
+                const int8_t* xq;
+                const float *xd, *xs;
+                token_rows<1>(a, i, &xq, &xd, &xs);
                 for (int m = 0; m < nr; ++m) {
-                    float tail[1] = {0.f};
-                    gemm_tail<FMT, 1>(a, a.w + (size_t)(r0 + m) * a.w_row, a.ws + (size_t)(r0 + m) * nb, &xq, &xd, &xs, tail);
-                    y[m] = sums[m * 16 + t] + tail[0];
+                    float tail = 0.f;  // added whether or not there are tail blocks, as gemm_row adds it
+                    if (nb % 8) gemm_tail<FMT, 1>(a, a.w + (size_t)(r0 + m) * a.w_row, a.ws + (size_t)(r0 + m) * nb, &xq, &xd, &xs, &tail);
+                    y[m] = sums[m * 16 + t] + tail;
                 }
             }
         }
