@@ -2,9 +2,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
-#if defined(__x86_64__)
 #include <cpuid.h>
-#endif
 #ifdef __linux__
 #include <sys/syscall.h>
 #include <unistd.h>
