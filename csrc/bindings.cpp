@@ -45,12 +45,15 @@ namespace {
 
 using nb::dlpack::dtype_code;
 
-void check(bool ok, const std::string& msg) {
-    if (!ok) throw std::invalid_argument(msg);
-}
+// A failed check throws its message (one line on the Python side); the message is built only
+// then: built every time, a decode step's few hundred checks cost microseconds of string work.
+#define MOERUN_CHECK(ok, msg)                        \
+    do {                                             \
+        if (!(ok)) throw std::invalid_argument(msg); \
+    } while (0)
 
 void check_dtype(const Array& a, dtype_code code, int bits, const char* what) {
-    check(a.dtype().code == (uint8_t)code && a.dtype().bits == bits && a.dtype().lanes == 1,
+    MOERUN_CHECK(a.dtype().code == (uint8_t)code && a.dtype().bits == bits && a.dtype().lanes == 1,
           std::string(what) + ": wrong dtype");
 }
 
@@ -121,7 +124,7 @@ struct RowsIn {
 
 RowsIn rows_in(const Strided& t, std::vector<float>& buf, const char* what) {
     if (t.dtype() == nb::dtype<float>()) return {(const float*)t.data(), (long)t.stride(0), (long)t.stride(1)};
-    check(is_bf16(t), std::string(what) + ": wrong dtype");
+    MOERUN_CHECK(is_bf16(t), std::string(what) + ": wrong dtype");
     const size_t B = t.shape(0), T = t.shape(1);
     size_t inner = 1;
     for (size_t j = 2; j < t.ndim(); ++j) inner *= t.shape(j);
@@ -134,10 +137,10 @@ RowsIn rows_in(const Strided& t, std::vector<float>& buf, const char* what) {
 }
 
 void check_shape(const Array& a, const std::vector<size_t>& shape, const char* what) {
-    check(a.ndim() == shape.size(), std::string(what) + ": wrong number of dimensions");
+    MOERUN_CHECK(a.ndim() == shape.size(), std::string(what) + ": wrong number of dimensions");
     size_t i = 0;
     for (size_t s : shape) {
-        check(a.shape(i) == s, std::string(what) + ": dimension " + std::to_string(i) + " is " +
+        MOERUN_CHECK(a.shape(i) == s, std::string(what) + ": dimension " + std::to_string(i) + " is " +
                                    std::to_string(a.shape(i)) + ", expected " + std::to_string(s));
         ++i;
     }
@@ -145,22 +148,22 @@ void check_shape(const Array& a, const std::vector<size_t>& shape, const char* w
 
 // a [B, T, ...] tensor whose trailing dimensions are contiguous within each (row, token)
 void check_rows(const Strided& a, std::initializer_list<size_t> shape, const char* what) {
-    check(a.ndim() == shape.size(), std::string(what) + ": wrong number of dimensions");
+    MOERUN_CHECK(a.ndim() == shape.size(), std::string(what) + ": wrong number of dimensions");
     size_t i = 0, inner = 1;
     for (size_t s : shape) {
-        check(a.shape(i) == s, std::string(what) + ": dimension " + std::to_string(i) + " is " +
+        MOERUN_CHECK(a.shape(i) == s, std::string(what) + ": dimension " + std::to_string(i) + " is " +
                                    std::to_string(a.shape(i)) + ", expected " + std::to_string(s));
         ++i;
     }
     for (size_t j = a.ndim(); j-- > 2;) {
-        check(a.shape(j) <= 1 || a.stride(j) == (int64_t)inner,
+        MOERUN_CHECK(a.shape(j) <= 1 || a.stride(j) == (int64_t)inner,
               std::string(what) + ": must be contiguous within a token");
         inner *= a.shape(j);
     }
-    check(a.stride(0) >= 0 && a.stride(1) >= 0, std::string(what) + ": negative strides");
+    MOERUN_CHECK(a.stride(0) >= 0 && a.stride(1) >= 0, std::string(what) + ": negative strides");
 }
 
-void check_fmt(int fmt) { check(fmt == moerun::FMT_INT4 || fmt == moerun::FMT_INT8, "fmt must be 4 or 8"); }
+void check_fmt(int fmt) { MOERUN_CHECK(fmt == moerun::FMT_INT4 || fmt == moerun::FMT_INT8, "fmt must be 4 or 8"); }
 
 std::vector<size_t> with_last(std::vector<size_t> lead, size_t last) {
     lead.push_back(last);
@@ -169,7 +172,7 @@ std::vector<size_t> with_last(std::vector<size_t> lead, size_t last) {
 
 // quantized weights: uint8 (int4 packed) or int8, lead + [bytes per row]
 void check_qweight(const Array& w, int fmt, const std::vector<size_t>& lead, int nb, const char* what) {
-    check((w.dtype().code == (uint8_t)dtype_code::UInt || w.dtype().code == (uint8_t)dtype_code::Int) &&
+    MOERUN_CHECK((w.dtype().code == (uint8_t)dtype_code::UInt || w.dtype().code == (uint8_t)dtype_code::Int) &&
               w.dtype().bits == 8,
           std::string(what) + ": must be uint8 or int8");
     check_shape(w, with_last(lead, moerun::row_bytes(fmt, nb)), what);
@@ -183,7 +186,7 @@ void check_scales(const Array& s, const std::vector<size_t>& lead, int nb, const
 
 // unquantized weights in fmt 32 (float32) or 16 (bf16, as uint16)
 void check_float_weight(const Array& w, int fmt, const std::vector<size_t>& shape, const char* what) {
-    check(w.dtype() == (fmt == moerun::FMT_F32 ? nb::dtype<float>() : nb::dtype<uint16_t>()),
+    MOERUN_CHECK(w.dtype() == (fmt == moerun::FMT_F32 ? nb::dtype<float>() : nb::dtype<uint16_t>()),
           std::string(what) + ": must be float32 (fmt 32) or bf16 as uint16 (fmt 16)");
     check_shape(w, shape, what);
 }
@@ -191,9 +194,9 @@ void check_float_weight(const Array& w, int fmt, const std::vector<size_t>& shap
 void qlinear(Array x, Array w, Array scales, Array out, int fmt) {
     check_fmt(fmt);
     check_dtype(x, dtype_code::Float, 32, "x");
-    check(x.ndim() == 2, "x must be [M, K]");
+    MOERUN_CHECK(x.ndim() == 2, "x must be [M, K]");
     const size_t M = x.shape(0), K = x.shape(1);
-    check(w.ndim() == 2, "w must be [N, bytes per row]");
+    MOERUN_CHECK(w.ndim() == 2, "w must be [N, bytes per row]");
     const size_t N = w.shape(0);
     const int nb = moerun::blocks_of((int)K);
     check_qweight(w, fmt, {N}, nb, "w");
@@ -208,10 +211,10 @@ void qlinear(Array x, Array w, Array scales, Array out, int fmt) {
 
 // x [T, H] (float32 or bf16: ActIn) with each token's expert ids [T, K] int64 and weights [T, K] float32 -> (T, H, K)
 std::tuple<size_t, size_t, size_t> routed_tokens(const Array& x, const Array& ids, const Array& weights) {
-    check(x.ndim() == 2, "x must be [T, H]");
+    MOERUN_CHECK(x.ndim() == 2, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
     check_dtype(ids, dtype_code::Int, 64, "ids");
-    check(ids.ndim() == 2 && ids.shape(0) == T, "ids must be [T, K]");
+    MOERUN_CHECK(ids.ndim() == 2 && ids.shape(0) == T, "ids must be [T, K]");
     const size_t K = ids.shape(1);
     check_dtype(weights, dtype_code::Float, 32, "weights");
     check_shape(weights, {T, K}, "weights");
@@ -222,9 +225,9 @@ void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq
                  Array out, int fmt, int intermediate) {
     check_fmt(fmt);
     const auto [T, H, K] = routed_tokens(x, ids, weights);
-    check(gq.ndim() == 3, "gate must be [E, I, bytes per row]");
+    MOERUN_CHECK(gq.ndim() == 3, "gate must be [E, I, bytes per row]");
     const size_t E = gq.shape(0), I = (size_t)intermediate;
-    check(gq.shape(1) == I, "gate: dimension 1 must be the expert width");
+    MOERUN_CHECK(gq.shape(1) == I, "gate: dimension 1 must be the expert width");
     const int nbH = moerun::blocks_of((int)H), nbI = moerun::blocks_of((int)I);
     check_qweight(gq, fmt, {E, I}, nbH, "gate");
     check_qweight(uq, fmt, {E, I}, nbH, "up");
@@ -252,15 +255,15 @@ std::pair<std::vector<moerun::ExpertW>, size_t> expert_table(int fmt, size_t H, 
                                                              const std::vector<Array>& gs, const std::vector<Array>& up,
                                                              const std::vector<Array>& us, const std::vector<Array>& down,
                                                              const std::vector<Array>& ds) {
-    check(!gate.empty() && gate.size() == up.size() && gate.size() == down.size(),
+    MOERUN_CHECK(!gate.empty() && gate.size() == up.size() && gate.size() == down.size(),
           "gate, up, down: as many arrays each");
     const bool fl = moerun::is_float_fmt(fmt);
     if (!fl) check_fmt(fmt);
-    check(fl ? gs.empty() && us.empty() && ds.empty() : gs.size() == gate.size() && us.size() == gate.size() &&
+    MOERUN_CHECK(fl ? gs.empty() && us.empty() && ds.empty() : gs.size() == gate.size() && us.size() == gate.size() &&
                                                           ds.size() == gate.size(),
           "scales: one per weight array for int4 / int8 experts, none for float ones");
     const bool stacked = gate[0].ndim() == 3;
-    check((stacked && gate.size() == 1) || gate[0].ndim() == 2, "gate: one stack [E, I, row] or one [I, row] array per expert");
+    MOERUN_CHECK((stacked && gate.size() == 1) || gate[0].ndim() == 2, "gate: one stack [E, I, row] or one [I, row] array per expert");
     const size_t E = stacked ? gate[0].shape(0) : gate.size();
     const size_t I = gate[0].shape(stacked ? 1 : 0);
     const int nbH = moerun::blocks_of((int)H), nbI = moerun::blocks_of((int)I);
@@ -300,9 +303,9 @@ std::pair<std::vector<moerun::ExpertW>, size_t> expert_table(int fmt, size_t H, 
 void moe_experts_float(Array x, Array ids, Array weights, std::vector<Array> gate, std::vector<Array> up,
                        std::vector<Array> down, Array out) {
     const auto [T, H, K] = routed_tokens(x, ids, weights);
-    check(!gate.empty(), "gate: one stack [E, I, H] or one [I, H] array per expert");
+    MOERUN_CHECK(!gate.empty(), "gate: one stack [E, I, H] or one [I, H] array per expert");
     const bool bf16 = is_bf16(gate[0]);
-    check(bf16 || gate[0].dtype() == nb::dtype<float>(), "gate: must be float32 or bf16 (as uint16)");
+    MOERUN_CHECK(bf16 || gate[0].dtype() == nb::dtype<float>(), "gate: must be float32 or bf16 (as uint16)");
     const int fmt = bf16 ? moerun::FMT_BF16 : moerun::FMT_F32;
     const auto [ex, I] = expert_table(fmt, H, gate, {}, up, {}, down, {});
     check_shape(out, {T, H}, "out");
@@ -321,19 +324,19 @@ void moe_experts_float(Array x, Array ids, Array weights, std::vector<Array> gat
 void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::optional<Strided> k_scale,
                  std::optional<Strided> v_scale) {
     check_dtype(q, dtype_code::Float, 32, "q");
-    check(q.ndim() == 2, "q must be [Hq, D]");
+    MOERUN_CHECK(q.ndim() == 2, "q must be [Hq, D]");
     const size_t Hq = q.shape(0), D = q.shape(1);
     const bool i8 = k.dtype() == nb::dtype<int8_t>();
     // bf16 arrives as raw 16-bit words (numpy has no bf16): uint16
     const bool bf16 = is_bf16(k);
-    check(k.dtype() == v.dtype() && (i8 || bf16 || k.dtype() == nb::dtype<float>()),
+    MOERUN_CHECK(k.dtype() == v.dtype() && (i8 || bf16 || k.dtype() == nb::dtype<float>()),
           "k, v: must be both float32, both bf16 (as uint16) or both int8");
-    check(i8 == k_scale.has_value() && i8 == v_scale.has_value(), "int8 k, v need k_scale and v_scale (and only they)");
-    check(k.ndim() == 3 && v.ndim() == 3, "k, v must be [Hkv, S, D]");
+    MOERUN_CHECK(i8 == k_scale.has_value() && i8 == v_scale.has_value(), "int8 k, v need k_scale and v_scale (and only they)");
+    MOERUN_CHECK(k.ndim() == 3 && v.ndim() == 3, "k, v must be [Hkv, S, D]");
     const size_t Hkv = k.shape(0), S = k.shape(1), Dv = v.shape(2);
-    check(Hkv > 0 && S > 0 && Hq % Hkv == 0, "q heads must be a multiple of kv heads, S at least 1");
-    check(k.shape(2) == D && v.shape(0) == Hkv && v.shape(1) == S, "k, v: shapes do not match q");
-    check(k.stride(2) == 1 && v.stride(2) == 1, "k, v: last dimension must be contiguous");
+    MOERUN_CHECK(Hkv > 0 && S > 0 && Hq % Hkv == 0, "q heads must be a multiple of kv heads, S at least 1");
+    MOERUN_CHECK(k.shape(2) == D && v.shape(0) == Hkv && v.shape(1) == S, "k, v: shapes do not match q");
+    MOERUN_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k, v: last dimension must be contiguous");
     check_dtype(out, dtype_code::Float, 32, "out");
     check_shape(out, {Hq, Dv}, "out");
     const float *ks = nullptr, *vs = nullptr;
@@ -341,8 +344,8 @@ void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::opt
     if (i8) {
         int i = 0;
         for (Strided* sc : {&*k_scale, &*v_scale}) {
-            check(sc->dtype() == nb::dtype<float>(), "k_scale, v_scale: must be float32");
-            check(sc->ndim() == 3 && sc->shape(0) == Hkv && sc->shape(1) == S && sc->shape(2) == 1,
+            MOERUN_CHECK(sc->dtype() == nb::dtype<float>(), "k_scale, v_scale: must be float32");
+            MOERUN_CHECK(sc->ndim() == 3 && sc->shape(0) == Hkv && sc->shape(1) == S && sc->shape(2) == 1,
                   "k_scale, v_scale must be [Hkv, S, 1]");
             st[i++] = (long)sc->stride(0);
             st[i++] = (long)sc->stride(1);
@@ -361,12 +364,12 @@ void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::opt
 // x [M, D]; w [D], or [G, D] for row m to take w[m % G]; out [M, D]; float32 (x and out may be bf16: ActIn, ActOut)
 void rms_norm(Array x, Array w, Array out, float eps, float w_offset) {
     check_dtype(w, dtype_code::Float, 32, "w");
-    check(x.ndim() == 2, "x must be [M, D]");
+    MOERUN_CHECK(x.ndim() == 2, "x must be [M, D]");
     const size_t M = x.shape(0), D = x.shape(1);
-    check((w.ndim() == 1 || (w.ndim() == 2 && w.shape(0) > 0)) && w.shape(w.ndim() - 1) == D,
+    MOERUN_CHECK((w.ndim() == 1 || (w.ndim() == 2 && w.shape(0) > 0)) && w.shape(w.ndim() - 1) == D,
           "w must be [D] or [G, D]");
     const size_t G = w.ndim() == 2 ? w.shape(0) : 1;
-    check(M % G == 0, "w: the rows must be a multiple of G");
+    MOERUN_CHECK(M % G == 0, "w: the rows must be a multiple of G");
     check_shape(out, {M, D}, "out");
     ActIn xin(x, "x");
     ActOut o(out, "out");
@@ -380,12 +383,12 @@ void rms_norm(Array x, Array w, Array out, float eps, float w_offset) {
 void norm_rope_heads(Array x, Array w, Array cos, Array sin, Array out, float eps, float w_offset) {
     for (auto [a, name] : {std::pair{&x, "x"}, {&w, "w"}, {&cos, "cos"}, {&sin, "sin"}, {&out, "out"}})
         check_dtype(*a, dtype_code::Float, 32, name);
-    check(x.ndim() == 3, "x must be [T, H, D]");
+    MOERUN_CHECK(x.ndim() == 3, "x must be [T, H, D]");
     const size_t T = x.shape(0), H = x.shape(1), D = x.shape(2);
-    check(w.ndim() == 1 && (w.shape(0) == D || w.shape(0) == 0), "w must be [D] or empty");
-    check(cos.ndim() == 2 && cos.shape(0) == T, "cos must be [T, rd]");
+    MOERUN_CHECK(w.ndim() == 1 && (w.shape(0) == D || w.shape(0) == 0), "w must be [D] or empty");
+    MOERUN_CHECK(cos.ndim() == 2 && cos.shape(0) == T, "cos must be [T, rd]");
     const size_t rd = cos.shape(1);
-    check(rd % 2 == 0 && rd <= D, "the rotary width must be even and at most D");
+    MOERUN_CHECK(rd % 2 == 0 && rd <= D, "the rotary width must be even and at most D");
     check_shape(sin, {T, rd}, "sin");
     check_shape(out, {H, T, D}, "out");
     nb::gil_scoped_release release;
@@ -411,16 +414,16 @@ moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows,
 
 // x [M, K]; weights[p] [rows_p, bytes] with scales[p] [rows_p, nb] in fmts[p]; out [M, sum rows_p]
 void qlinear_multi(Array x, std::vector<Array> weights, std::vector<Array> scales, std::vector<int> fmts, Array out) {
-    check(x.ndim() == 2, "x must be [M, K]");
+    MOERUN_CHECK(x.ndim() == 2, "x must be [M, K]");
     const size_t M = x.shape(0), K = x.shape(1);
     const size_t P = weights.size();
-    check(P >= 1 && scales.size() == P && fmts.size() == P, "one scales tensor and one fmt per weight");
+    MOERUN_CHECK(P >= 1 && scales.size() == P && fmts.size() == P, "one scales tensor and one fmt per weight");
     const int nb = moerun::blocks_of((int)K);
     std::vector<moerun::QWeight> qw;
     std::vector<int> rows;
     size_t N = 0;
     for (size_t p = 0; p < P; ++p) {
-        check(weights[p].ndim() == 2, "weights must be [rows, bytes per row]");
+        MOERUN_CHECK(weights[p].ndim() == 2, "weights must be [rows, bytes per row]");
         rows.push_back((int)weights[p].shape(0));
         N += weights[p].shape(0);
         qw.push_back(qweight_of(weights[p], scales[p], fmts[p], weights[p].shape(0), K, "weight"));
@@ -436,13 +439,13 @@ void qlinear_multi(Array x, std::vector<Array> weights, std::vector<Array> scale
 
 // x [T, H]; router [E, H] float32; ids [T, K] int64 and weights [T, K] float32 are written
 void route_softmax_topk(Array x, Array router, Array ids, Array weights, bool renorm) {
-    check(x.ndim() == 2, "x must be [T, H]");
+    MOERUN_CHECK(x.ndim() == 2, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
     check_dtype(router, dtype_code::Float, 32, "router");
-    check(router.ndim() == 2 && router.shape(1) == H && router.shape(0) >= 1, "router must be [E, H]");
+    MOERUN_CHECK(router.ndim() == 2 && router.shape(1) == H && router.shape(0) >= 1, "router must be [E, H]");
     const size_t E = router.shape(0);
     check_dtype(ids, dtype_code::Int, 64, "ids");
-    check(ids.ndim() == 2 && ids.shape(0) == T && ids.shape(1) >= 1 && ids.shape(1) <= E,
+    MOERUN_CHECK(ids.ndim() == 2 && ids.shape(0) == T && ids.shape(1) >= 1 && ids.shape(1) <= E,
           "ids must be [T, K] with 1 <= K <= experts");
     const size_t K = ids.shape(1);
     check_dtype(weights, dtype_code::Float, 32, "weights");
@@ -457,15 +460,15 @@ void route_softmax_topk(Array x, Array router, Array ids, Array weights, bool re
 // x [M, H]; gate/up [I, bytes] + scales, down [H, bytes] + scales; out [M, H]; gate_vec [H] or empty
 void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf, Array dw, Array ds, int df, Array out,
                 Array gate_vec) {
-    check(x.ndim() == 2, "x must be [M, H]");
-    check(gw.ndim() == 2, "gate must be [I, bytes per row]");
+    MOERUN_CHECK(x.ndim() == 2, "x must be [M, H]");
+    MOERUN_CHECK(gw.ndim() == 2, "gate must be [I, bytes per row]");
     const size_t M = x.shape(0), H = x.shape(1), I = gw.shape(0);
     auto g = qweight_of(gw, gs, gf, I, H, "gate");
     auto u = qweight_of(uw, us, uf, I, H, "up");
     auto d = qweight_of(dw, ds, df, H, I, "down");
     check_shape(out, {M, H}, "out");
     check_dtype(gate_vec, dtype_code::Float, 32, "gate_vec");
-    check(gate_vec.ndim() == 1 && (gate_vec.shape(0) == 0 || gate_vec.shape(0) == H), "gate_vec must be [H] or empty");
+    MOERUN_CHECK(gate_vec.ndim() == 1 && (gate_vec.shape(0) == 0 || gate_vec.shape(0) == H), "gate_vec must be [H] or empty");
     ActIn xin(x, "x");
     ActOut o(out, "out");
     nb::gil_scoped_release release;
@@ -495,23 +498,23 @@ void moe_block_args(MoeCall& c, size_t T, size_t H, bool round_bf16, const Array
     check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
     check_shape(norm_w, {H}, "norm_w");
     check_dtype(router, dtype_code::Float, 32, "router");
-    check(router.ndim() == 2 && router.shape(1) == H && router.shape(0) >= 1, "router must be [E, H]");
+    MOERUN_CHECK(router.ndim() == 2 && router.shape(1) == H && router.shape(0) >= 1, "router must be [E, H]");
     const size_t E = router.shape(0);
-    check(K >= 1 && (size_t)K <= E, "K must be between 1 and the number of experts");
+    MOERUN_CHECK(K >= 1 && (size_t)K <= E, "K must be between 1 and the number of experts");
     auto [ex, I] = expert_table(efmt, H, gate, gs, up, us, down, ds);
-    check(ex.size() == E, "experts: as many as the router's rows");
-    check(shared.empty() || (shared.size() == 3 && shared_s.size() == 3 && shared_fmts.size() == 3),
+    MOERUN_CHECK(ex.size() == E, "experts: as many as the router's rows");
+    MOERUN_CHECK(shared.empty() || (shared.size() == 3 && shared_s.size() == 3 && shared_fmts.size() == 3),
           "shared: none, or gate, up, down with their scales and fmts");
     size_t Is = 0;
     if (!shared.empty()) {
-        check(shared[0].ndim() == 2, "shared gate must be [Is, row]");
+        MOERUN_CHECK(shared[0].ndim() == 2, "shared gate must be [Is, row]");
         Is = shared[0].shape(0);
         c.sw = {qweight_of(shared[0], shared_s[0], shared_fmts[0], Is, H, "shared gate"),
                 qweight_of(shared[1], shared_s[1], shared_fmts[1], Is, H, "shared up"),
                 qweight_of(shared[2], shared_s[2], shared_fmts[2], H, Is, "shared down")};
     }
     check_dtype(shared_gate, dtype_code::Float, 32, "shared_gate");
-    check(shared_gate.ndim() == 1 && (shared_gate.shape(0) == 0 || shared_gate.shape(0) == H),
+    MOERUN_CHECK(shared_gate.ndim() == 1 && (shared_gate.shape(0) == 0 || shared_gate.shape(0) == H),
           "shared_gate must be [H] or empty");
     c.ex = std::move(ex);
     moerun::MoeBlockArgs& a = c.a;
@@ -542,16 +545,16 @@ void moe_block_args(MoeCall& c, size_t T, size_t H, bool round_bf16, const Array
 // hooks); seen [E + 1] uint8, a route mask (an expert tracker's)
 void moe_observe(MoeCall& c, Array& h_out, Array& ids_out, Array& w_out, Array& seen) {
     if (seen.size() > 0) {
-        check(seen.dtype() == nb::dtype<uint8_t>(), "seen: must be uint8");
+        MOERUN_CHECK(seen.dtype() == nb::dtype<uint8_t>(), "seen: must be uint8");
         check_shape(seen, {(size_t)c.a.E + 1}, "seen");
         c.a.seen = (uint8_t*)seen.data();
     }
     const bool observed = h_out.size() > 0;
-    check(observed == (ids_out.size() > 0) && observed == (w_out.size() > 0), "h_out, ids_out, w_out: all or none");
+    MOERUN_CHECK(observed == (ids_out.size() > 0) && observed == (w_out.size() > 0), "h_out, ids_out, w_out: all or none");
     if (!observed) return;
     const bool bf16 = c.a.round_bf16;
     const size_t T = c.a.T, K = c.a.K;
-    check(is_bf16(h_out) == bf16 && is_bf16(w_out) == bf16, "h_out, w_out: x's dtype");
+    MOERUN_CHECK(is_bf16(h_out) == bf16 && is_bf16(w_out) == bf16, "h_out, w_out: x's dtype");
     check_shape(h_out, {T, (size_t)c.a.H}, "h_out");
     check_dtype(ids_out, dtype_code::Int, 64, "ids_out");
     check_shape(ids_out, {T, K}, "ids_out");
@@ -581,9 +584,9 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
                std::vector<Array> down, std::vector<Array> ds, std::vector<Array> shared, std::vector<Array> shared_s,
                std::vector<int> shared_fmts, Array shared_gate, Array out, Array h_out, Array ids_out, Array w_out,
                Array seen) {
-    check(x.ndim() == 2, "x must be [T, H]");
+    MOERUN_CHECK(x.ndim() == 2, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
-    check(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
+    MOERUN_CHECK(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
     MoeCall c;
     moe_block_args(c, T, H, is_bf16(out), norm_w, eps, norm_offset, router, K, renorm, efmt, gate, gs, up, us, down, ds,
                    shared, shared_s, shared_fmts, shared_gate);
@@ -611,13 +614,13 @@ moerun::AttnBlockArgs attn_block_args(size_t T, size_t H, Array qw, Array qs, in
                                       bool gated, const std::optional<Array>& in_norm, float in_offset, float in_eps,
                                       bool round_bf16) {
     const bool bf16 = is_bf16(kc);
-    check((bf16 || kc.dtype() == nb::dtype<float>()) && vc.dtype() == kc.dtype(),
+    MOERUN_CHECK((bf16 || kc.dtype() == nb::dtype<float>()) && vc.dtype() == kc.dtype(),
           "k, v cache: must be both float32 or both bf16 (as uint16)");
-    check(kc.ndim() == 3, "k cache must be [kv heads, max_len, D]");
+    MOERUN_CHECK(kc.ndim() == 3, "k cache must be [kv heads, max_len, D]");
     const size_t Hkv = kc.shape(0), L = kc.shape(1), D = kc.shape(2);
     check_shape(vc, {Hkv, L, D}, "v cache");
-    check(Hq > 0 && Hkv > 0 && Hq % Hkv == 0, "q heads must be a multiple of kv heads");
-    check(pos >= 0 && (size_t)pos + T <= L, "position outside the cache");
+    MOERUN_CHECK(Hq > 0 && Hkv > 0 && Hq % Hkv == 0, "q heads must be a multiple of kv heads");
+    MOERUN_CHECK(pos >= 0 && (size_t)pos + T <= L, "position outside the cache");
     moerun::AttnBlockArgs a{};
     a.q = qweight_of(qw, qs, qf, Hq * D * (gated ? 2 : 1), H, "q_proj");
     a.k = qweight_of(kw, ks, kf, Hkv * D, H, "k_proj");
@@ -625,14 +628,14 @@ moerun::AttnBlockArgs attn_block_args(size_t T, size_t H, Array qw, Array qs, in
     a.o = qweight_of(ow, os, of, H, Hq * D, "o_proj");
     for (const Array* n : {&qn, &kn}) {
         check_dtype(*n, dtype_code::Float, 32, "q/k norm");
-        check(n->ndim() == 1 && (n->shape(0) == 0 || n->shape(0) == D), "q/k norm weight must be [D] or empty");
+        MOERUN_CHECK(n->ndim() == 1 && (n->shape(0) == 0 || n->shape(0) == D), "q/k norm weight must be [D] or empty");
     }
     check_dtype(cos, dtype_code::Float, 32, "cos");
     check_dtype(sin, dtype_code::Float, 32, "sin");
-    check(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == T && sin.shape(0) == T && cos.shape(1) == sin.shape(1),
+    MOERUN_CHECK(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == T && sin.shape(0) == T && cos.shape(1) == sin.shape(1),
           "cos, sin must be [T, rd]");
     const size_t rd = cos.shape(1);
-    check(rd % 2 == 0 && rd <= D, "rotary dims must be even and at most the head dim");
+    MOERUN_CHECK(rd % 2 == 0 && rd <= D, "rotary dims must be even and at most the head dim");
     if (in_norm) {
         check_dtype(*in_norm, dtype_code::Float, 32, "in_norm");
         check_shape(*in_norm, {H}, "in_norm");
@@ -666,10 +669,10 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
                        Array ow, Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc,
                        Array vc, int pos, int Hq, float scale, Array out, bool gated,
                        std::optional<Array> in_norm, float in_offset, float in_eps) {
-    check(x.ndim() == 2 && x.shape(0) >= 1, "x must be [T, H]");
+    MOERUN_CHECK(x.ndim() == 2 && x.shape(0) >= 1, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
     check_shape(out, {T, H}, "out");
-    if (in_norm) check(is_bf16(x) == is_bf16(out), "with in_norm, x and out: both float32 or both bf16");
+    if (in_norm) MOERUN_CHECK(is_bf16(x) == is_bf16(out), "with in_norm, x and out: both float32 or both bf16");
     const moerun::AttnBlockArgs a = attn_block_args(T, H, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps,
                                                     cos, sin, kc, vc, pos, Hq, scale, gated, in_norm, in_offset, in_eps,
                                                     is_bf16(out));
@@ -700,19 +703,19 @@ void mtp_step(Array embed, Array tokens, Array hidden, Array pre_w, float pre_ep
               std::vector<int> shared_fmts, Array shared_gate, Array h_out, Array ids_out, Array w_out, Array seen,
               Array norm_w, float norm_eps, float norm_offset, Array hw, Array hs, int hf, Array h, Array logits) {
     const bool bf16 = is_bf16(h);
-    check(bf16 || h.dtype() == nb::dtype<float>(), "h: must be float32 or bf16 (as uint16)");
-    check(hidden.ndim() == 2 && hidden.shape(0) >= 1, "hidden must be [T, H]");
+    MOERUN_CHECK(bf16 || h.dtype() == nb::dtype<float>(), "h: must be float32 or bf16 (as uint16)");
+    MOERUN_CHECK(hidden.ndim() == 2 && hidden.shape(0) >= 1, "hidden must be [T, H]");
     const size_t T = hidden.shape(0), H = hidden.shape(1);
     for (const Array* t : {&embed, &hidden, &logits})
-        check(t->dtype() == h.dtype(), "embed, hidden, h, logits: all in the model's dtype");
-    check(embed.ndim() == 2 && embed.shape(1) == H, "embed must be [vocab, H]");
+        MOERUN_CHECK(t->dtype() == h.dtype(), "embed, hidden, h, logits: all in the model's dtype");
+    MOERUN_CHECK(embed.ndim() == 2 && embed.shape(1) == H, "embed must be [vocab, H]");
     check_dtype(tokens, dtype_code::Int, 64, "tokens");
     check_shape(tokens, {T}, "tokens");
     const int64_t* tok = (const int64_t*)tokens.data();
-    for (size_t t = 0; t < T; ++t) check(tok[t] >= 0 && (size_t)tok[t] < embed.shape(0), "tokens: outside the embedding");
+    for (size_t t = 0; t < T; ++t) MOERUN_CHECK(tok[t] >= 0 && (size_t)tok[t] < embed.shape(0), "tokens: outside the embedding");
     check_dtype(pre_w, dtype_code::Float, 32, "pre_w");
     check_shape(pre_w, {2, H}, "pre_w");
-    check(fcw.ndim() == 2, "fc must be [H, row]");
+    MOERUN_CHECK(fcw.ndim() == 2, "fc must be [H, row]");
     const moerun::QWeight fc = qweight_of(fcw, fcs, fcf, H, 2 * H, "fc");
     const moerun::AttnBlockArgs attn = attn_block_args(T, H, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps,
                                                        cos, sin, kc, vc, pos, Hq, scale, gated, in_norm, in_offset,
@@ -723,7 +726,7 @@ void mtp_step(Array embed, Array tokens, Array hidden, Array pre_w, float pre_ep
     moe_observe(c, h_out, ids_out, w_out, seen);
     check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
     check_shape(norm_w, {H}, "norm_w");
-    check(hw.ndim() == 2, "head must be [V, row]");
+    MOERUN_CHECK(hw.ndim() == 2, "head must be [V, row]");
     const size_t V = hw.shape(0);
     const moerun::QWeight head = qweight_of(hw, hs, hf, V, H, "head");
     check_shape(h, {1, H}, "h");
@@ -778,14 +781,14 @@ moerun::DeltaArgs delta_args(size_t B, size_t T, size_t C, const Array& conv_w, 
                              const Array& S, const std::optional<Array>& S_every, const Array& norm_w, float eps, int Hk) {
     for (const Array* t : {&conv_w, &conv, &A_log, &dt_bias, &S, &norm_w})
         check_dtype(*t, dtype_code::Float, 32, "deltanet tensors");
-    check(conv_every.has_value() == S_every.has_value(), "conv_every and S_every go together");
-    check(conv_w.ndim() == 2 && conv_w.shape(0) == C && conv_w.shape(1) >= 2, "conv_w must be [C, K], K >= 2");
+    MOERUN_CHECK(conv_every.has_value() == S_every.has_value(), "conv_every and S_every go together");
+    MOERUN_CHECK(conv_w.ndim() == 2 && conv_w.shape(0) == C && conv_w.shape(1) >= 2, "conv_w must be [C, K], K >= 2");
     const size_t K = conv_w.shape(1);
     check_shape(conv, {B, C, K - 1}, "conv");
-    check(S.ndim() == 4 && S.shape(0) == B, "S must be [B, Hv, Dk, Dv]");
+    MOERUN_CHECK(S.ndim() == 4 && S.shape(0) == B, "S must be [B, Hv, Dk, Dv]");
     const size_t Hv = S.shape(1), Dk = S.shape(2), Dv = S.shape(3);
-    check(Hk > 0 && Hv % (size_t)Hk == 0, "value heads must be a multiple of key heads");
-    check(C == 2 * (size_t)Hk * Dk + Hv * Dv, "qkv: C must be 2 * Hk * Dk + Hv * Dv");
+    MOERUN_CHECK(Hk > 0 && Hv % (size_t)Hk == 0, "value heads must be a multiple of key heads");
+    MOERUN_CHECK(C == 2 * (size_t)Hk * Dk + Hv * Dv, "qkv: C must be 2 * Hk * Dk + Hv * Dv");
     check_shape(A_log, {Hv}, "A_log");
     check_shape(dt_bias, {Hv}, "dt_bias");
     check_shape(norm_w, {Dv}, "norm_w");
@@ -824,8 +827,8 @@ void deltanet_decode(Strided qkv, Array conv_w, Array conv, std::optional<Array>
                      Strided b, Array A_log, Array dt_bias, Array S, std::optional<Array> S_every, Strided z,
                      Array norm_w, float eps, Array out, int Hk) {
     for (const Strided* t : {&qkv, &a, &b, &z})  // activations: float32, or a bf16 model's (uint16)
-        check(t->dtype() == nb::dtype<float>() || is_bf16(*t), "deltanet tensors: wrong dtype");
-    check(qkv.ndim() == 3, "qkv must be [B, T, C]");
+        MOERUN_CHECK(t->dtype() == nb::dtype<float>() || is_bf16(*t), "deltanet tensors: wrong dtype");
+    MOERUN_CHECK(qkv.ndim() == 3, "qkv must be [B, T, C]");
     const size_t B = qkv.shape(0), T = qkv.shape(1), C = qkv.shape(2);
     moerun::DeltaArgs d = delta_args(B, T, C, conv_w, conv, conv_every, A_log, dt_bias, S, S_every, norm_w, eps, Hk);
     const size_t Hv = d.Hv, Dv = d.Dv;
@@ -859,15 +862,15 @@ void deltanet_block(Array x, Array norm_w, float norm_offset, float norm_eps, st
                     std::vector<Array> proj_s, std::vector<int> proj_fmts, Array ow, Array os, int of, Array conv_w,
                     Array conv, std::optional<Array> conv_every, Array A_log, Array dt_bias, Array S,
                     std::optional<Array> S_every, Array gnorm_w, float eps, Array out, int Hk) {
-    check(x.ndim() == 3, "x must be [B, T, H]");
+    MOERUN_CHECK(x.ndim() == 3, "x must be [B, T, H]");
     const size_t B = x.shape(0), T = x.shape(1), H = x.shape(2);
-    check(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
+    MOERUN_CHECK(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
     check_shape(out, {B, T, H}, "out");
     check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
     check_shape(norm_w, {H}, "norm_w");
-    check(proj.size() == 4 && proj_s.size() == 4 && proj_fmts.size() == 4,
+    MOERUN_CHECK(proj.size() == 4 && proj_s.size() == 4 && proj_fmts.size() == 4,
           "proj: in_proj_qkv, in_proj_z, in_proj_a, in_proj_b with their scales and fmts");
-    check(proj[0].ndim() == 2, "in_proj_qkv must be [C, row]");
+    MOERUN_CHECK(proj[0].ndim() == 2, "in_proj_qkv must be [C, row]");
     const size_t C = proj[0].shape(0);
     moerun::DeltaBlockArgs a{};
     a.d = delta_args(B, T, C, conv_w, conv, conv_every, A_log, dt_bias, S, S_every, gnorm_w, eps, Hk);
@@ -905,7 +908,7 @@ void set_isa(const std::string& name) {
 }
 
 void set_threads(int n) {
-    check(n >= 1, "threads must be at least 1");
+    MOERUN_CHECK(n >= 1, "threads must be at least 1");
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
     moerun::set_threads(n);
