@@ -110,7 +110,8 @@ struct ActOut {
     void finish() {
         if (p == (float*)a.data()) return;
         uint16_t* d = (uint16_t*)a.data();
-        for (size_t i = 0; i < a.size(); ++i) d[i] = moerun::bf16_bits(p[i]);
+        const size_t n = a.size();  // (ndarray::size() multiplies the shape out at every call)
+        for (size_t i = 0; i < n; ++i) d[i] = moerun::bf16_bits(p[i]);
     }
 };
 
