@@ -582,3 +582,7 @@ def test_expert_tracker_counts_the_union_per_module():
         assert not any("routes_seen" in m.__dict__ for m in net)
     finally:
         tracker.close()
+    bare = ExpertTracker(torch.nn.Linear(4, 4))  # no experts at all: passes count nothing
+    bare.start_pass("verify")
+    bare.end_pass()
+    assert bare.pass_bytes == bare.token_bytes == 0 and bare.bytes == {"verify": 0, "draft": 0}
