@@ -1,6 +1,7 @@
 """Two builds of the native extension in one process, taking turns: kernel changes A/B.
 
     python benchmarks/native_ab.py --other /tmp/old/moerun/_native*.so [--threads 2] [--rounds 7]
+    python benchmarks/native_ab.py --other ... --model [PATH] [--tokens 1,3] [--dtype bfloat16]
 
 Loads this checkout's extension and another build of it (e.g. a worktree of an older commit
 built with cmake, see checkout.py) side by side, and times the same calls on both,
@@ -11,6 +12,12 @@ of Qwen3-30B-A3B's attention and LM-head shapes, and the routed experts of a dec
 of 128, int4, from memory: each call draws its own experts from 3 layers' worth, 1 GB, so
 that neither build finds in the caches what the other just read). Prints the median time of
 each and says whether both builds gave the same bits (on the same inputs, one more call each).
+
+With --model (a checkpoint directory; without PATH the bundled demo model) it times that
+model's own native calls instead: for each pass length T in --tokens (1: a decode step, more:
+a verification pass), the calls one pass of T tokens makes after a 40-token prefill, each op
+summed over its calls in the pass (deltanet_block, moe_block, ...), then whole passes, both
+builds alternating; and whether both builds give the pass the same logits, bit for bit.
 """
 
 from __future__ import annotations
@@ -44,12 +51,18 @@ def main(argv=None):
     ap.add_argument("--other", type=Path, required=True, help="the other build's _native*.so")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--model", nargs="?", const="", default=None,
+                    help="time this checkpoint's own calls (no PATH: the bundled demo model)")
+    ap.add_argument("--tokens", default="1,3", help="--model: pass lengths, comma-separated")
+    ap.add_argument("--dtype", default="auto", help="--model: as moerun.load takes it")
     a = ap.parse_args(argv)
     builds = {"this": kernels._native(), "other": load(a.other, "other")}
     if builds["this"] is None:
         raise SystemExit("this checkout's native extension is not built")
     for m in builds.values():
         m.set_threads(a.threads)
+    if a.model is not None:
+        return model_calls(a, builds)
     g = torch.Generator().manual_seed(0)
     jobs = []
     for S in (64, 512, 2048):
@@ -110,6 +123,104 @@ def main(argv=None):
         this, other = statistics.median(times["this"]), statistics.median(times["other"])
         same = np.array_equal(outs["this"], outs["other"])
         print(f"{name}: this {this:.1f}, other {other:.1f} ({this / other:.2f}x){'' if same else ', DIFFERENT bits'}")
+
+
+class Recorder:
+    """Stands in for the extension module: calls go to `nat`, and with `calls` set each call's
+    (name, args) is appended to it."""
+
+    def __init__(self, nat):
+        self.nat, self.calls = nat, None
+
+    def __getattr__(self, name):
+        f = getattr(self.nat, name)
+
+        def call(*args):
+            if self.calls is not None:
+                self.calls.append((name, args))
+            return f(*args)
+
+        return call
+
+
+def model_calls(a, builds) -> None:
+    """--model: a checkpoint's own native calls and passes, on both builds (module doc)."""
+    import moerun
+    from moerun.engine.cache import Cache
+
+    from moerun.errors import MoerunError
+
+    try:
+        llm = moerun.load(a.model or None, dtype=a.dtype, threads=a.threads)
+    except MoerunError as e:
+        raise SystemExit(f"error: {e}") from None
+    net = llm.net
+    prompt = list(range(5, 45))
+    text = [int(t) for t in torch.randint(300, net.lm_head.out_features, (64,), generator=torch.Generator().manual_seed(1))]
+
+    def fresh_cache():
+        cache = Cache(net.cache_spec(), 1, 256, llm.dtype, llm.kv_dtype)
+        net(torch.tensor([prompt]), cache, torch.tensor([0]), last_only=True)
+        return cache
+
+    def use(build):
+        """Calls go to `build` from now on; once the other build's workers, which spin for a
+        few milliseconds after their last job, have gone to sleep (they would hold a core)."""
+        kernels._state["native"] = build
+        time.sleep(2 * kernels.DECODE_SPIN_US * 1e-6)
+
+    for m in builds.values():  # a few-token pass's setting (kernels.split_threads), on both builds
+        m.set_spin_us(kernels.DECODE_SPIN_US)
+
+    print(f"{a.model or 'the demo model'} ({llm.dtype}), this build vs {a.other}, {a.threads} threads, "
+          f"median of {a.rounds} alternating rounds (us)")
+    with torch.inference_mode():
+        for T in (int(t) for t in a.tokens.split(",")):
+            ids = torch.tensor([text[:T]])
+            logits, passes = {}, {}
+            for b, m in builds.items():
+                use(m)
+                cache = fresh_cache()
+                logits[b] = net(ids, cache, torch.tensor([0]), last_only=T == 1)
+                rec = Recorder(m)
+                use(rec)
+                rec.calls = []
+                cache.lengths[0] = len(prompt)
+                net(ids, cache, torch.tensor([0]), last_only=T == 1)
+                passes[b] = (cache, rec.calls)
+            use(builds["this"])
+            names = sorted({name for name, _ in passes["this"][1] if not name.startswith(("set_", "get_"))})
+            for name in names:
+                times = {b: [] for b in builds}
+                for _ in range(a.rounds):
+                    for b, m in builds.items():
+                        calls = [args for n, args in passes[b][1] if n == name]
+                        f = getattr(m, name)
+                        use(m)
+                        f(*calls[0])  # wakes the pool
+                        t = time.perf_counter()
+                        for args in calls:
+                            f(*args)
+                        times[b].append((time.perf_counter() - t) * 1e6)
+                this, other = statistics.median(times["this"]), statistics.median(times["other"])
+                print(f"T={T} {name} ({len(calls)} calls a pass): this {this:.1f}, other {other:.1f} ({this / other:.2f}x)")
+            times = {b: [] for b in builds}
+            for _ in range(a.rounds):
+                for b, m in builds.items():
+                    use(m)
+                    cache = passes[b][0]
+                    best = float("inf")
+                    for _ in range(3):
+                        cache.lengths[0] = len(prompt)
+                        t = time.perf_counter()
+                        net(ids, cache, torch.tensor([0]), last_only=T == 1)
+                        best = min(best, time.perf_counter() - t)
+                    times[b].append(best * 1e6)
+            use(builds["this"])
+            this, other = statistics.median(times["this"]), statistics.median(times["other"])
+            same = torch.equal(logits["this"], logits["other"])
+            print(f"T={T} whole pass: this {this:.1f}, other {other:.1f} ({this / other:.2f}x)"
+                  f"{', same logits' if same else ', DIFFERENT logits'}")
 
 
 if __name__ == "__main__":

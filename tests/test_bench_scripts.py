@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).parents[1] / "benchmarks"
 
 
@@ -36,3 +38,23 @@ def test_gemm_benchmark_refuses_an_unknown_kernel_path():
     assert r.returncode == 1
     assert r.stdout.strip().splitlines() == [r.stdout.strip()]  # one line
     assert r.stdout.startswith("error: kernel path 'avx9000' is not available here") and "Traceback" not in r.stderr
+
+
+def test_native_ab_times_a_models_own_calls(tmp_path):
+    """--model against this very build: every fused op of the demo model's passes listed, and
+    both builds' logits the same; a checkpoint that is not there is one line and exit 1."""
+    from moerun import kernels
+
+    nat = kernels._native()
+    if nat is None:
+        pytest.skip("the native extension is not built")
+    cmd = [sys.executable, str(BENCH / "native_ab.py"), "--other", nat.__file__, "--rounds", "1"]
+    r = subprocess.run(cmd + ["--model", "--tokens", "1,2", "--dtype", "bfloat16"], capture_output=True, text=True,
+                       cwd=BENCH)
+    assert r.returncode == 0, r.stderr
+    for T in (1, 2):
+        assert f"T={T} deltanet_block (6 calls a pass)" in r.stdout and f"T={T} moe_block (8 calls a pass)" in r.stdout
+        assert any(line.startswith(f"T={T} whole pass") and line.endswith("same logits") for line in r.stdout.splitlines())
+    r = subprocess.run(cmd + ["--model", str(tmp_path / "nothing")], capture_output=True, text=True, cwd=BENCH)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
