@@ -54,7 +54,7 @@ using nb::dlpack::dtype_code;
 
 void check_dtype(const Array& a, dtype_code code, int bits, const char* what) {
     MOERUN_CHECK(a.dtype().code == (uint8_t)code && a.dtype().bits == bits && a.dtype().lanes == 1,
-          std::string(what) + ": wrong dtype");
+                 std::string(what) + ": wrong dtype");
 }
 
 // Activations in a bf16 model's dtype: an op's x and out may be bf16 (passed as their bits,
@@ -142,7 +142,7 @@ void check_shape(const Array& a, const std::vector<size_t>& shape, const char* w
     size_t i = 0;
     for (size_t s : shape) {
         MOERUN_CHECK(a.shape(i) == s, std::string(what) + ": dimension " + std::to_string(i) + " is " +
-                                   std::to_string(a.shape(i)) + ", expected " + std::to_string(s));
+                                          std::to_string(a.shape(i)) + ", expected " + std::to_string(s));
         ++i;
     }
 }
@@ -153,12 +153,12 @@ void check_rows(const Strided& a, std::initializer_list<size_t> shape, const cha
     size_t i = 0, inner = 1;
     for (size_t s : shape) {
         MOERUN_CHECK(a.shape(i) == s, std::string(what) + ": dimension " + std::to_string(i) + " is " +
-                                   std::to_string(a.shape(i)) + ", expected " + std::to_string(s));
+                                          std::to_string(a.shape(i)) + ", expected " + std::to_string(s));
         ++i;
     }
     for (size_t j = a.ndim(); j-- > 2;) {
         MOERUN_CHECK(a.shape(j) <= 1 || a.stride(j) == (int64_t)inner,
-              std::string(what) + ": must be contiguous within a token");
+                     std::string(what) + ": must be contiguous within a token");
         inner *= a.shape(j);
     }
     MOERUN_CHECK(a.stride(0) >= 0 && a.stride(1) >= 0, std::string(what) + ": negative strides");
@@ -174,8 +174,8 @@ std::vector<size_t> with_last(std::vector<size_t> lead, size_t last) {
 // quantized weights: uint8 (int4 packed) or int8, lead + [bytes per row]
 void check_qweight(const Array& w, int fmt, const std::vector<size_t>& lead, int nb, const char* what) {
     MOERUN_CHECK((w.dtype().code == (uint8_t)dtype_code::UInt || w.dtype().code == (uint8_t)dtype_code::Int) &&
-              w.dtype().bits == 8,
-          std::string(what) + ": must be uint8 or int8");
+                     w.dtype().bits == 8,
+                 std::string(what) + ": must be uint8 or int8");
     check_shape(w, with_last(lead, moerun::row_bytes(fmt, nb)), what);
 }
 
@@ -188,7 +188,7 @@ void check_scales(const Array& s, const std::vector<size_t>& lead, int nb, const
 // unquantized weights in fmt 32 (float32) or 16 (bf16, as uint16)
 void check_float_weight(const Array& w, int fmt, const std::vector<size_t>& shape, const char* what) {
     MOERUN_CHECK(w.dtype() == (fmt == moerun::FMT_F32 ? nb::dtype<float>() : nb::dtype<uint16_t>()),
-          std::string(what) + ": must be float32 (fmt 32) or bf16 as uint16 (fmt 16)");
+                 std::string(what) + ": must be float32 (fmt 32) or bf16 as uint16 (fmt 16)");
     check_shape(w, shape, what);
 }
 
@@ -257,14 +257,15 @@ std::pair<std::vector<moerun::ExpertW>, size_t> expert_table(int fmt, size_t H, 
                                                              const std::vector<Array>& us, const std::vector<Array>& down,
                                                              const std::vector<Array>& ds) {
     MOERUN_CHECK(!gate.empty() && gate.size() == up.size() && gate.size() == down.size(),
-          "gate, up, down: as many arrays each");
+                 "gate, up, down: as many arrays each");
     const bool fl = moerun::is_float_fmt(fmt);
     if (!fl) check_fmt(fmt);
     MOERUN_CHECK(fl ? gs.empty() && us.empty() && ds.empty() : gs.size() == gate.size() && us.size() == gate.size() &&
-                                                          ds.size() == gate.size(),
-          "scales: one per weight array for int4 / int8 experts, none for float ones");
+                                                                 ds.size() == gate.size(),
+                 "scales: one per weight array for int4 / int8 experts, none for float ones");
     const bool stacked = gate[0].ndim() == 3;
-    MOERUN_CHECK((stacked && gate.size() == 1) || gate[0].ndim() == 2, "gate: one stack [E, I, row] or one [I, row] array per expert");
+    MOERUN_CHECK((stacked && gate.size() == 1) || gate[0].ndim() == 2,
+                 "gate: one stack [E, I, row] or one [I, row] array per expert");
     const size_t E = stacked ? gate[0].shape(0) : gate.size();
     const size_t I = gate[0].shape(stacked ? 1 : 0);
     const int nbH = moerun::blocks_of((int)H), nbI = moerun::blocks_of((int)I);
@@ -331,8 +332,9 @@ void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::opt
     // bf16 arrives as raw 16-bit words (numpy has no bf16): uint16
     const bool bf16 = is_bf16(k);
     MOERUN_CHECK(k.dtype() == v.dtype() && (i8 || bf16 || k.dtype() == nb::dtype<float>()),
-          "k, v: must be both float32, both bf16 (as uint16) or both int8");
-    MOERUN_CHECK(i8 == k_scale.has_value() && i8 == v_scale.has_value(), "int8 k, v need k_scale and v_scale (and only they)");
+                 "k, v: must be both float32, both bf16 (as uint16) or both int8");
+    MOERUN_CHECK(i8 == k_scale.has_value() && i8 == v_scale.has_value(),
+                 "int8 k, v need k_scale and v_scale (and only they)");
     MOERUN_CHECK(k.ndim() == 3 && v.ndim() == 3, "k, v must be [Hkv, S, D]");
     const size_t Hkv = k.shape(0), S = k.shape(1), Dv = v.shape(2);
     MOERUN_CHECK(Hkv > 0 && S > 0 && Hq % Hkv == 0, "q heads must be a multiple of kv heads, S at least 1");
@@ -347,7 +349,7 @@ void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::opt
         for (Strided* sc : {&*k_scale, &*v_scale}) {
             MOERUN_CHECK(sc->dtype() == nb::dtype<float>(), "k_scale, v_scale: must be float32");
             MOERUN_CHECK(sc->ndim() == 3 && sc->shape(0) == Hkv && sc->shape(1) == S && sc->shape(2) == 1,
-                  "k_scale, v_scale must be [Hkv, S, 1]");
+                         "k_scale, v_scale must be [Hkv, S, 1]");
             st[i++] = (long)sc->stride(0);
             st[i++] = (long)sc->stride(1);
         }
@@ -368,7 +370,7 @@ void rms_norm(Array x, Array w, Array out, float eps, float w_offset) {
     MOERUN_CHECK(x.ndim() == 2, "x must be [M, D]");
     const size_t M = x.shape(0), D = x.shape(1);
     MOERUN_CHECK((w.ndim() == 1 || (w.ndim() == 2 && w.shape(0) > 0)) && w.shape(w.ndim() - 1) == D,
-          "w must be [D] or [G, D]");
+                 "w must be [D] or [G, D]");
     const size_t G = w.ndim() == 2 ? w.shape(0) : 1;
     MOERUN_CHECK(M % G == 0, "w: the rows must be a multiple of G");
     check_shape(out, {M, D}, "out");
@@ -447,7 +449,7 @@ void route_softmax_topk(Array x, Array router, Array ids, Array weights, bool re
     const size_t E = router.shape(0);
     check_dtype(ids, dtype_code::Int, 64, "ids");
     MOERUN_CHECK(ids.ndim() == 2 && ids.shape(0) == T && ids.shape(1) >= 1 && ids.shape(1) <= E,
-          "ids must be [T, K] with 1 <= K <= experts");
+                 "ids must be [T, K] with 1 <= K <= experts");
     const size_t K = ids.shape(1);
     check_dtype(weights, dtype_code::Float, 32, "weights");
     check_shape(weights, {T, K}, "weights");
@@ -469,7 +471,8 @@ void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf,
     auto d = qweight_of(dw, ds, df, H, I, "down");
     check_shape(out, {M, H}, "out");
     check_dtype(gate_vec, dtype_code::Float, 32, "gate_vec");
-    MOERUN_CHECK(gate_vec.ndim() == 1 && (gate_vec.shape(0) == 0 || gate_vec.shape(0) == H), "gate_vec must be [H] or empty");
+    MOERUN_CHECK(gate_vec.ndim() == 1 && (gate_vec.shape(0) == 0 || gate_vec.shape(0) == H),
+                 "gate_vec must be [H] or empty");
     ActIn xin(x, "x");
     ActOut o(out, "out");
     nb::gil_scoped_release release;
@@ -505,7 +508,7 @@ void moe_block_args(MoeCall& c, size_t T, size_t H, bool round_bf16, const Array
     auto [ex, I] = expert_table(efmt, H, gate, gs, up, us, down, ds);
     MOERUN_CHECK(ex.size() == E, "experts: as many as the router's rows");
     MOERUN_CHECK(shared.empty() || (shared.size() == 3 && shared_s.size() == 3 && shared_fmts.size() == 3),
-          "shared: none, or gate, up, down with their scales and fmts");
+                 "shared: none, or gate, up, down with their scales and fmts");
     size_t Is = 0;
     if (!shared.empty()) {
         MOERUN_CHECK(shared[0].ndim() == 2, "shared gate must be [Is, row]");
@@ -516,7 +519,7 @@ void moe_block_args(MoeCall& c, size_t T, size_t H, bool round_bf16, const Array
     }
     check_dtype(shared_gate, dtype_code::Float, 32, "shared_gate");
     MOERUN_CHECK(shared_gate.ndim() == 1 && (shared_gate.shape(0) == 0 || shared_gate.shape(0) == H),
-          "shared_gate must be [H] or empty");
+                 "shared_gate must be [H] or empty");
     c.ex = std::move(ex);
     moerun::MoeBlockArgs& a = c.a;
     a.T = (int)T;
@@ -551,7 +554,8 @@ void moe_observe(MoeCall& c, Array& h_out, Array& ids_out, Array& w_out, Array& 
         c.a.seen = (uint8_t*)seen.data();
     }
     const bool observed = h_out.size() > 0;
-    MOERUN_CHECK(observed == (ids_out.size() > 0) && observed == (w_out.size() > 0), "h_out, ids_out, w_out: all or none");
+    MOERUN_CHECK(observed == (ids_out.size() > 0) && observed == (w_out.size() > 0),
+                 "h_out, ids_out, w_out: all or none");
     if (!observed) return;
     const bool bf16 = c.a.round_bf16;
     const size_t T = c.a.T, K = c.a.K;
@@ -616,7 +620,7 @@ moerun::AttnBlockArgs attn_block_args(size_t T, size_t H, Array qw, Array qs, in
                                       bool round_bf16) {
     const bool bf16 = is_bf16(kc);
     MOERUN_CHECK((bf16 || kc.dtype() == nb::dtype<float>()) && vc.dtype() == kc.dtype(),
-          "k, v cache: must be both float32 or both bf16 (as uint16)");
+                 "k, v cache: must be both float32 or both bf16 (as uint16)");
     MOERUN_CHECK(kc.ndim() == 3, "k cache must be [kv heads, max_len, D]");
     const size_t Hkv = kc.shape(0), L = kc.shape(1), D = kc.shape(2);
     check_shape(vc, {Hkv, L, D}, "v cache");
@@ -633,8 +637,9 @@ moerun::AttnBlockArgs attn_block_args(size_t T, size_t H, Array qw, Array qs, in
     }
     check_dtype(cos, dtype_code::Float, 32, "cos");
     check_dtype(sin, dtype_code::Float, 32, "sin");
-    MOERUN_CHECK(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == T && sin.shape(0) == T && cos.shape(1) == sin.shape(1),
-          "cos, sin must be [T, rd]");
+    MOERUN_CHECK(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == T && sin.shape(0) == T &&
+                     cos.shape(1) == sin.shape(1),
+                 "cos, sin must be [T, rd]");
     const size_t rd = cos.shape(1);
     MOERUN_CHECK(rd % 2 == 0 && rd <= D, "rotary dims must be even and at most the head dim");
     if (in_norm) {
@@ -713,7 +718,8 @@ void mtp_step(Array embed, Array tokens, Array hidden, Array pre_w, float pre_ep
     check_dtype(tokens, dtype_code::Int, 64, "tokens");
     check_shape(tokens, {T}, "tokens");
     const int64_t* tok = (const int64_t*)tokens.data();
-    for (size_t t = 0; t < T; ++t) MOERUN_CHECK(tok[t] >= 0 && (size_t)tok[t] < embed.shape(0), "tokens: outside the embedding");
+    for (size_t t = 0; t < T; ++t) MOERUN_CHECK(tok[t] >= 0 && (size_t)tok[t] < embed.shape(0),
+                                                "tokens: outside the embedding");
     check_dtype(pre_w, dtype_code::Float, 32, "pre_w");
     check_shape(pre_w, {2, H}, "pre_w");
     MOERUN_CHECK(fcw.ndim() == 2, "fc must be [H, row]");
@@ -870,7 +876,7 @@ void deltanet_block(Array x, Array norm_w, float norm_offset, float norm_eps, st
     check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
     check_shape(norm_w, {H}, "norm_w");
     MOERUN_CHECK(proj.size() == 4 && proj_s.size() == 4 && proj_fmts.size() == 4,
-          "proj: in_proj_qkv, in_proj_z, in_proj_a, in_proj_b with their scales and fmts");
+                 "proj: in_proj_qkv, in_proj_z, in_proj_a, in_proj_b with their scales and fmts");
     MOERUN_CHECK(proj[0].ndim() == 2, "in_proj_qkv must be [C, row]");
     const size_t C = proj[0].shape(0);
     moerun::DeltaBlockArgs a{};
