@@ -147,7 +147,6 @@ def model_calls(a, builds) -> None:
     """--model: a checkpoint's own native calls and passes, on both builds (module doc)."""
     import moerun
     from moerun.engine.cache import Cache
-
     from moerun.errors import MoerunError
 
     try:
@@ -155,11 +154,13 @@ def model_calls(a, builds) -> None:
     except MoerunError as e:
         raise SystemExit(f"error: {e}") from None
     net = llm.net
-    prompt = list(range(5, 45))
-    text = [int(t) for t in torch.randint(300, net.lm_head.out_features, (64,), generator=torch.Generator().manual_seed(1))]
+    V = net.lm_head.out_features
+    lengths = [int(t) for t in a.tokens.split(",")]
+    prompt = [t % V for t in range(5, 45)]
+    text = torch.randint(0, V, (max(lengths),), generator=torch.Generator().manual_seed(1)).tolist()
 
     def fresh_cache():
-        cache = Cache(net.cache_spec(), 1, 256, llm.dtype, llm.kv_dtype)
+        cache = Cache(net.cache_spec(), 1, len(prompt) + max(lengths), llm.dtype, llm.kv_dtype)
         net(torch.tensor([prompt]), cache, torch.tensor([0]), last_only=True)
         return cache
 
@@ -175,7 +176,7 @@ def model_calls(a, builds) -> None:
     print(f"{a.model or 'the demo model'} ({llm.dtype}), this build vs {a.other}, {a.threads} threads, "
           f"median of {a.rounds} alternating rounds (us)")
     with torch.inference_mode():
-        for T in (int(t) for t in a.tokens.split(",")):
+        for T in lengths:
             ids = torch.tensor([text[:T]])
             logits, passes = {}, {}
             for b, m in builds.items():
