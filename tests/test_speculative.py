@@ -349,6 +349,36 @@ def test_deepseek_v3_greedy_identical(tmp_path, monkeypatch):
     assert llm.last_stats.acceptance_rate > 0.4
 
 
+def test_plain_steps_feed_the_head_before_its_pairs_outgrow_one_call(qwen, monkeypatch):
+    """A run of plain steps ("auto" choosing N=0) feeds the MTP head its pending pairs once they
+    reach FUSED_MAX_TOKENS, so no catch-up call is longer (the drafting step after the run
+    would carry one over all of them); the output stays plain greedy's."""
+    from moerun import kernels
+    from moerun.engine.speculative import DraftLength
+
+    class PlainThenTwo(DraftLength):  # 12 plain steps, then two drafts a step
+        def choose(self):
+            self.steps += 1
+            self.forced = True
+            return 0 if self.steps <= 12 else 2
+
+    sizes = []
+    original = SpeculativeDecoder._mtp
+
+    def _mtp(dec, hidden, tokens, slots):
+        sizes.append(tokens.shape[1])
+        return original(dec, hidden, tokens, slots)
+
+    monkeypatch.setattr(SpeculativeDecoder, "_mtp", _mtp)
+    prompts = random_prompts(3, 300, seed=3, max_len=4)  # catch-ups over a prompt fit one call too
+    plain = [Sequence(p, SamplingParams(max_tokens=24, temperature=0.0)) for p in prompts]
+    list(run(qwen.net, plain, set(), qwen.dtype))  # no EOS: every row runs all 24 steps
+    seqs = [Sequence(p, SamplingParams(max_tokens=24, temperature=0.0)) for p in prompts]
+    list(run_speculative(qwen.net, seqs, set(), qwen.dtype, draft_tokens="auto", chooser=PlainThenTwo()))
+    assert [s.out_ids for s in seqs] == [s.out_ids for s in plain]
+    assert max(sizes) == kernels.FUSED_MAX_TOKENS  # fed during the plain run, and never more at once
+
+
 def test_auto_draft_length_shrugs_off_a_preempted_step():
     """Step times are priced by the median of the last few: one step that a shared machine
     stalled for 10x its time does not move the choice (an average carried it for many steps)."""

@@ -601,24 +601,9 @@ class SpeculativeDecoder:
         their trunk cache lengths. n' is n, except with "auto" (not `forced`): drafting goes
         on while the chooser finds one more draft worth it (`DraftLength.more`), up to its
         max_n, from the rows' chances that every draft so far is accepted."""
-        mtp_cache = self.mtp_cache
         tracker.start_pass("draft")
         B = len(active)
-        # the first call feeds every pending (hidden, next token) pair; rows with as many pairs
-        # go together (all rows, in single-stream decoding)
-        counts = [pend_h[b].shape[0] for b in active]
-        groups: dict[int, list[int]] = {}
-        for i, (b, c) in enumerate(zip(active, counts)):
-            mtp_cache.lengths[b] = L[i] - c
-            groups.setdefault(c, []).append(i)
-        logits_now: list = [None] * B  # [V] per row
-        h_last: list = [None] * B  # [1, H] per row
-        for rows in groups.values():
-            hidden = torch.stack([pend_h[active[i]] for i in rows])
-            tokens = torch.tensor([pend_t[active[i]] for i in rows], dtype=torch.long)
-            logits, h = self._mtp(hidden, tokens, slots if len(rows) == B else slots[rows])
-            for j, i in enumerate(rows):
-                logits_now[i], h_last[i] = logits[j, -1], h[j, -1:]
+        logits_now, h_last = self._catch_up(active, slots, L, pend_h, pend_t)
         drafts = [[] for _ in active]
         qs = [[] for _ in active]
         confidences = [[] for _ in active]
@@ -657,6 +642,27 @@ class SpeculativeDecoder:
         tracker.end_pass()
         return drafts, qs, confidences
 
+    def _catch_up(self, active, slots, L, pend_h, pend_t) -> tuple[list, list]:
+        """Feed the head every pending (hidden, next token) pair of the rows, rows with as many
+        pairs together (all rows, in single-stream decoding): its KV cache then reaches the
+        trunk's lengths L. -> each row's logits [V] and normed hidden state [1, H] at its last
+        pair (what the first draft comes from)."""
+        B = len(active)
+        groups: dict[int, list[int]] = {}
+        for i, b in enumerate(active):
+            c = pend_h[b].shape[0]
+            self.mtp_cache.lengths[b] = L[i] - c
+            groups.setdefault(c, []).append(i)
+        logits_now: list = [None] * B
+        h_last: list = [None] * B
+        for rows in groups.values():
+            hidden = torch.stack([pend_h[active[i]] for i in rows])
+            tokens = torch.tensor([pend_t[active[i]] for i in rows], dtype=torch.long)
+            logits, h = self._mtp(hidden, tokens, slots if len(rows) == B else slots[rows])
+            for j, i in enumerate(rows):
+                logits_now[i], h_last[i] = logits[j, -1], h[j, -1:]
+        return logits_now, h_last
+
     def _step(self, seqs, active, pend_h, pend_t, eos_ids, stats, tracker, recurrent):
         net, cache = self.net, self.cache
         t0 = time.perf_counter()
@@ -666,12 +672,22 @@ class SpeculativeDecoder:
         n = self.chooser.choose() if self.chooser is not None else self.draft_tokens
         slots = torch.tensor(active)
         L = cache.lengths[slots].tolist()
+        first = [pend_t[b][-1] for b in active]  # t_L, the sampled token the trunk runs first
         if n > 0:
             drafts, qs, confidences = self._draft(seqs, active, slots, L, n, pend_h, pend_t, tracker)
             n = len(drafts[0])
         else:  # a plain step ("auto" only): the head catches up on the next drafting step
             drafts, qs, confidences = [[] for _ in active], [[] for _ in active], [[] for _ in active]
-        ids = torch.tensor([[pend_t[b][-1]] + drafts[i] for i, b in enumerate(active)], dtype=torch.long)
+            if max(pend_h[b].shape[0] for b in active) >= kernels.FUSED_MAX_TOKENS:
+                # ... or here, before a row's pairs outgrow one native call: a catch-up over
+                # more runs the head's modules one by one (~3x the time), and the drafting step
+                # after a run of plain ones would carry that, and look dearer than it is
+                tracker.start_pass("draft")
+                self._catch_up(active, slots, L, pend_h, pend_t)
+                tracker.end_pass()
+                for b in active:
+                    pend_h[b], pend_t[b] = pend_h[b][:0], []
+        ids = torch.tensor([[t] + drafts[i] for i, t in enumerate(first)], dtype=torch.long)
         for layer in recurrent:
             layer.positions.clear()
         tracker.start_pass("verify")
