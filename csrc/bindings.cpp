@@ -779,7 +779,7 @@ void mtp_step(Array embed, Array tokens, Array hidden, Array pre_w, float pre_ep
 }
 
 // A Gated DeltaNet layer's weights and states for B rows of T tokens of C conv channels, all
-// float32 and contiguous: conv_w [C, K]; conv [B, C, K-1]; A_log, dt_bias [Hv];
+// float32 and contiguous: conv_w [K, C] (the conv's weights transposed); conv [B, C, K-1]; A_log, dt_bias [Hv];
 // S [B, Hv, Dk, Dv]; norm_w [Dv]; with conv_every [B, T, C, K-1] and S_every [B, T, Hv, Dk,
 // Dv] (both or neither) every token's state goes there too. -> DeltaArgs with all but the
 // activations (qkv, a, b, z, out) filled.
@@ -789,8 +789,8 @@ moerun::DeltaArgs delta_args(size_t B, size_t T, size_t C, const Array& conv_w, 
     for (const Array* t : {&conv_w, &conv, &A_log, &dt_bias, &S, &norm_w})
         check_dtype(*t, dtype_code::Float, 32, "deltanet tensors");
     MOERUN_CHECK(conv_every.has_value() == S_every.has_value(), "conv_every and S_every go together");
-    MOERUN_CHECK(conv_w.ndim() == 2 && conv_w.shape(0) == C && conv_w.shape(1) >= 2, "conv_w must be [C, K], K >= 2");
-    const size_t K = conv_w.shape(1);
+    MOERUN_CHECK(conv_w.ndim() == 2 && conv_w.shape(1) == C && conv_w.shape(0) >= 2, "conv_w must be [K, C], K >= 2");
+    const size_t K = conv_w.shape(0);
     check_shape(conv, {B, C, K - 1}, "conv");
     MOERUN_CHECK(S.ndim() == 4 && S.shape(0) == B, "S must be [B, Hv, Dk, Dv]");
     const size_t Hv = S.shape(1), Dk = S.shape(2), Dv = S.shape(3);

@@ -26,7 +26,7 @@ inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); 
 struct DeltaWork {
     std::vector<float> y;      // [B, T, C] conv outputs; q and k heads L2-normalised in place (q scaled)
     std::vector<float> gates;  // each (row, head, token)'s decay and beta
-    std::vector<float> conv_ext, conv_wt;  // the conv's inputs position-major [K-1+T, C], its weights [K, C]
+    std::vector<float> conv_ext;  // the conv's inputs position-major [K-1+T, C]
     std::vector<float> h, proj, o;  // deltanet_block_decode's normed input, projections and DeltaNet output
 };
 DeltaWork& delta_work() {  // one op at a time (bindings hold a mutex)
@@ -45,16 +45,12 @@ void deltanet_decode(const DeltaArgs& a) {
 
     // (1) conv: window [state, x_t] . w, then SiLU; the state keeps the last K-1 inputs. Per
     // row, the channels' inputs are laid out position-major (`ext`: the K-1 states, then the T
-    // tokens' inputs) with the weights transposed to [K, C], so that every loop runs over
+    // tokens' inputs), and the weights come transposed ([K, C]), so that every loop runs over
     // contiguous channels (vectorized); each output's sum is the same ordered sum over the
     // window as channel by channel (which took ~10 us a layer for a 3-token pass of the demo
     // model, most of it moving the window and its copies).
     std::vector<float>& ext = work->conv_ext;
-    std::vector<float>& wt = work->conv_wt;
     ext.resize((size_t)(Km + T) * C);
-    wt.resize((size_t)K * C);
-    for (int c = 0; c < C; ++c)
-        for (int j = 0; j < K; ++j) wt[(size_t)j * C + c] = a.conv_w[(size_t)c * K + j];
     for (int b = 0; b < B; ++b) {
         float* st = a.conv + (size_t)b * C * Km;  // [C, Km]
         for (int c = 0; c < C; ++c)
@@ -67,7 +63,7 @@ void deltanet_decode(const DeltaArgs& a) {
             for (int c = 0; c < C; ++c) yt[c] = 0.f;
             for (int j = 0; j < K; ++j) {
                 const float* __restrict e = ext.data() + (size_t)(t + j) * C;
-                const float* __restrict w = wt.data() + (size_t)j * C;
+                const float* __restrict w = a.conv_w + (size_t)j * C;
                 for (int c = 0; c < C; ++c) yt[c] += e[c] * w[c];
             }
             for (int c = 0; c < C; ++c) yt[c] = silu(yt[c]);

@@ -198,7 +198,7 @@ struct DeltaArgs {
     int B, T, C, K, Hk, Hv, Dk, Dv;
     const float* qkv;              // [B, T, C]: in_proj_qkv outputs before the conv (q | k | v)
     long qkv_sb, qkv_st;
-    const float* conv_w;           // [C, K]
+    const float* conv_w;           // [K, C]: the conv's weights transposed
     float* conv;                   // [B, C, K - 1]: the last K - 1 inputs of each channel
     float* conv_every;             // [B, T, C, K - 1] or nullptr
     const float *a, *b;            // [B, T, Hv]: in_proj_a and in_proj_b outputs

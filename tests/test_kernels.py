@@ -733,7 +733,9 @@ def test_deltanet_decode_falls_back_and_refuses_bad_arguments():
 
     def call(**over):
         a = {**inp, **over}
-        nat.deltanet_decode(n(a["qkv"]), n(a["conv_w"].reshape(a["conv_w"].shape[0], -1)), n(a["conv"]),
+        cw = a["conv_w"].reshape(a["conv_w"].shape[0], -1)
+        cw = cw if over.get("untransposed") else cw.t().contiguous()  # the native conv reads [K, C]
+        nat.deltanet_decode(n(a["qkv"]), n(cw), n(a["conv"]),
                             over.get("conv_every"), n(a["a"]), n(a["b"]), n(a["A_log"]), n(a["dt_bias"]), n(a["S"]),
                             over.get("S_every"), n(a["z"]), n(a["norm_w"]), 1e-6, n(over.get("out", out)),
                             over.get("hk", 2))
@@ -743,6 +745,8 @@ def test_deltanet_decode_falls_back_and_refuses_bad_arguments():
         call(qkv=torch.zeros(1, 2, 70), conv_w=torch.zeros(70, 1, 4), conv=torch.zeros(1, 70, 3))
     with pytest.raises(ValueError, match="multiple of key heads"):
         call(hk=3)
+    with pytest.raises(ValueError, match=r"conv_w must be \[K, C\]"):
+        call(untransposed=True)
     with pytest.raises(ValueError, match="go together"):
         call(conv_every=n(torch.zeros(1, 2, inp["qkv"].shape[-1], 3)))
     with pytest.raises(ValueError, match="wrong dtype"):

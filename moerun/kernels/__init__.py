@@ -773,9 +773,11 @@ def _every_states(B: int, T: int, conv, S, every: bool, every_out: tuple | None)
 
 
 def deltanet_weight_views(conv_w, A_log, dt_bias, norm_w) -> tuple:
-    """Numpy views of a Gated DeltaNet layer's float32 copies of conv_w [C, K], A_log, dt_bias,
-    norm_w, as `deltanet_decode` passes them (keep them with `native_views`)."""
-    return tuple(_np(_f32(t)) for t in (conv_w.reshape(conv_w.shape[0], -1), A_log, dt_bias, norm_w))
+    """Numpy views of a Gated DeltaNet layer's float32 copies of conv_w (transposed to [K, C],
+    as the native conv reads it), A_log, dt_bias, norm_w, as `deltanet_decode` passes them
+    (keep them with `native_views`: the transpose is then made once per layer)."""
+    conv_t = conv_w.detach().reshape(conv_w.shape[0], -1).t().float().contiguous()
+    return (_np(conv_t), *(_np(_f32(t)) for t in (A_log, dt_bias, norm_w)))
 
 
 def deltanet_decode_is_native(qkv, conv, S) -> bool:
