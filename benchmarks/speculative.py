@@ -94,8 +94,9 @@ def run_one(llm, prompt: str, gen_tokens: int, draft, prefetch: bool = True, cho
 
 def pass_times(llm, max_tokens: int = 4, repeats: int = 50, draft_vocabs=(None,)) -> dict:
     """Median wall time (ms) of a trunk pass of T = 1..max_tokens tokens after a prompt (a
-    decode step, then verification passes) and of one MTP head call on one token: what a
-    speculative step is made of."""
+    decode step, then verification passes) and of one MTP head call on one token (through a
+    `Drafter` where the model makes one, as single-stream decoding does): what a speculative
+    step is made of."""
     from moerun.engine.cache import Cache, RecurrentState
 
     net = llm.net
@@ -116,13 +117,19 @@ def pass_times(llm, max_tokens: int = 4, repeats: int = 50, draft_vocabs=(None,)
             cache.lengths[0] = n0
             net(ids[:, :T], cache, slots, return_hidden=True)
 
-        def mtp(head):
-            mtp_cache.lengths[0] = n0
-            net.mtp_logits(hidden[:, -1:], ids[:, :1], mtp_cache, slots, return_hidden=True, head=head)
+        def mtp(head):  # as a single-stream run calls the head: through its drafter, where it has one
+            drafter = drafters.get(head)
+            if drafter is None or drafter.run(hidden[:, -1:], ids[:, :1], n0) is None:
+                mtp_cache.lengths[0] = n0
+                net.mtp_logits(hidden[:, -1:], ids[:, :1], mtp_cache, slots, return_hidden=True, head=head)
+
+        drafters = {}
 
         jobs = {f"trunk_{T}_ms": (lambda T=T: trunk(T)) for T in range(1, max_tokens + 1)}
         for dv in draft_vocabs:
             head = None if dv is None else draft_head(net.lm_head, dv)
+            if hasattr(net, "mtp_drafter"):
+                drafters[head] = net.mtp_drafter(mtp_cache, 0, head)
             jobs["mtp_call_ms" if dv is None else f"mtp_call_v{dv}_ms"] = lambda head=head: mtp(head)
         for i in range(repeats + 1):  # interleaved, so that a drifting machine load falls on all alike
             for key, f in jobs.items():

@@ -169,3 +169,68 @@ def test_mtp_step_refuses_bad_arguments(mtp_path, monkeypatch):
     bad(27, 10**6, "position outside the cache")
     bad(len(args) - 2, np.zeros((2, H), dtype=np.float32), "h")
     bad(len(args) - 1, np.zeros((1, 7), dtype=np.float32), "logits")
+
+
+def test_drafter_gives_the_calls_of_mtp_logits(mtp_path):
+    """A `Drafter` made once for a slot (`mtp_drafter`) gives each call of a run what
+    `mtp_logits` gives it, bit for bit, and leaves the same keys and values; more tokens than
+    one native call takes are refused (None), for the caller to run the modules."""
+    net = moerun.load(mtp_path, dtype="bfloat16", threads=2).net
+    H, V = net.args.hidden_size, net.args.vocab_size
+    dtype = net.model.embed_tokens.weight.dtype
+    g = torch.Generator().manual_seed(5)
+    caches = [Cache(net.mtp_cache_spec(), 2, 24, dtype) for _ in range(2)]
+    with torch.inference_mode():
+        drafter = net.mtp_drafter(caches[0], 1)
+        assert drafter is not None
+        pos = 0
+        for T in (3, 1, 1, 2, 1):
+            hidden = torch.randn(1, T, H, generator=g).to(dtype)
+            tokens = torch.randint(0, V, (1, T), generator=g)
+            got = drafter.run(hidden, tokens, pos)
+            want = net.mtp_logits(hidden, tokens, caches[1], torch.tensor([1]), return_hidden=True, last_only=True)
+            assert_same(list(got), list(want))
+            pos += T
+        assert int(caches[1].lengths[1]) == pos
+        assert_same([caches[0].layers[0].k, caches[0].layers[0].v], [caches[1].layers[0].k, caches[1].layers[0].v])
+        too_many = kernels.FUSED_MAX_TOKENS + 1
+        assert drafter.run(torch.zeros(1, too_many, H, dtype=dtype), torch.zeros(1, too_many, dtype=torch.long),
+                           pos) is None
+
+
+def test_a_single_stream_run_drafts_through_one_drafter(mtp_path):
+    """Speculative decoding of one row makes its drafter once and calls it for the head's
+    steps (a batch of rows calls `mtp_logits`); the output is plain greedy's."""
+    from moerun.engine.generate import Sequence, run
+    from moerun.engine.sampling import SamplingParams
+    from moerun.engine.speculative import SpeculativeDecoder
+    from moerun.layers.mtp import Drafter
+
+    model = moerun.load(mtp_path, dtype="bfloat16", threads=2)
+    net = model.net
+    calls = []
+    real = Drafter.run
+
+    def counted(self, *a):
+        calls.append(r := real(self, *a))
+        return r
+
+    def seqs(n):
+        return [Sequence([5 + i, 9, 17, 3], SamplingParams(max_tokens=12, temperature=0.0)) for i in range(n)]
+
+    for rows in (1, 2):
+        plain = seqs(rows)
+        for _ in run(net, plain, set(), model.dtype):
+            pass
+        spec = seqs(rows)
+        dec = SpeculativeDecoder(net, model.dtype, draft_tokens=2)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(Drafter, "run", counted)
+            for _ in dec.run(spec, set()):
+                pass
+        assert [s.out_ids for s in spec] == [s.out_ids for s in plain]
+        if rows == 1:
+            assert dec.drafter is not None and sum(r is not None for r in calls) >= 2 * 5
+        else:
+            assert dec.drafter is None and not calls
+        calls.clear()

@@ -523,13 +523,21 @@ class SpeculativeDecoder:
             self.chooser = chooser if chooser is not None else new_draft_length(net, expert_cost)
         self.cache: Cache | None = None
         self.mtp_cache: Cache | None = None
+        self.drafter = None  # a run's MTP calls made ready once (`mtp_drafter`), for one row
 
     # -- the MTP head ----------------------------------------------------------
     def _mtp(self, hidden, tokens, slots):
         """-> (the last position's logits [B, 1, V] and the head's final normed hidden state
         [B, 1, H]): drafting reads only the last; a catch-up call over T pending pairs caches
         every pair's keys and values but runs the layer's MoE and the LM head on the last
-        position alone (they would read the experts of T tokens, and the head once per 4)."""
+        position alone (they would read the experts of T tokens, and the head once per 4).
+        One row (single-stream decoding) goes through the run's `drafter` when it takes the call."""
+        if self.drafter is not None:
+            pos = int(self._mtp_len[0])
+            got = self.drafter.run(hidden, tokens, pos)
+            if got is not None:
+                self._mtp_len[0] = pos + hidden.shape[1]
+                return got
         return self.net.mtp_logits(hidden, tokens, self.mtp_cache, slots, return_hidden=True, head=self.draft_head,
                                    last_only=True)
 
@@ -556,6 +564,11 @@ class SpeculativeDecoder:
         self.pend_t = pend_t = [[] for _ in range(B)]
         try:
             with torch.inference_mode():
+                # one row: the head's calls on its slot made ready once for the run (the checks
+                # and arguments `mtp_logits` makes again at every call)
+                mtp_drafter = getattr(net, "mtp_drafter", None)
+                self.drafter = mtp_drafter(self.mtp_cache, 0, self.draft_head) if B == 1 and mtp_drafter else None
+                self._mtp_len = self.mtp_cache.lengths.numpy()
                 t0 = time.perf_counter()
                 last = [None] * B
                 by_length: dict[int, list[int]] = {}

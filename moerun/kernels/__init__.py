@@ -596,19 +596,27 @@ class MtpStep:
             self._rope = (table, tuple(_np(t) for t in table))
         return tuple(t[pos : pos + T] for t in self._rope[1])
 
-    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, attn: tuple, attn_norm: tuple, rope: tuple,
-            kv_slot: tuple, pos: int, moe: tuple, observe: bool = False, seen=None) -> tuple:
+    def bind(self, attn: tuple, attn_norm: tuple, kv_slot: tuple, moe: tuple, seen=None) -> tuple:
+        """What `run` passes on besides its tokens, hidden states, rope rows and position, for
+        calls on one cache slot: attn: `attn_plan`; attn_norm: `half_norm_args`; kv_slot:
+        `_cache_slot`; moe: `moe_block_args`; seen: the experts' route mask or None. Made once
+        for a run of calls (`layers.mtp.Drafter`): the same for each of them."""
+        weights, heads_scale, gated = attn
+        return ((*self.pre, *weights), kv_slot, (*heads_scale, gated, *attn_norm, *moe),
+                _EMPTY_U8_NP if seen is None else seen, moe[4])
+
+    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: tuple, pos: int, bound: tuple,
+            observe: bool = False) -> tuple:
         """tokens [T] (int64), hidden [T, H] (the model's dtype) -> (logits [1, V], h [1, H] of
         the last token, and with `observe` the MoE half's (h, ids, weights) for the experts'
-        hooks, else None). attn: `attn_plan`; attn_norm: `half_norm_args`; rope: `rope_rows`;
-        kv_slot: `_cache_slot`; moe: `moe_block_args`; seen: the experts' route mask or None."""
+        hooks, else None). rope: `rope_rows`; bound: `bind`'s."""
         nat = _native()
         _sync_threads(nat)
-        weights, heads_scale, gated = attn
-        observed, obs = _moe_observed(1, self.H, moe[4], self.dtype) if observe else (None, _NOT_OBSERVED)
+        pre, kv_slot, mid, seen, k = bound
+        observed, obs = _moe_observed(1, self.H, k, self.dtype) if observe else (None, _NOT_OBSERVED)
         h, logits = torch.empty(1, self.H, dtype=self.dtype), torch.empty(1, self.V, dtype=self.dtype)
-        nat.mtp_step(self.embed, _np(tokens), _np(hidden), *self.pre, *weights, *rope, *kv_slot, pos, *heads_scale, gated,
-                     *attn_norm, *moe, *obs, _EMPTY_U8_NP if seen is None else seen, *self.post, _np(h), _np(logits))
+        nat.mtp_step(self.embed, _np(tokens), _np(hidden), *pre, *rope, *kv_slot, pos, *mid, *obs, seen, *self.post,
+                     _np(h), _np(logits))
         return logits, h, observed
 
 

@@ -37,7 +37,7 @@ from ..layers.attention import attend, attn_residual
 from ..layers.deltanet import FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, split_heads
 from ..layers.linear import native_call_views, packed_views, project
 from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
-from ..layers.mtp import MtpParts, native_step
+from ..layers.mtp import MtpParts, native_step, prepare as prepare_drafter
 from ..layers.norm import RMSNorm, rms_norm_cat
 from ..layers.rope import Rope, norm_rope
 
@@ -388,6 +388,21 @@ class Model(nn.Module):
         logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
         return (logits, hidden) if return_hidden else logits
 
+    def _mtp_parts(self, head=None) -> MtpParts:
+        mtp, layer = self.mtp, self.mtp.layers[0]
+        return MtpParts(self.model.embed_tokens, (mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden), mtp.fc, layer,
+                        layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp, mtp.norm,
+                        head or self.lm_head)
+
+    def mtp_drafter(self, cache, slot: int, head=None):
+        """The head's calls on one slot of `cache` (a `Cache(model.mtp_cache_spec(), ...)`) made
+        ready once for a speculative decoding run (`layers.mtp.Drafter`): its `run(hidden,
+        tokens, pos)` gives what `mtp_logits(..., return_hidden=True, last_only=True)` gives
+        one row, without moving the cache's length; None where they would not run natively."""
+        if not self.has_mtp or len(self.mtp.layers) != 1:
+            return None
+        return prepare_drafter(self.mtp, self._mtp_parts(head), cache.layers[0], slot, self.model.rope)
+
     def mtp_logits(self, hidden, next_token_ids, cache=None, slots=None, *, return_hidden=False, head=None,
                    last_only=False):
         """MTP head: hidden [B, T, H] (final normed states at positions p..p+T-1) and
@@ -407,11 +422,8 @@ class Model(nn.Module):
         slots, pos0 = self._positions(B, cache, slots)
         mtp, m = self.mtp, self.model
         if B == 1 and (T == 1 or last_only) and cache is not None and len(mtp.layers) == 1:  # a draft step: one native call
-            layer = mtp.layers[0]
-            parts = MtpParts(m.embed_tokens, (mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden), mtp.fc, layer,
-                             layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp,
-                             mtp.norm, head or self.lm_head)
-            got = native_step(mtp, parts, hidden, next_token_ids, cache.layers[0], int(slots[0]), int(pos0[0]), m.rope)
+            got = native_step(mtp, self._mtp_parts(head), hidden, next_token_ids, cache.layers[0], int(slots[0]),
+                              int(pos0[0]), m.rope)
             if got is not None:
                 cache.advance(slots, T)
                 return got if return_hidden else got[0]
