@@ -7,6 +7,7 @@ import time
 import torch
 
 from ..engine.cache import Cache, kv_cache_summary
+from ..engine.generate import run_plans
 from ..errors import MoerunError
 
 
@@ -30,13 +31,14 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, sp
         net(warm_ids[:, 4:], warm, last_only=True)
 
         cache = Cache(net.cache_spec(), 1, prompt_tokens + gen_tokens, llm.dtype, llm.kv_dtype)
+        plans = run_plans(net)  # as a generation run makes them
         t0 = time.perf_counter()
-        logits = net(prompt, cache, last_only=True)
+        logits = net(prompt, cache, last_only=True, **plans)
         prefill_s = time.perf_counter() - t0
         tok = logits[:, -1].argmax(-1, keepdim=True)
         t0 = time.perf_counter()
         for _ in range(gen_tokens):
-            tok = net(tok, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+            tok = net(tok, cache, last_only=True, **plans)[:, -1].argmax(-1, keepdim=True)
         decode_s = time.perf_counter() - t0
     return {
         "model": str(llm.path),

@@ -101,6 +101,13 @@ class Sequence:
         return piece
 
 
+def run_plans(net) -> dict:
+    """Keyword arguments for the forwards of one generation run: a new `plans` dict where the
+    model takes one (`takes_plans`: its layer halves' checks made once a run,
+    `kernels.run_plan`), else none."""
+    return {"plans": {}} if getattr(net, "takes_plans", False) else {}
+
+
 def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats: GenerationStats | None = None,
         after_sample=None, kv_dtype: torch.dtype | None = None) -> Iterator[tuple[int, str]]:
     """Generate for every sequence; yields (row, text piece) as tokens are accepted.
@@ -115,11 +122,12 @@ def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats:
     cache = Cache(net.cache_spec(), B, max_len, dtype, kv_dtype)
     last = [None] * B
     hid = [None] * B
+    plans = run_plans(net)
 
     def forward(ids, slots):
         if after_sample is None:
-            return net(ids, cache, slots, last_only=True)[:, -1], None
-        logits, hidden = net(ids, cache, slots, last_only=True, return_hidden=True)
+            return net(ids, cache, slots, last_only=True, **plans)[:, -1], None
+        logits, hidden = net(ids, cache, slots, last_only=True, return_hidden=True, **plans)
         return logits[:, -1], hidden[:, -1:]
     with torch.inference_mode():
         t0 = time.perf_counter()

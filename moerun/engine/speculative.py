@@ -96,7 +96,7 @@ from .. import kernels
 from ..errors import MoerunError
 from ..layers.moe import Experts
 from .cache import Cache, RecurrentState
-from .generate import GenerationStats, Sequence
+from .generate import GenerationStats, Sequence, run_plans
 from .sampling import SamplingParams, apply_repetition_penalty, filter_logits, greedy_token, sample
 
 # B batch (active rows), N draft tokens, T tokens per pass, H hidden, V vocab
@@ -524,6 +524,7 @@ class SpeculativeDecoder:
         self.cache: Cache | None = None
         self.mtp_cache: Cache | None = None
         self.drafter = None  # a run's MTP calls made ready once (`mtp_drafter`), for one row
+        self.plans: dict = {}  # the trunk forwards' keyword arguments for a run (`generate.run_plans`)
 
     # -- the MTP head ----------------------------------------------------------
     def _mtp(self, hidden, tokens, slots):
@@ -568,6 +569,7 @@ class SpeculativeDecoder:
                 # and arguments `mtp_logits` makes again at every call)
                 mtp_drafter = getattr(net, "mtp_drafter", None)
                 self.drafter = mtp_drafter(self.mtp_cache, 0, self.draft_head) if B == 1 and mtp_drafter else None
+                self.plans = run_plans(net)  # the trunk's layer checks, made once for the run
                 self._mtp_len = self.mtp_cache.lengths.numpy()
                 t0 = time.perf_counter()
                 last = [None] * B
@@ -577,7 +579,8 @@ class SpeculativeDecoder:
                     stats.prompt_tokens += len(s.prompt_ids)
                 for rows in by_length.values():  # prompts of one length prefill together
                     ids = torch.tensor([seqs[b].prompt_ids for b in rows], dtype=torch.long)
-                    logits, hidden = net(ids, cache, torch.tensor(rows), last_only=True, return_hidden=True)
+                    logits, hidden = net(ids, cache, torch.tensor(rows), last_only=True, return_hidden=True,
+                                         **self.plans)
                     for j, b in enumerate(rows):
                         last[b], pend_h[b], pend_t[b] = logits[j, -1], hidden[j], list(seqs[b].prompt_ids[1:])
                 stats.prefill_s += time.perf_counter() - t0
@@ -705,7 +708,7 @@ class SpeculativeDecoder:
             layer.positions.clear()
         tracker.start_pass("verify")
         try:
-            logits, hidden = net(ids, cache, slots, return_hidden=True)  # [B, n+1, V], [B, n+1, H]
+            logits, hidden = net(ids, cache, slots, return_hidden=True, **self.plans)  # [B, n+1, V], [B, n+1, H]
         finally:
             tracker.end_pass()
         stats.draft_hist[n] = stats.draft_hist.get(n, 0) + 1

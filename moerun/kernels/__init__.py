@@ -302,6 +302,25 @@ def module_plan(owner: torch.nn.Module, modules: tuple, key, make):
     return value
 
 
+_UNSET = object()
+
+
+def run_plan(plans: dict | None, owner: torch.nn.Module, key, make):
+    """`make()`; with a run's `plans` (a dict a decode loop keeps for one generation run and
+    hands each forward: `Model.forward(..., plans=)`), its first result for (owner, key),
+    kept there. What a layer half checks and gathers before its native call (hooks, dtypes,
+    `module_plan`'s stamps, views) then costs a dict lookup from the second step of a run on,
+    where it cost ~30% of a demo model decode step. A run must not add hooks to its modules
+    or replace their weights while it runs; the next run, with a new dict, sees them."""
+    if plans is None:
+        return make()
+    k = (owner, key)
+    got = plans.get(k, _UNSET)
+    if got is _UNSET:
+        got = plans[k] = make()
+    return got
+
+
 _module_mod = torch.nn.modules.module  # where torch keeps the global forward hooks
 
 
@@ -868,15 +887,19 @@ def fused_attention_applies(x: torch.Tensor, kv) -> bool:
             and _native() is not None and not torch.is_grad_enabled())
 
 
-def _fused_forward(self, x, cos_sin, kv, slots, pos0, norm=None):
+def _fused_forward(self, x, cos_sin, kv, slots, pos0, norm=None, plan=None):
     """The fused attention's forward; with `norm` (`layers.attention.attn_residual`, which
-    checks that it may), x + this attention of norm(x) in the same call."""
-    if not fused_attention_applies(x, kv):
-        return self._unfused_forward(x, cos_sin, kv, slots, pos0)
+    checks that it may), x + this attention of norm(x) in the same call. `plan`: the call's
+    (`attn_plan`, `half_norm_args` of norm or ()) where the caller has them (a run's, with
+    the checks made: `run_plan`)."""
+    if plan is None:
+        if not fused_attention_applies(x, kv):
+            return self._unfused_forward(x, cos_sin, kv, slots, pos0)
+        plan = (attn_plan(self), () if norm is None else half_norm_args(norm))
     B, T, H = x.shape
     s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
-    return attn_block_run(x.reshape(T, H), attn_plan(self), _rope_rows(cos_sin, T), _cache_slot(kv, s), p,
-                          () if norm is None else half_norm_args(norm)).view(1, T, H).to(x.dtype)
+    return attn_block_run(x.reshape(T, H), plan[0], _rope_rows(cos_sin, T), _cache_slot(kv, s), p,
+                          plan[1]).view(1, T, H).to(x.dtype)
 
 
 def attn_plan(attn) -> tuple:

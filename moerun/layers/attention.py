@@ -78,15 +78,21 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.reshape(1, Hq, 1, v.shape[-1]).to(q.dtype)
 
 
-def attn_residual(x, norm, attn, cos_sin, kv, slots, pos0) -> torch.Tensor:
+def attn_residual(x, norm, attn, cos_sin, kv, slots, pos0, plans=None) -> torch.Tensor:
     """x + attn(norm(x), cos_sin, kv, slots, pos0): a decoder layer's first half. Where the
     attention's decode passes are fused (`kernels.fuse_decode_attention`) and this pass is
     one of them (`kernels.fused_attention_applies`), the norm and the residual add join the
     same native call: bit-identical to the modules one by one, which run otherwise (and
-    whenever the norm or the attention has hooks)."""
-    if attn_half_fuses(x, norm, attn, kv):
-        return attn.forward(x, cos_sin, kv, slots, pos0, norm=norm)
+    whenever the norm or the attention has hooks). `plans`: a run's (`kernels.run_plan`)."""
+    plan = kernels.run_plan(plans, attn, (x.shape, x.dtype, kv), lambda: _half_plan(x, norm, attn, kv))
+    if plan is not None:
+        return attn.forward(x, cos_sin, kv, slots, pos0, norm=norm, plan=plan)
     return x + attn(norm(x), cos_sin, kv, slots, pos0)
+
+
+def _half_plan(x, norm, attn, kv) -> tuple | None:
+    """The fused call's weights and norm (`kernels._fused_forward`'s plan) where the half fuses."""
+    return (kernels.attn_plan(attn), kernels.half_norm_args(norm)) if attn_half_fuses(x, norm, attn, kv) else None
 
 
 def attn_half_fuses(x, norm, attn, kv) -> bool:

@@ -128,7 +128,7 @@ def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tupl
     return weights.to(h.dtype), ids
 
 
-def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> torch.Tensor:
+def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module, plans: dict | None = None) -> torch.Tensor:
     """x + block(norm(x)): a decoder layer's MLP half. For a decode-sized x through a softmax
     top-k MoE block (`gate`: the router, `top_k`, `norm_topk_prob`, `experts`, and maybe a
     shared expert with its gate, `shared_expert` and `shared_expert_gate`) whose parts all
@@ -136,8 +136,9 @@ def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> torch.Te
     bit-identical to the modules one by one, which run otherwise (`moe_fusable`). Forward
     pre-hooks on the experts (predictors, profilers) are then called after it with the
     arguments the experts would have had; one that returns new arguments cannot be honoured
-    there and raises. A route mask on the experts (`layers.routes`) is marked natively."""
-    plan = moe_fusable(x, norm, block)
+    there and raises. A route mask on the experts (`layers.routes`) is marked natively.
+    `plans`: a run's (`kernels.run_plan`)."""
+    plan = kernels.run_plan(plans, block, (x.shape, x.dtype), lambda: moe_fusable(x, norm, block))
     if plan is None:
         return x + block(norm(x))
     experts, args = plan

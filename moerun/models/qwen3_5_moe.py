@@ -202,15 +202,15 @@ class GatedDeltaNet(nn.Module):
         o = gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(B, T, -1))
 
-    def residual(self, x, norm, state, slots):
+    def residual(self, x, norm, state, slots, plans=None):
         """x + self(norm(x), state, slots): the decoder layer's first half. A few-token pass
         runs as one native call (`kernels.deltanet_block`) where every part can (`_fusable`),
-        bit-identical to the modules one by one."""
+        bit-identical to the modules one by one. `plans`: a run's (`kernels.run_plan`)."""
         if state is not None and x.shape[1] <= FEW and not kernels.has_hooks(self):
-            return self._few_tokens(x, state, slots, norm)
+            return self._few_tokens(x, state, slots, norm, plans)
         return x + self(norm(x), state, slots)
 
-    def _few_tokens(self, x, state, slots, norm=None):
+    def _few_tokens(self, x, state, slots, norm=None, plans=None):
         """Token after token (kernels.deltanet_decode); a pass of several tokens keeps every
         token's state, so that a rejected speculative draft can be rolled back. With `norm`
         (`residual`): x + the layer's output on norm(x)."""
@@ -220,8 +220,11 @@ class GatedDeltaNet(nn.Module):
         bufs = None
         if every:
             bufs = (state.scratch("conv", (B, T, *conv.shape[1:])), state.scratch("recurrent", (B, T, *rec.shape[1:])))
-        views = kernels.native_views(self, DELTA_WEIGHTS, kernels.deltanet_weight_views)
-        fused = self._fusable(x, norm, conv, rec) if norm is not None else None
+        views = kernels.run_plan(plans, self, DELTA_WEIGHTS,
+                                 lambda: kernels.native_views(self, DELTA_WEIGHTS, kernels.deltanet_weight_views))
+        fused = None
+        if norm is not None:
+            fused = kernels.run_plan(plans, self, (x.shape, x.dtype), lambda: self._fusable(x, norm, conv, rec))
         if fused is not None:
             proj, out_proj, norm_args = fused
             y, conv_all, rec_all = kernels.deltanet_block(x, norm_args, proj, out_proj, conv, rec, views, self.norm.eps,
@@ -292,16 +295,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, zero_centered=True)
 
-    def forward(self, x, cos_sin, state, slots, pos0, last_only=False):
+    def forward(self, x, cos_sin, state, slots, pos0, last_only=False, plans=None):
         """last_only: only the last position goes on through the MoE ([B, 1, H] out): every
-        position's state is cached by then, and an MTP catch-up wants no more."""
+        position's state is cached by then, and an MTP catch-up wants no more. plans: a run's
+        (`kernels.run_plan`)."""
         if self.layer_type == "linear_attention":
-            x = self.linear_attn.residual(x, self.input_layernorm, state, slots)  # x + linear_attn(norm(x))
-        else:
-            x = attn_residual(x, self.input_layernorm, self.self_attn, cos_sin, state, slots, pos0)  # x + attn(norm(x))
+            x = self.linear_attn.residual(x, self.input_layernorm, state, slots, plans)  # x + linear_attn(norm(x))
+        else:  # x + attn(norm(x))
+            x = attn_residual(x, self.input_layernorm, self.self_attn, cos_sin, state, slots, pos0, plans)
         if last_only:
             x = x[:, -1:]
-        return moe_residual(x, self.post_attention_layernorm, self.mlp)  # x + mlp(norm(x))
+        return moe_residual(x, self.post_attention_layernorm, self.mlp, plans)  # x + mlp(norm(x))
 
 
 class Qwen3_5MoeTextModel(nn.Module):
@@ -329,6 +333,7 @@ class MultiTokenPredictor(nn.Module):
 class Model(nn.Module):
     tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
     checkpoint_renames = [(r"^model\.language_model\.", "model.")]
+    takes_plans = True  # forward(..., plans=): a run's layer checks made once (`kernels.run_plan`)
     # a config may claim an MTP head (real configs carry mtp_num_hidden_layers: 1) while the
     # checkpoint was stripped of it: with none of the mtp.* tensors the model loads without the
     # head (has_mtp False); with only some of them the loader names the missing one
@@ -373,15 +378,16 @@ class Model(nn.Module):
         slots = torch.arange(B) if slots is None else slots
         return slots, cache.start_positions(slots)
 
-    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False):
-        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final normed hidden state [B, T, H])."""
+    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False, plans=None):
+        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final normed hidden state [B,
+        T, H]). plans: a dict a decode loop keeps for one run (`kernels.run_plan`)."""
         B, T = input_ids.shape
         slots, pos0 = self._positions(B, cache, slots)
         m = self.model
         x = m.embed_tokens(input_ids)
         cos_sin = m.rope.span(pos0, T, x.dtype)
         for i, layer in enumerate(m.layers):
-            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
+            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0, plans=plans)
         if cache is not None:
             cache.advance(slots, T)
         hidden = m.norm(x)

@@ -109,9 +109,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, cos_sin, kv, slots, pos0):
-        x = attn_residual(x, self.input_layernorm, self.self_attn, cos_sin, kv, slots, pos0)  # x + attn(norm(x))
-        return moe_residual(x, self.post_attention_layernorm, self.mlp)  # x + mlp(norm(x))
+    def forward(self, x, cos_sin, kv, slots, pos0, plans=None):
+        """plans: a run's (`kernels.run_plan`)."""
+        x = attn_residual(x, self.input_layernorm, self.self_attn, cos_sin, kv, slots, pos0, plans)  # x + attn(norm(x))
+        return moe_residual(x, self.post_attention_layernorm, self.mlp, plans)  # x + mlp(norm(x))
 
 
 class Qwen3MoeModel(nn.Module):
@@ -124,6 +125,7 @@ class Qwen3MoeModel(nn.Module):
 
 
 class Model(nn.Module):
+    takes_plans = True  # forward(..., plans=): a run's layer checks made once (`kernels.run_plan`)
     tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, args: ModelArgs):
@@ -136,8 +138,9 @@ class Model(nn.Module):
         a = self.args
         return [KVSpec(a.num_key_value_heads, a.head_dim, a.head_dim)] * a.num_hidden_layers
 
-    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False):
-        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final hidden state [B, T, H])."""
+    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False, plans=None):
+        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final hidden state [B, T, H]).
+        plans: a dict a decode loop keeps for one run (`kernels.run_plan`)."""
         B, T = input_ids.shape
         if cache is not None:
             slots = torch.arange(B) if slots is None else slots
@@ -148,7 +151,7 @@ class Model(nn.Module):
         x = m.embed_tokens(input_ids)
         cos_sin = m.rope.span(pos0, T, x.dtype)
         for i, layer in enumerate(m.layers):
-            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
+            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0, plans=plans)
         if cache is not None:
             cache.advance(slots, T)
         hidden = m.norm(x)
