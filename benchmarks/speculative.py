@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 import moerun
-from moerun.engine.generate import Sequence
+from moerun.engine.generate import Sequence, run_plans
 from moerun.engine.llm import DEMO_MODEL
 from moerun.engine.speculative import SpeculativeStats, draft_head, new_draft_length, run_speculative, store_figures
 
@@ -113,9 +113,11 @@ def pass_times(llm, max_tokens: int = 4, repeats: int = 50, draft_vocabs=(None,)
         _, hidden = net(ids, cache, slots, last_only=True, return_hidden=True)
         n0 = int(cache.lengths[0])
 
+        plans = run_plans(net)  # as a run makes its passes
+
         def trunk(T):  # the recurrent state moves on each time; its cost does not depend on it
             cache.lengths[0] = n0
-            net(ids[:, :T], cache, slots, return_hidden=True)
+            net(ids[:, :T], cache, slots, return_hidden=True, **plans)
 
         def mtp(head):  # as a single-stream run calls the head: through its drafter, where it has one
             drafter = drafters.get(head)

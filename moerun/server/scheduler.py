@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.cache import Cache
-from ..engine.generate import Sequence
+from ..engine.generate import Sequence, run_plans
 from ..engine.sampling import SamplingParams, sample
 from ..errors import MoerunError
 
@@ -108,6 +108,9 @@ class Scheduler:
         # the speculative loop keeps its own caches, sized per request
         self.cache = (None if speculative is not None
                       else Cache(self.net.cache_spec(), max_concurrency, self.max_len, llm.dtype, llm.kv_dtype))
+        # the layers' checks, made once per pass shape for the server's life (`generate.run_plans`):
+        # nothing adds hooks to a served model or replaces its weights
+        self.plans = run_plans(self.net)
         self.free = list(range(max_concurrency - 1, -1, -1))  # pop() hands out slot 0 first
         self.live: list[Request] = []  # decoding
         self.prefilling: collections.deque[Request] = collections.deque()  # holding a slot, prompt partly in
@@ -216,7 +219,7 @@ class Scheduler:
             try:
                 t0 = time.perf_counter()
                 ids = torch.tensor([req.prompt_ids[req.prefilled : req.prefilled + n]], dtype=torch.long)  # [1, n]
-                logits = self.net(ids, self.cache, torch.tensor([req.slot]), last_only=True)[0, -1]  # [V]
+                logits = self.net(ids, self.cache, torch.tensor([req.slot]), last_only=True, **self.plans)[0, -1]
                 if self.metrics is not None:
                     self.metrics.prefill(n, time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
@@ -287,7 +290,7 @@ class Scheduler:
         slots = torch.tensor([r.slot for r in batch])
         ids = torch.tensor([[r.next_token] for r in batch], dtype=torch.long)  # [B, 1]
         try:
-            logits = self.net(ids, self.cache, slots, last_only=True)[:, -1]  # [B, V]
+            logits = self.net(ids, self.cache, slots, last_only=True, **self.plans)[:, -1]  # [B, V]
         except Exception as e:  # noqa: BLE001
             for req in batch:
                 self._finish(req, error=f"decode failed: {e}")
