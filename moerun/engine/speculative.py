@@ -524,6 +524,7 @@ class SpeculativeDecoder:
         self.cache: Cache | None = None
         self.mtp_cache: Cache | None = None
         self.drafter = None  # a run's MTP calls made ready once (`mtp_drafter`), for one row
+        self._mtp_len = None  # the head's cache lengths (a numpy view): where the drafter's calls go
         self.plans: dict = {}  # the trunk forwards' keyword arguments for a run (`generate.run_plans`)
 
     # -- the MTP head ----------------------------------------------------------
