@@ -895,11 +895,17 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0, norm=None, plan=None):
     if plan is None:
         if not fused_attention_applies(x, kv):
             return self._unfused_forward(x, cos_sin, kv, slots, pos0)
-        plan = (attn_plan(self), () if norm is None else half_norm_args(norm))
+        plan = fused_call_plan(self, norm)
     B, T, H = x.shape
     s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
     return attn_block_run(x.reshape(T, H), plan[0], _rope_rows(cos_sin, T), _cache_slot(kv, s), p,
                           plan[1]).view(1, T, H).to(x.dtype)
+
+
+def fused_call_plan(attn, norm=None) -> tuple:
+    """What a fused attention's call takes from its modules (`_fused_forward`'s `plan`): its
+    `attn_plan`, and its input norm's `half_norm_args` when the call is a layer half (else ())."""
+    return attn_plan(attn), () if norm is None else half_norm_args(norm)
 
 
 def attn_plan(attn) -> tuple:

@@ -91,8 +91,8 @@ def attn_residual(x, norm, attn, cos_sin, kv, slots, pos0, plans=None) -> torch.
 
 
 def _half_plan(x, norm, attn, kv) -> tuple | None:
-    """The fused call's weights and norm (`kernels._fused_forward`'s plan) where the half fuses."""
-    return (kernels.attn_plan(attn), kernels.half_norm_args(norm)) if attn_half_fuses(x, norm, attn, kv) else None
+    """The fused call's `kernels.fused_call_plan` where the half fuses, else None."""
+    return kernels.fused_call_plan(attn, norm) if attn_half_fuses(x, norm, attn, kv) else None
 
 
 def attn_half_fuses(x, norm, attn, kv) -> bool:
