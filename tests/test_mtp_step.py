@@ -203,13 +203,13 @@ def test_a_single_stream_run_drafts_through_one_drafter(mtp_path):
     steps (a batch of rows calls `mtp_logits`); the output is plain greedy's."""
     from moerun.engine.generate import Sequence, run
     from moerun.engine.sampling import SamplingParams
-    from moerun.engine.speculative import SpeculativeDecoder
+    from moerun.engine.speculative import SpeculativeDecoder, SpeculativeStats
     from moerun.layers.mtp import Drafter
 
     model = moerun.load(mtp_path, dtype="bfloat16", threads=2)
     net = model.net
-    calls = []
-    real = Drafter.run
+    calls, module_calls = [], []
+    real, real_logits = Drafter.run, net.mtp_logits
 
     def counted(self, *a):
         calls.append(r := real(self, *a))
@@ -224,13 +224,20 @@ def test_a_single_stream_run_drafts_through_one_drafter(mtp_path):
             pass
         spec = seqs(rows)
         dec = SpeculativeDecoder(net, model.dtype, draft_tokens=2)
+        stats = SpeculativeStats()
         with pytest.MonkeyPatch.context() as m:
             m.setattr(Drafter, "run", counted)
-            for _ in dec.run(spec, set()):
+            m.setattr(net, "mtp_logits", lambda *a, **k: module_calls.append(1) or real_logits(*a, **k))
+            for _ in dec.run(spec, set(), stats):
                 pass
         assert [s.out_ids for s in spec] == [s.out_ids for s in plain]
+        # two head calls a step (the catch-up and one chained draft), each through the drafter
+        # for one row (the prompt's 4 pairs fit one call), through mtp_logits for two
+        assert stats.verify_steps >= 4
         if rows == 1:
-            assert dec.drafter is not None and sum(r is not None for r in calls) >= 2 * 5
+            assert dec.drafter is not None and not module_calls
+            assert len(calls) == 2 * stats.verify_steps and all(r is not None for r in calls)
         else:
-            assert dec.drafter is None and not calls
+            assert dec.drafter is None and not calls and len(module_calls) == 2 * stats.verify_steps
         calls.clear()
+        module_calls.clear()
