@@ -28,6 +28,7 @@
 #define MOERUN_ACC8(acc, u, x) MOERUN_DPBUSD(acc, u, x)
 #define MOERUN_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 #define MOERUN_DPBUSD _mm256_dpbusd_epi32
+#define MOERUN_VECTOR_REGS 32
 
 namespace moerun {
 namespace amx {

@@ -19,12 +19,14 @@ namespace moerun {
 namespace avx512vnni {
 #define MOERUN_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define MOERUN_DPBUSD _mm256_dpbusd_epi32
+#define MOERUN_VECTOR_REGS 32
 namespace {
 #include "kernels_x86.inc"
 #include "kernels_zmm.inc"
 }  // namespace
 #undef MOERUN_TARGET
 #undef MOERUN_DPBUSD
+#undef MOERUN_VECTOR_REGS
 }  // namespace avx512vnni
 
 namespace avxvnni {
