@@ -105,3 +105,31 @@ def test_native_decode_steps_match_torch_forward(dtype):
     else:
         assert errs[len(errs) // 2] < 1e-2 and errs[9 * len(errs) // 10] < 2e-2
         assert sum(agree) >= 0.9 * len(agree)
+
+
+def test_loading_skips_initializers_on_meta():
+    """The net is built on the meta device with torch.nn.init's initializers skipped
+    (`models.build_on_meta`): nn.Embedding's normal_ would import torch._dynamo there, most of
+    this model's load. A fresh interpreter loads the model without importing it, and the
+    initializers are back afterwards, also when building fails."""
+    import subprocess
+    import sys
+    import types
+
+    from moerun.models import build_on_meta
+
+    code = ("import sys, torch, moerun; init = torch.nn.init.normal_; moerun.load(sys.argv[1]); "
+            "assert torch.nn.init.normal_ is init; print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(DEMO)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+    def fails(args):
+        torch.nn.Embedding(4, 2)  # initializers skipped, on meta
+        raise ValueError("bad args")
+
+    before = torch.nn.init.kaiming_uniform_
+    with pytest.raises(ValueError):
+        build_on_meta(types.SimpleNamespace(Model=fails), None)
+    assert torch.nn.init.kaiming_uniform_ is before
+    assert torch.nn.Embedding(4, 2).weight.std() > 0  # initialised again off the meta device

@@ -61,14 +61,13 @@ def write_random_model(out: Path, cfg: dict, dtype=torch.bfloat16, seed: int = 0
     """Write config.json and random safetensors for `cfg` into `out`."""
     from safetensors.torch import save_file
 
-    from ..models import module_for
+    from ..models import build_on_meta, module_for
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     module = module_for(cfg["model_type"])
     args = module.ModelArgs.from_dict(cfg)
-    with torch.device("meta"):
-        net = module.Model(args)
+    net = build_on_meta(module, args)
     tied = set(getattr(net, "tied_parameters", {})) if cfg.get("tie_word_embeddings") else set()
     shapes = [(n, tuple(p.shape)) for n, p in net.state_dict().items() if n not in tied]
     g = torch.Generator().manual_seed(seed)

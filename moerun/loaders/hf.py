@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from ..config import read_config
 from ..errors import MoerunError
-from ..models import module_for
+from ..models import build_on_meta, module_for
 from .safetensors import Checkpoint, TensorRef
 
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -72,8 +72,7 @@ def open_model(model_dir, dtype="auto"):
     args = module.ModelArgs.from_dict(module.text_config(cfg) if hasattr(module, "text_config") else cfg)
     ckpt = Checkpoint(model_dir)
     dtype = resolve_dtype(dtype, cfg, ckpt)
-    with torch.device("meta"):
-        net = module.Model(args)
+    net = build_on_meta(module, args)
     renames = getattr(net, "checkpoint_renames", ())
     if "quantization" in cfg:
         from ..quant.checkpoint import make_quantized_modules
