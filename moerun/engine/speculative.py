@@ -245,12 +245,17 @@ class _FirstRows(torch.nn.Module):
 class ExpertTracker:
     """Counts the routed-expert bytes each pass reads: the union of ids per Experts module,
     from the route mask each module marks while tracked (`layers.routes`). The masks are
-    views into one buffer, so that a pass starts with one fill and ends with one sum over
-    every module's mask (per-module numpy calls cost ~40 us a pass on the demo model)."""
+    views into one buffer, so that a pass starts with one fill and ends with one add of it
+    into its phase's counts (per-module numpy calls cost ~40 us a pass on the demo model).
+    The bytes are the counts weighed by each module's bytes per expert (`bytes`): a sum of
+    unions is the masks summed, so they are weighed once, when asked. With `per_pass`, each
+    verification pass's own figures (`pass_bytes`, `token_bytes`, `top_k`, `num_experts`)
+    are worked out at its end (`DraftLength` prices N by them); without, the first pass's
+    only (one token's bytes)."""
 
-    def __init__(self, net):
+    def __init__(self, net, per_pass: bool = True):
         self.phase: str | None = None
-        self.bytes = {"verify": 0, "draft": 0}
+        self.per_pass = per_pass
         self.pass_bytes = 0
         self.token_bytes = 0  # K * bytes per expert summed over the last pass's modules
         self.top_k = 0
@@ -281,28 +286,33 @@ class ExpertTracker:
             # its own mask, installed on the module: a tracker left behind by an earlier run
             # (a generator dropped unfinished) neither shares it nor takes it away (close)
             self.masks[m] = m.routes_seen = self.flat[starts[i] : starts[i] + sizes[i]]
+        self.counts = {phase: np.zeros(len(self.flat), dtype=np.int64) for phase in ("verify", "draft")}
 
     def start_pass(self, phase: str) -> None:
         self.phase = phase
         self.flat[:] = 0  # every module's mask (calls outside a pass count nowhere)
-        if phase == "verify":
-            self.pass_bytes = self.token_bytes = 0
 
     def end_pass(self) -> None:
         """Count what the pass's Experts calls read: the union of their ids, per module."""
         phase, self.phase = self.phase, None
         if not len(self.bounds):
             return
-        sums = np.add.reduceat(self.flat, self.bounds, dtype=np.int64)
-        union, k = sums[0::2], sums[1::2]  # k: 0 where the module was not called in this pass (union 0 too)
-        b = int(union @ self.per_expert)
-        self.bytes[phase] += b
-        if phase == "verify":
-            self.pass_bytes += b
-            self.token_bytes += int(k @ self.per_expert)
+        self.counts[phase] += self.flat
+        if phase == "verify" and (self.per_pass or not self.token_bytes):
+            sums = np.add.reduceat(self.flat, self.bounds, dtype=np.int64)
+            union, k = sums[0::2], sums[1::2]  # k: 0 where the module was not called in this pass (union 0 too)
+            self.pass_bytes = int(union @ self.per_expert)
+            self.token_bytes = int(k @ self.per_expert)
             if k.any():  # the last module called
                 i = len(k) - 1 - int(k[::-1].argmax())
                 self.top_k, self.num_experts = int(k[i]), int(self.num_experts_of[i])
+
+    @property
+    def bytes(self) -> dict[str, int]:
+        """Routed-expert bytes the passes of each phase read so far."""
+        if not len(self.bounds):
+            return {phase: 0 for phase in self.counts}
+        return {phase: int(np.add.reduceat(c, self.bounds)[0::2] @ self.per_expert) for phase, c in self.counts.items()}
 
     def close(self) -> None:
         for m, mask in self.masks.items():
@@ -525,6 +535,8 @@ class SpeculativeDecoder:
         self.mtp_cache: Cache | None = None
         self.drafter = None  # a run's MTP calls made ready once (`mtp_drafter`), for one row
         self._mtp_len = None  # the head's cache lengths (a numpy view): where the drafter's calls go
+        self._len = None  # the trunk's cache lengths (a numpy view)
+        self._slots = (None, None)  # (rows, their slots tensor): a step's, kept while the rows stay the same
         self.plans: dict = {}  # the trunk forwards' keyword arguments for a run (`generate.run_plans`)
 
     # -- the MTP head ----------------------------------------------------------
@@ -559,7 +571,7 @@ class SpeculativeDecoder:
         recurrent = [layer for layer in cache.layers if isinstance(layer, RecurrentState)]
         for layer in recurrent:  # verification passes leave every token's state here (keep_every)
             layer.positions = {}
-        tracker = ExpertTracker(net)
+        tracker = ExpertTracker(net, per_pass=self.chooser is not None)
         # per row: trunk hidden states not yet given to the MTP head, and the token after each
         # (the last of them: the sampled token the trunk has not run yet)
         self.pend_h = pend_h = [None] * B
@@ -572,6 +584,7 @@ class SpeculativeDecoder:
                 self.drafter = mtp_drafter(self.mtp_cache, 0, self.draft_head) if B == 1 and mtp_drafter else None
                 self.plans = run_plans(net)  # the trunk's layer checks, made once for the run
                 self._mtp_len = self.mtp_cache.lengths.numpy()
+                self._len = cache.lengths.numpy()
                 t0 = time.perf_counter()
                 last = [None] * B
                 by_length: dict[int, list[int]] = {}
@@ -610,6 +623,9 @@ class SpeculativeDecoder:
                     stats.moved_expert_bytes += moved - store0[0]
                     stats.expert_stall_s += stall - store0[1]
         finally:
+            spent = tracker.bytes
+            stats.verify_expert_bytes += spent["verify"]
+            stats.draft_expert_bytes += spent["draft"]
             tracker.close()
 
     def _draft(self, seqs, active, slots, L, n, pend_h, pend_t, tracker):
@@ -668,12 +684,12 @@ class SpeculativeDecoder:
         groups: dict[int, list[int]] = {}
         for i, b in enumerate(active):
             c = pend_h[b].shape[0]
-            self.mtp_cache.lengths[b] = L[i] - c
+            self._mtp_len[b] = L[i] - c
             groups.setdefault(c, []).append(i)
         logits_now: list = [None] * B
         h_last: list = [None] * B
         for rows in groups.values():
-            hidden = torch.stack([pend_h[active[i]] for i in rows])
+            hidden = pend_h[active[rows[0]]][None] if len(rows) == 1 else torch.stack([pend_h[active[i]] for i in rows])
             tokens = torch.tensor([pend_t[active[i]] for i in rows], dtype=torch.long)
             logits, h = self._mtp(hidden, tokens, slots if len(rows) == B else slots[rows])
             for j, i in enumerate(rows):
@@ -687,8 +703,10 @@ class SpeculativeDecoder:
         if self.prefetcher is not None:  # t_L: the first token of the verification pass
             self.prefetcher.tokens([pend_t[b][-1] for b in active])
         n = self.chooser.choose() if self.chooser is not None else self.draft_tokens
-        slots = torch.tensor(active)
-        L = cache.lengths[slots].tolist()
+        if self._slots[0] != active:  # the same tensor while the rows stay (it keeps what `Cache` learnt of it)
+            self._slots = (list(active), torch.tensor(active))
+        slots = self._slots[1]
+        L = self._len[active].tolist()
         first = [pend_t[b][-1] for b in active]  # t_L, the sampled token the trunk runs first
         if n > 0:
             drafts, qs, confidences = self._draft(seqs, active, slots, L, n, pend_h, pend_t, tracker)
@@ -717,8 +735,6 @@ class SpeculativeDecoder:
             raise MoerunError("speculative decoding cannot roll back this model's recurrent state (no per-token states)")
         stats.verify_steps += 1
         stats.decode_steps += 1
-        stats.verify_expert_bytes += tracker.pass_bytes
-        stats.draft_expert_bytes = tracker.bytes["draft"]
         stats.single_token_expert_bytes = max(stats.single_token_expert_bytes, tracker.token_bytes)
         if self.chooser is not None and tracker.token_bytes:
             k_over_e = tracker.top_k / tracker.num_experts if tracker.num_experts else 0.0
@@ -750,7 +766,7 @@ class SpeculativeDecoder:
             # finished on one of them); the token after them is the next to run. Finished
             # rows are rolled back too, so the cache always ends at a token boundary.
             keep = 1 + min(emitted, k)
-            cache.lengths[b] = L[i] + keep
+            self._len[b] = L[i] + keep
             if n > 0:
                 pend_h[b] = hidden[i, :keep]
                 pend_t[b] = (drafts[i][:k] + [tokens[-1]])[:keep]
@@ -775,8 +791,11 @@ class SpeculativeDecoder:
         n = len(drafts)
         if p_.greedy:  # the trunk's pick at each position (history ending with drafts[:j]) up to the first miss
             rows = logits.float().numpy()  # one conversion for every position
+            # without a penalty the history does not matter: every position's first maximum at once
+            picks = rows.argmax(-1).tolist() if p_.repetition_penalty == 1.0 else None
             for j in range(n + 1):
-                target = greedy_token(rows[j], history + drafts[:j], p_.repetition_penalty)
+                target = picks[j] if picks is not None else greedy_token(rows[j], history + drafts[:j],
+                                                                          p_.repetition_penalty)
                 if j == n or target != drafts[j]:
                     return drafts[:j] + [target], j
         out: list[int] = []
