@@ -109,11 +109,19 @@ def test_recurrent_state_set_of_what_get_gave_writes_nothing_else():
     assert st.tensors["s"][2].tolist() == [7.0, 8.0]
 
 
-def test_recurrent_state_scratch_is_kept_until_the_shape_changes():
+def test_recurrent_state_scratch_is_one_buffer_per_name_grown_when_needed():
+    """Passes of different sizes taking turns reuse one allocation per name (contiguous views
+    of the asked shape); a larger shape grows it once, a smaller one fits in it again."""
     from moerun.engine.cache import RecurrentState, StateSpec
 
     st = RecurrentState(StateSpec(shapes=(("conv", (4, 3)),)), 2, torch.float32)
     a = st.scratch("conv", (2, 3, 4, 3))
-    assert st.scratch("conv", (2, 3, 4, 3)) is a and a.dtype == torch.float32
-    assert st.scratch("conv", (2, 5, 4, 3)).shape == (2, 5, 4, 3)
-    assert st.scratch("recurrent", (1,)) is not a
+    assert a.shape == (2, 3, 4, 3) and a.is_contiguous() and a.dtype == torch.float32
+    assert st.scratch("conv", (2, 3, 4, 3)).data_ptr() == a.data_ptr()
+    b = st.scratch("conv", (2, 5, 4, 3))  # more room: a new buffer
+    assert b.shape == (2, 5, 4, 3) and b.is_contiguous()
+    for shape in ((2, 3, 4, 3), (1, 4, 4, 3), (2, 5, 4, 3)):  # sizes taking turns: the same memory
+        c = st.scratch("conv", shape)
+        assert c.shape == shape and c.is_contiguous() and c.data_ptr() == b.data_ptr()
+    assert st.scratch("conv", (2, 3, 4, 3), torch.float64).dtype == torch.float64
+    assert st.scratch("recurrent", (1,)).data_ptr() != b.data_ptr()

@@ -9,6 +9,8 @@ running batch between steps.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -181,15 +183,19 @@ class RecurrentState:
         self.tensors[name][slot].copy_(value)
 
     def scratch(self, name: str, shape: tuple, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A buffer kept from one call to the next (reallocated when the shape changes): where a
-        pass of a few tokens writes every token's state, instead of fresh memory each pass (a
-        fresh buffer of megabytes is page-faulted in on every write: ~4x the time of reuse).
-        Its contents live until the next pass asks for it again."""
+        """A contiguous buffer of `shape` kept from one call to the next: where a pass of a few
+        tokens writes every token's state, instead of fresh memory each pass (a fresh buffer of
+        megabytes is page-faulted in on every write: ~4x the time of reuse). One allocation per
+        name, grown only when a shape needs more room, so passes of 2, 3 or 4 tokens taking
+        turns (speculative decoding's "auto") reuse it; reallocated at each change of shape, a
+        rarely tried draft count paid for a fresh buffer every time and looked dearer than it
+        was. Its contents live until the next pass asks for it again."""
         bufs = self.__dict__.setdefault("_scratch", {})
+        n = math.prod(shape)
         t = bufs.get(name)
-        if t is None or t.shape != shape or t.dtype != dtype:
-            t = bufs[name] = torch.empty(shape, dtype=dtype)
-        return t
+        if t is None or t.numel() < n or t.dtype != dtype:
+            t = bufs[name] = torch.empty(n, dtype=dtype)
+        return t[:n].view(shape)
 
     def keep_every(self, **states: torch.Tensor) -> None:
         """After a pass of a few tokens (whose last state the layer has `set`): name -> [B, T,
