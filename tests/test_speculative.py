@@ -612,6 +612,17 @@ def test_expert_tracker_counts_the_union_per_module():
         assert not any("routes_seen" in m.__dict__ for m in net)
     finally:
         tracker.close()
+    # without per-pass figures (fixed N): the same totals, one token's bytes from the first pass
+    lazy = ExpertTracker(net, per_pass=False)
+    try:
+        for ids in ([[0, 1], [1, 2], [2, 0]], [[3, 4], [3, 4], [3, 4]]):
+            lazy.start_pass("verify")
+            net[0](x, torch.tensor(ids), w)
+            lazy.end_pass()
+        assert lazy.bytes == {"verify": 5 * per, "draft": 0}
+        assert lazy.pass_bytes == 3 * per and lazy.token_bytes == 2 * per  # the first pass's
+    finally:
+        lazy.close()
     bare = ExpertTracker(torch.nn.Linear(4, 4))  # no experts at all: passes count nothing
     bare.start_pass("verify")
     bare.end_pass()
