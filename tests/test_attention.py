@@ -123,5 +123,8 @@ def test_recurrent_state_scratch_is_one_buffer_per_name_grown_when_needed():
     for shape in ((2, 3, 4, 3), (1, 4, 4, 3), (2, 5, 4, 3)):  # sizes taking turns: the same memory
         c = st.scratch("conv", shape)
         assert c.shape == shape and c.is_contiguous() and c.data_ptr() == b.data_ptr()
+        assert st.scratch("conv", list(shape)) is c  # the view kept for the shape, asked again
+    d = st.scratch("conv", (3, 5, 4, 3))  # grown again: no view of the old buffer is handed out
+    assert st.scratch("conv", (2, 3, 4, 3)).data_ptr() == d.data_ptr() != b.data_ptr()
     assert st.scratch("conv", (2, 3, 4, 3), torch.float64).dtype == torch.float64
     assert st.scratch("recurrent", (1,)).data_ptr() != b.data_ptr()
