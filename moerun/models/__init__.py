@@ -33,27 +33,31 @@ def module_for(model_type: str):
     return importlib.import_module(f"{__name__}.{name}")
 
 
-# torch.nn.init's in-place initializers, which modules' reset_parameters call
-_INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
-                 "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+class _SkipInitOnMeta(torch.overrides.TorchFunctionMode):
+    """torch.nn.init's initializers, and the in-place random fills they end in, left undone on
+    meta tensors. Like every torch function mode it holds on the thread that enters it only.
+    (An initializer reaches the mode as itself: the fills it calls inside run with the mode
+    set aside, so it is caught whole.)"""
 
+    FILLS = frozenset(getattr(torch.Tensor, name) for name in (
+        "normal_", "uniform_", "fill_", "zero_", "bernoulli_", "cauchy_", "exponential_", "geometric_",
+        "log_normal_", "random_"))
 
-def _leave(tensor, *args, **kwargs):
-    return tensor
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FILLS or getattr(func, "__module__", None) == "torch.nn.init":
+            t = args[0] if args else kwargs.get("tensor")
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
 
 
 def build_on_meta(module, args):
     """module.Model(args) on the meta device, its modules' initializers skipped: the weights
     are loaded (or written) next, and on the meta device an initializer sets nothing anyway.
-    nn.Embedding's normal_ alone would import torch._dynamo there (its meta kernel is
-    Python), ~1.3 s of a demo model's 2.5 s load. The initializers are swapped out of
-    `torch.nn.init` for the call: do not build models on other threads meanwhile."""
-    saved = {name: getattr(torch.nn.init, name) for name in _INITIALIZERS if hasattr(torch.nn.init, name)}
-    try:
-        for name in saved:
-            setattr(torch.nn.init, name, _leave)
-        with torch.device("meta"):
-            return module.Model(args)
-    finally:
-        for name, f in saved.items():
-            setattr(torch.nn.init, name, f)
+    nn.Embedding's normal_ alone would import torch._dynamo there (its meta
+    kernel is Python), ~1.3 s of a demo model's 2.5 s load. Only this thread's calls on meta
+    tensors are touched (a torch function mode): modules built elsewhere meanwhile, or off
+    the meta device, are initialised as usual."""
+    with torch.device("meta"), _SkipInitOnMeta():
+        return module.Model(args)
