@@ -349,11 +349,14 @@ def test_deepseek_v3_greedy_identical(tmp_path, monkeypatch):
     assert llm.last_stats.acceptance_rate > 0.4
 
 
-def test_plain_steps_feed_the_head_before_its_pairs_outgrow_one_call(qwen, monkeypatch):
-    """A run of plain steps ("auto" choosing N=0) feeds the MTP head its pending pairs once they
-    reach FUSED_MAX_TOKENS, so no catch-up call is longer (the drafting step after the run
-    would carry one over all of them); the output stays plain greedy's."""
+@pytest.mark.parametrize("every", [32, 6])
+def test_plain_steps_feed_the_head_in_backlogs_settled_before_drafting(qwen, monkeypatch, every):
+    """A run of plain steps ("auto" choosing N=0) feeds the MTP head its pending pairs every
+    PLAIN_CATCH_UP_PAIRS steps; before the next drafting step the backlog (and the prompt's)
+    is fed apart (`_settle`), all but its last pair, so the drafting step's own catch-up is
+    one pair, one native call. The output stays plain greedy's."""
     from moerun import kernels
+    from moerun.engine import speculative
     from moerun.engine.speculative import DraftLength
 
     class PlainThenTwo(DraftLength):  # 12 plain steps, then two drafts a step
@@ -362,21 +365,35 @@ def test_plain_steps_feed_the_head_before_its_pairs_outgrow_one_call(qwen, monke
             self.forced = True
             return 0 if self.steps <= 12 else 2
 
-    sizes = []
-    original = SpeculativeDecoder._mtp
+    monkeypatch.setattr(speculative, "PLAIN_CATCH_UP_PAIRS", every)
+    calls = []  # (pairs of the catch-up call, made by _settle)
+    original_catch_up, original_settle = SpeculativeDecoder._catch_up, SpeculativeDecoder._settle
+    settling = []
 
-    def _mtp(dec, hidden, tokens, slots):
-        sizes.append(tokens.shape[1])
-        return original(dec, hidden, tokens, slots)
+    def _catch_up(dec, active, slots, L, pend_h, pend_t):
+        calls.extend((pend_h[b].shape[0], bool(settling)) for b in active)
+        return original_catch_up(dec, active, slots, L, pend_h, pend_t)
 
-    monkeypatch.setattr(SpeculativeDecoder, "_mtp", _mtp)
-    prompts = random_prompts(3, 300, seed=3, max_len=4)  # catch-ups over a prompt fit one call too
+    def _settle(dec, *a):
+        settling.append(1)
+        try:
+            return original_settle(dec, *a)
+        finally:
+            settling.pop()
+
+    monkeypatch.setattr(SpeculativeDecoder, "_catch_up", _catch_up)
+    monkeypatch.setattr(SpeculativeDecoder, "_settle", _settle)
+    prompts = random_prompts(3, 300, seed=3, max_len=4)
     plain = [Sequence(p, SamplingParams(max_tokens=24, temperature=0.0)) for p in prompts]
     list(run(qwen.net, plain, set(), qwen.dtype))  # no EOS: every row runs all 24 steps
     seqs = [Sequence(p, SamplingParams(max_tokens=24, temperature=0.0)) for p in prompts]
     list(run_speculative(qwen.net, seqs, set(), qwen.dtype, draft_tokens="auto", chooser=PlainThenTwo()))
     assert [s.out_ids for s in seqs] == [s.out_ids for s in plain]
-    assert max(sizes) == kernels.FUSED_MAX_TOKENS  # fed during the plain run, and never more at once
+    unsettled = [c for c, settle in calls if not settle]
+    assert unsettled and all(c <= kernels.FUSED_MAX_TOKENS for c in unsettled if c != every)
+    assert (every in unsettled) == (every < 12)  # fed during the plain run only when it is that long
+    if every >= 12:  # the whole plain run's backlog, fed apart
+        assert any(settle and c > kernels.FUSED_MAX_TOKENS for c, settle in calls)
 
 
 def test_auto_draft_length_shrugs_off_a_preempted_step():

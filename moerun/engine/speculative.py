@@ -102,6 +102,8 @@ from .sampling import SamplingParams, apply_repetition_penalty, filter_logits, g
 # B batch (active rows), N draft tokens, T tokens per pass, H hidden, V vocab
 
 MAX_DRAFT_TOKENS = 4
+# a run of plain steps ("auto" choosing N=0) feeds the MTP head its pending pairs this often
+PLAIN_CATCH_UP_PAIRS = 32
 
 
 @dataclass
@@ -696,27 +698,52 @@ class SpeculativeDecoder:
                 logits_now[i], h_last[i] = logits[j, -1], h[j, -1:]
         return logits_now, h_last
 
+    def _settle(self, active, L, pend_h, pend_t, tracker):
+        """Before a drafting step of "auto": feed the head all but the last of the pending
+        pairs of each row that has more than one native call takes (FUSED_MAX_TOKENS): the
+        backlog of a run of plain steps, or of the prompt. The step then catches up on one
+        pair, as after a drafting step, and its time (what prices N) leaves out the backlog,
+        which is the plain steps' (a catch-up over more pairs runs the head's modules one by
+        one, ~3x the time of one call)."""
+        rows = [i for i, b in enumerate(active) if pend_h[b].shape[0] > kernels.FUSED_MAX_TOKENS]
+        if not rows:
+            return
+        sub = [active[i] for i in rows]
+        last = {b: (pend_h[b][-1:], pend_t[b][-1:]) for b in sub}
+        for b in sub:
+            pend_h[b], pend_t[b] = pend_h[b][:-1], pend_t[b][:-1]
+        tracker.start_pass("draft")
+        self._catch_up(sub, torch.tensor(sub), [L[i] - 1 for i in rows], pend_h, pend_t)
+        tracker.end_pass()
+        for b in sub:
+            pend_h[b], pend_t[b] = last[b]
+
     def _step(self, seqs, active, pend_h, pend_t, eos_ids, stats, tracker, recurrent):
         net, cache = self.net, self.cache
-        t0 = time.perf_counter()
-        wait0 = store_figures(self.store)[1] if self.chooser is not None and self.store is not None else 0.0
-        if self.prefetcher is not None:  # t_L: the first token of the verification pass
-            self.prefetcher.tokens([pend_t[b][-1] for b in active])
         n = self.chooser.choose() if self.chooser is not None else self.draft_tokens
         if self._slots[0] != active:  # the same tensor while the rows stay (it keeps what `Cache` learnt of it)
             self._slots = (list(active), torch.tensor(active))
         slots = self._slots[1]
         L = self._len[active].tolist()
+        if n > 0 and self.chooser is not None:
+            self._settle(active, L, pend_h, pend_t, tracker)
+        t0 = time.perf_counter()
+        wait0 = store_figures(self.store)[1] if self.chooser is not None and self.store is not None else 0.0
+        if self.prefetcher is not None and n > 0:  # t_L: the first token of the verification pass
+            # (a plain step hints nothing, as plain decoding does not: with half the demo's
+            # experts in RAM, hints on "auto"'s plain steps cost ~10% of their speed)
+            self.prefetcher.tokens([pend_t[b][-1] for b in active])
         first = [pend_t[b][-1] for b in active]  # t_L, the sampled token the trunk runs first
         if n > 0:
             drafts, qs, confidences = self._draft(seqs, active, slots, L, n, pend_h, pend_t, tracker)
             n = len(drafts[0])
-        else:  # a plain step ("auto" only): the head catches up on the next drafting step
+        else:  # a plain step ("auto" only): the head catches up before the next drafting step
             drafts, qs, confidences = [[] for _ in active], [[] for _ in active], [[] for _ in active]
-            if max(pend_h[b].shape[0] for b in active) >= kernels.FUSED_MAX_TOKENS:
-                # ... or here, before a row's pairs outgrow one native call: a catch-up over
-                # more runs the head's modules one by one (~3x the time), and the drafting step
-                # after a run of plain ones would carry that, and look dearer than it is
+            if max(pend_h[b].shape[0] for b in active) >= PLAIN_CATCH_UP_PAIRS:
+                # ... or here, every PLAIN_CATCH_UP_PAIRS steps of a long run of plain ones.
+                # Not every FUSED_MAX_TOKENS, in one native call each: each call runs the head's
+                # MoE and reads its experts (from disk, with half the demo's experts in RAM:
+                # plain steps in the speculative loop were then 0.84x plain decoding's speed)
                 tracker.start_pass("draft")
                 self._catch_up(active, slots, L, pend_h, pend_t)
                 tracker.end_pass()
