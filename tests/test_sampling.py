@@ -1,8 +1,20 @@
+import numpy as np
 import pytest
 import torch
 
 from moerun.engine.generate import Sequence
-from moerun.engine.sampling import SamplingParams, apply_repetition_penalty, argmax, filter_logits, greedy_token, sample
+from moerun.engine.sampling import (
+    History,
+    SamplingParams,
+    apply_repetition_penalty,
+    argmax,
+    filter_logits,
+    greedy_token,
+    greedy_tokens,
+    greedy_tokens_ref,
+    sample,
+)
+from moerun import kernels
 from moerun.errors import MoerunError
 
 
@@ -78,6 +90,59 @@ def test_greedy_token_is_the_argmax_of_the_penalized_row():
             want = int(argmax(apply_repetition_penalty(tied[None], [seen], penalty))[0])
             assert greedy_token(tied, seen, penalty) == want
             assert greedy_token(tied.numpy(), seen, penalty) == want
+
+
+def _penalized_argmax(row: torch.Tensor, seen: list[int], penalty: float) -> int:
+    return int(argmax(apply_repetition_penalty(row.float()[None], [seen], penalty))[0])
+
+
+def test_greedy_with_a_history_and_drafts_after_it_is_the_penalized_argmax():
+    """greedy_token with a `History` and `extra` ids (drafts), and greedy_tokens over a
+    verification pass's rows (row j: history + extra[:j]), native and numpy reference, against
+    argmax(penalized row) with the ids as one list: drafts seen before, drafted twice, new;
+    ties; NaN; float32, bf16 and numpy rows; penalties above, below and at 1; no history."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(4, 40, generator=g).round()  # many ties
+    rows[1, 9] = rows[2, 9] = 30.0  # the best by far where 9 is drafted: penalised in rows 2 and 3 only
+    rows[3, 20] = float("nan")  # numpy's argmax takes a NaN
+    ways = [greedy_tokens, lambda r, *a: greedy_tokens_ref(r.float().numpy(), *a)]
+    for hist_ids in ([], [1, 1, 5, 39], torch.randint(0, 40, (25,), generator=g).tolist()):
+        for extra in ([], [9], [9, 9, 3], [5, 9, 12], [0, 1, 2]):
+            for penalty in (1.0, 1.3, 0.7, 100.0):
+                hist = History(hist_ids)
+                pass_rows = rows[: len(extra) + 1]
+                for r in (pass_rows, pass_rows.bfloat16()):
+                    want = [_penalized_argmax(r[j], hist_ids + extra[:j], penalty) for j in range(len(extra) + 1)]
+                    for way in ways:
+                        assert way(r, hist, penalty, extra) == want
+                        assert way(r, hist_ids, penalty, extra) == want
+                    assert greedy_tokens(r.float().numpy(), hist, penalty, extra) == want
+                for j in range(len(rows)):
+                    for r in (rows[j], rows[j].bfloat16()):
+                        assert greedy_token(r, hist, penalty, extra) == _penalized_argmax(r, hist_ids + extra, penalty)
+
+
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+def test_greedy_picks_run_natively_and_refuse_ids_outside_the_row():
+    row = torch.tensor([[0.0, 5.0, 1.0]])
+    assert kernels.greedy_picks(row, np.array([1]), [], 10.0, True) == [2]
+    assert kernels.greedy_picks(row, np.array([1]), [], 2.0, True) == [1]
+    with pytest.raises(IndexError, match="token id 3 outside"):
+        kernels.greedy_picks(row, np.array([3]), [], 2.0, True)
+    with pytest.raises(IndexError, match="token id -1 outside"):
+        kernels.greedy_picks(row, np.array([0]), [-1], 2.0, False)
+
+
+def test_history_grows_with_the_sequence():
+    s = Sequence([4, 5, 4], SamplingParams(max_tokens=300))
+    h = s.history()
+    assert h.ids.tolist() == [4, 5, 4] and h.set == {4, 5}
+    for t in range(200):  # past its first capacity
+        s.accept(t % 7 + 10, eos_ids=set())
+    assert s.history() is h and h.ids.tolist() == [4, 5, 4] + [t % 7 + 10 for t in range(200)]
+    assert h.set == {4, 5, *range(10, 17)}
+    s.out_ids = s.out_ids[:3]  # shortened (not what decoding does): made again
+    assert s.history().ids.tolist() == [4, 5, 4, 10, 11, 12]
 
 
 def test_greedy_is_argmax_and_seed_reproduces():

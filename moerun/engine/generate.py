@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 
 from .cache import Cache
-from .sampling import SamplingParams, sample
+from .sampling import History, SamplingParams, sample
 
 
 @dataclass
@@ -44,6 +44,17 @@ class Sequence:
     pending: str = ""  # decoded text held back because it may start a stop string
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    _history: History | None = field(default=None, repr=False, compare=False)
+
+    def history(self) -> History:
+        """prompt_ids + out_ids as the repetition penalty reads them, kept from one token to
+        the next (`sampling.History`)."""
+        h, n = self._history, len(self.prompt_ids) + len(self.out_ids)
+        if h is None or h.n > n:
+            h = self._history = History(self.prompt_ids + self.out_ids)
+        elif h.n < n:
+            h.extend(self.out_ids[h.n - len(self.prompt_ids) :])
+        return h
 
     def __post_init__(self):
         if not self.params.greedy:
@@ -147,7 +158,7 @@ def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats:
             tokens = []
             for b in active:
                 s = seqs[b]
-                tok = int(sample(last[b][None], s.params, [s.prompt_ids + s.out_ids], s.generator)[0])
+                tok = int(sample(last[b][None], s.params, [s.history()], s.generator)[0])
                 tokens.append(tok)
                 stats.generated_tokens += 1
                 piece = s.accept(tok, eos_ids)

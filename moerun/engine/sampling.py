@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .. import kernels
 from ..errors import MoerunError
 
 
@@ -42,13 +43,45 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def apply_repetition_penalty(logits: torch.Tensor, history: list[list[int]], penalty: float) -> torch.Tensor:
+class History:
+    """A row's token ids as the repetition penalty reads them: an int64 array and a set,
+    grown as tokens come (`Sequence.history`). The samplers ask at every token (a speculative
+    step once per draft and per verified position), and turning a list of ~100 ids into an
+    array, and scanning it for the pick, each time was most of a greedy pick's cost."""
+
+    __slots__ = ("_ids", "n", "set")
+
+    def __init__(self, ids=()):
+        self._ids = np.empty(max(64, 2 * len(ids)), dtype=np.int64)
+        self.n = 0
+        self.set: set[int] = set()
+        self.extend(ids)
+
+    def extend(self, ids) -> None:
+        k = len(ids)
+        if self.n + k > len(self._ids):
+            grown = np.empty(2 * (self.n + k), dtype=np.int64)
+            grown[: self.n] = self._ids[: self.n]
+            self._ids = grown
+        self._ids[self.n : self.n + k] = ids
+        self.n += k
+        self.set.update(ids)
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids[: self.n]
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def apply_repetition_penalty(logits: torch.Tensor, history: list, penalty: float) -> torch.Tensor:
     """CTRL-style: seen tokens' positive logits are divided by the penalty, negative multiplied.
 
-    logits [B, V] float32. The arithmetic runs in numpy on the tensor's memory: a decode step
-    calls this for every token checked (a speculative step for every draft, too), and a few
-    numpy calls cost ~20 us where the same torch ops cost ~100 us. IEEE float32 division and
-    multiplication round the same in both."""
+    logits [B, V] float32; history: per row, a list of ids or a `History`. The arithmetic runs
+    in numpy on the tensor's memory: a decode step calls this for every token checked (a
+    speculative step for every draft, too), and a few numpy calls cost ~20 us where the same
+    torch ops cost ~100 us. IEEE float32 division and multiplication round the same in both."""
     if penalty == 1.0:
         return logits
     out = logits.float().clone()
@@ -58,29 +91,55 @@ def apply_repetition_penalty(logits: torch.Tensor, history: list[list[int]], pen
     return out
 
 
-def _penalize(row: np.ndarray, seen: list[int], penalty: float) -> None:
-    """The penalty on one float32 row, in place. A token seen twice is listed twice: both
-    writes put the same value, computed from the row before any of them."""
-    if seen:
-        idx = np.asarray(seen, dtype=np.int64)
-        vals = row[idx]
+def _penalize(rows: np.ndarray, seen, penalty: float) -> None:
+    """The penalty on float32 rows [..., V], in place, for the ids in `seen` (a list or a
+    `History`). A token seen twice is listed twice: both writes put the same value, computed
+    from the rows before any of them."""
+    if len(seen):
+        idx = seen.ids if isinstance(seen, History) else np.asarray(seen, dtype=np.int64)
+        vals = rows[..., idx]
         p = np.float32(penalty)
-        row[idx] = np.where(vals > 0, vals / p, vals * p)
+        rows[..., idx] = np.where(vals > 0, vals / p, vals * p)
 
 
-def greedy_token(logits: torch.Tensor | np.ndarray, history: list[int], penalty: float) -> int:
-    """One row's greedy pick: the first maximum of logits [V] (a tensor, or a float32 numpy
-    row) after the repetition penalty over `history`, as `sample` picks it (same arithmetic).
-    A penalty above 1 only lowers seen tokens, so when the row's own first maximum is unseen
-    it is the pick and nothing is copied; otherwise the penalised copy decides. All numpy: a
-    few microseconds (a speculative step picks one per draft)."""
-    x = logits if isinstance(logits, np.ndarray) else logits.float().numpy()
-    top = int(x.argmax())
-    if penalty == 1.0 or not history or (penalty > 1.0 and top not in history):
-        return top
-    y = x.copy()
+def greedy_token(logits: torch.Tensor | np.ndarray, history, penalty: float, extra: list[int] = ()) -> int:
+    """One row's greedy pick: the first maximum of logits [V] (a float32 or bf16 tensor, or a
+    float32 numpy row) after the repetition penalty over `history` (a list of ids or a
+    `History`) followed by `extra` (the drafts so far), as `sample` picks it (same arithmetic)."""
+    return greedy_tokens(logits[None], history, penalty, list(extra), extra_per_row=False)[0]
+
+
+def greedy_tokens(rows: torch.Tensor | np.ndarray, history, penalty: float, extra: list[int],
+                  extra_per_row: bool = True) -> list[int]:
+    """greedy_token for each row j of rows [n+1, V] with the history followed by extra[:j]
+    (a verification pass's positions; without `extra_per_row`, all of extra for every row),
+    in one native call (`kernels.greedy_picks`: a dozen numpy calls each cost several times
+    more inside a decode step than in a loop of their own), else `greedy_tokens_ref`."""
+    seen = history.ids if isinstance(history, History) else np.asarray(history, dtype=np.int64)
+    picks = kernels.greedy_picks(rows, seen, extra, penalty, extra_per_row)
+    if picks is not None:
+        return picks
+    return greedy_tokens_ref(rows if isinstance(rows, np.ndarray) else rows.float().numpy(), history, penalty,
+                             extra, extra_per_row)
+
+
+def greedy_tokens_ref(rows: np.ndarray, history, penalty: float, extra: list[int], extra_per_row: bool = True) -> list[int]:
+    """greedy_tokens in numpy (float32 rows): every first maximum at once, and one penalised
+    copy of the rows at most. A penalty above 1 only lowers seen tokens, so where every
+    row's own first maximum is unseen, those are the picks and nothing is copied."""
+    tops = rows.argmax(-1).tolist()
+    if penalty == 1.0 or not (len(history) or extra):
+        return tops
+    seen = history.set if isinstance(history, History) else set(history)
+    # each id of extra not seen before is penalised from the row after its first place on
+    first = {t: (i + 1 if extra_per_row else 0) for i, t in reversed(list(enumerate(extra))) if t not in seen}
+    if penalty > 1.0 and all(t not in seen and first.get(t, len(rows)) > j for j, t in enumerate(tops)):
+        return tops
+    y = rows.copy()
     _penalize(y, history, penalty)
-    return int(y.argmax())
+    for t, j in first.items():
+        _penalize(y[j:], [t], penalty)
+    return y.argmax(-1).tolist()
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -108,10 +167,11 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, history: list[list[int]], generator: torch.Generator | None) -> torch.Tensor:
-    """logits [B, V] -> next tokens [B]."""
+def sample(logits: torch.Tensor, p: SamplingParams, history: list, generator: torch.Generator | None) -> torch.Tensor:
+    """logits [B, V] -> next tokens [B]. history: per row, a list of ids or a `History`."""
     if p.greedy:
-        return torch.tensor([greedy_token(row, seen, p.repetition_penalty) for row, seen in zip(logits, history)])
+        return torch.from_numpy(np.array([greedy_token(row, seen, p.repetition_penalty) for row, seen in zip(logits, history)],
+                                         dtype=np.int64))
     logits = apply_repetition_penalty(logits.float(), history, p.repetition_penalty)
     probs = filter_logits(logits, p).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -97,7 +97,7 @@ from ..errors import MoerunError
 from ..layers.moe import Experts
 from .cache import Cache, RecurrentState
 from .generate import GenerationStats, Sequence, run_plans
-from .sampling import SamplingParams, apply_repetition_penalty, filter_logits, greedy_token, sample
+from .sampling import History, SamplingParams, apply_repetition_penalty, filter_logits, greedy_token, greedy_tokens, sample
 
 # B batch (active rows), N draft tokens, T tokens per pass, H hidden, V vocab
 
@@ -501,8 +501,17 @@ class DraftLength:
             self.wait_s_per_byte = self.decay * self.wait_s_per_byte + (1 - self.decay) * wait_s / union_bytes
 
 
-def _probs(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> torch.Tensor:
-    """The plain sampler's distribution for one row: logits [V] -> fp32 probabilities [V]."""
+def _long(rows: list[list[int]]) -> torch.Tensor:
+    """Token ids [B, T] as a long tensor, through numpy (~2 us where torch.tensor takes ~8; a
+    step makes a few)."""
+    return torch.from_numpy(np.array(rows, dtype=np.int64))
+
+
+def _probs(logits: torch.Tensor, p: SamplingParams, history, extra: list[int] = ()) -> torch.Tensor:
+    """The plain sampler's distribution for one row: logits [V] -> fp32 probabilities [V].
+    history: a list of ids or a `History`, followed by the ids in `extra`."""
+    if extra:
+        history = [*(history.ids.tolist() if isinstance(history, History) else history), *extra]
     logits = apply_repetition_penalty(logits.float()[None], [history], p.repetition_penalty)
     return filter_logits(logits, p).softmax(-1)[0]
 
@@ -608,7 +617,7 @@ class SpeculativeDecoder:
                         s.finish_reason = "length"
                         continue
                     stats.decode_rows_started += 1
-                    tok = int(sample(last[b][None], s.params, [s.prompt_ids + s.out_ids], s.generator)[0])
+                    tok = int(sample(last[b][None], s.params, [s.history()], s.generator)[0])
                     stats.generated_tokens += 1
                     piece = s.accept(tok, eos_ids)
                     if piece:
@@ -648,13 +657,14 @@ class SpeculativeDecoder:
         for d in range(n_cap):
             for i, b in enumerate(active):
                 s = seqs[b]
-                history = s.prompt_ids + s.out_ids + drafts[i]
                 if self.draft_vocab is not None:  # the penalty's tokens among the drafter's
-                    history = [t for t in history if t < self.draft_vocab]
-                if s.params.greedy:
-                    tok, q = greedy_token(logits_now[i], history, s.params.repetition_penalty), None
+                    history, extra = [t for t in s.prompt_ids + s.out_ids + drafts[i] if t < self.draft_vocab], []
                 else:
-                    q = _probs(logits_now[i], s.params, history)
+                    history, extra = s.history(), drafts[i]
+                if s.params.greedy:
+                    tok, q = greedy_token(logits_now[i], history, s.params.repetition_penalty, extra), None
+                else:
+                    q = _probs(logits_now[i], s.params, history, extra)
                     tok = int(torch.multinomial(q, 1, generator=s.generator)[0])
                 drafts[i].append(tok)
                 qs[i].append(q)
@@ -670,8 +680,8 @@ class SpeculativeDecoder:
             if chooser is not None and not chooser.more(d + 1, max(all_accepted)):
                 break
             if d + 1 < n_cap:  # chained: the head's own output stands in for the trunk's hidden state
-                hidden = h_last if torch.is_tensor(h_last) else torch.stack(h_last)  # [B, 1, H]
-                tokens = torch.tensor([[dr[-1]] for dr in drafts], dtype=torch.long)
+                hidden = h_last if torch.is_tensor(h_last) else h_last[0][None] if B == 1 else torch.stack(h_last)  # [B, 1, H]
+                tokens = _long([[dr[-1]] for dr in drafts])
                 logits, h = self._mtp(hidden, tokens, slots)
                 logits_now, h_last = logits[:, -1], h[:, -1:]
         tracker.end_pass()
@@ -692,7 +702,7 @@ class SpeculativeDecoder:
         h_last: list = [None] * B
         for rows in groups.values():
             hidden = pend_h[active[rows[0]]][None] if len(rows) == 1 else torch.stack([pend_h[active[i]] for i in rows])
-            tokens = torch.tensor([pend_t[active[i]] for i in rows], dtype=torch.long)
+            tokens = _long([pend_t[active[i]] for i in rows])
             logits, h = self._mtp(hidden, tokens, slots if len(rows) == B else slots[rows])
             for j, i in enumerate(rows):
                 logits_now[i], h_last[i] = logits[j, -1], h[j, -1:]
@@ -749,7 +759,7 @@ class SpeculativeDecoder:
                 tracker.end_pass()
                 for b in active:
                     pend_h[b], pend_t[b] = pend_h[b][:0], []
-        ids = torch.tensor([[t] + drafts[i] for i, t in enumerate(first)], dtype=torch.long)
+        ids = _long([[t] + drafts[i] for i, t in enumerate(first)])
         for layer in recurrent:
             layer.positions.clear()
         tracker.start_pass("verify")
@@ -814,17 +824,14 @@ class SpeculativeDecoder:
     def _accept(s: Sequence, drafts: list[int], qs: list, logits: torch.Tensor) -> tuple[list[int], int]:
         """Check drafts against the trunk's logits [n+1, V]: (tokens to emit, drafts accepted)."""
         p_ = s.params
-        history = s.prompt_ids + s.out_ids
         n = len(drafts)
         if p_.greedy:  # the trunk's pick at each position (history ending with drafts[:j]) up to the first miss
-            rows = logits.float().numpy()  # one conversion for every position
-            # without a penalty the history does not matter: every position's first maximum at once
-            picks = rows.argmax(-1).tolist() if p_.repetition_penalty == 1.0 else None
+            # every position's pick at once
+            picks = greedy_tokens(logits, s.history(), p_.repetition_penalty, drafts)
             for j in range(n + 1):
-                target = picks[j] if picks is not None else greedy_token(rows[j], history + drafts[:j],
-                                                                          p_.repetition_penalty)
-                if j == n or target != drafts[j]:
-                    return drafts[:j] + [target], j
+                if j == n or picks[j] != drafts[j]:
+                    return drafts[:j] + [picks[j]], j
+        history = s.prompt_ids + s.out_ids
         out: list[int] = []
         for j, d in enumerate(drafts):
             h = history + out

@@ -43,6 +43,7 @@ import contextlib
 import os
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -440,6 +441,20 @@ def swiglu_mlp_ref(x, gate, up, down, gate_vec=None) -> torch.Tensor:
 # -- softmax top-k routing ----------------------------------------------------------------
 
 ROUTE_MAX_TOKENS = 16  # native routing for decode-sized passes; prefill's torch GEMM is better
+
+
+def greedy_picks(rows, seen: np.ndarray, extra: list[int], penalty: float, extra_per_row: bool) -> list[int] | None:
+    """Row j of rows [R, V] (a float32 or bf16 tensor, or a float32 numpy array) -> its first
+    maximum with the repetition penalty on the ids of `seen` (int64 array) and of extra[:j]
+    (`extra_per_row`; else all of extra), in one native call; None without the extension
+    (`sampling.greedy_tokens` then runs its numpy reference)."""
+    nat = _native()
+    if nat is None:
+        return None
+    x = rows if isinstance(rows, np.ndarray) else _np(rows if rows.is_contiguous() else rows.contiguous())
+    out = np.empty(x.shape[0], dtype=np.int64)
+    nat.greedy_picks(x, seen, np.asarray(extra, dtype=np.int64), float(penalty), bool(extra_per_row), out)
+    return out.tolist()
 
 
 def route_softmax_topk(x: torch.Tensor, router: torch.Tensor, k: int,
@@ -1035,7 +1050,7 @@ __all__ = [
     "has_hooks", "module_plan",
     "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "numpy_views", "swiglu_mlp",
     "swiglu_mlp_ref",
-    "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
+    "greedy_picks", "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
     "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block_args", "moe_block_run", "MtpStep",
     "ExpertViews", "norm_args", "rms_norm", "rms_norm_ref", "norm_rope_heads", "norm_rope_heads_ref",
     "attn_decode_is_native", "fuse_decode_attention", "fused_attention_applies",
