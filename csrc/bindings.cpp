@@ -441,70 +441,36 @@ void qlinear_multi(Array x, std::vector<Array> weights, std::vector<Array> scale
 }
 
 // x [T, H]; router [E, H] float32; ids [T, K] int64 and weights [T, K] float32 are written
-// Greedy picks with the repetition penalty (moerun.engine.sampling.greedy_tokens): row j of
-// logits [R, V] (float32, or bf16 bits) -> out[j], the first maximum of the row with the ids
-// of `seen` and of extra[:j] (`extra_per_row`; else all of extra) penalised as the sampler
-// does (v > 0 ? v / penalty : v * penalty, in float32), a NaN's index where the row has one
-// (numpy's argmax). One call where the numpy reference makes a dozen: a speculative step
-// picks once per draft and per verified position, each ~50-100 us in numpy inside a step.
+// logits [R, V] float32 or bf16 -> out[R] int64 (moerun::greedy_picks); seen, extra int64
 void greedy_picks(Array logits, Array seen, Array extra, float penalty, bool extra_per_row, Array out) {
-    MOERUN_CHECK(logits.ndim() == 2, "logits must be [R, V]");
+    MOERUN_CHECK(logits.ndim() == 2 && logits.shape(1) >= 1, "logits must be [R, V]");
     const size_t R = logits.shape(0), V = logits.shape(1);
-    const bool bf16 = is_bf16(logits);
-    if (!bf16) check_dtype(logits, dtype_code::Float, 32, "logits");
+    for (auto [a, name] : {std::pair{&seen, "seen"}, {&extra, "extra"}, {&out, "out"}}) {
+        check_dtype(*a, dtype_code::Int, 64, name);
+        MOERUN_CHECK(a->ndim() == 1, std::string(name) + " must be 1-D");
+    }
+    check_shape(out, {R}, "out");
+    ActIn x(logits, "logits");
+    moerun::greedy_picks(x.p, R, V, (const int64_t*)seen.data(), seen.shape(0), (const int64_t*)extra.data(),
+                         extra.shape(0), penalty, extra_per_row, (int64_t*)out.data());
+}
+
+// logits [V] float32 or bf16 -> the sampled token (moerun::sample_row), or -1 for u < 0;
+// probs [V] float32 (or empty) gets the distribution
+int64_t sample_row(Array logits, Array seen, Array extra, float penalty, float temperature, int top_k, float top_p,
+                   float min_p, float u, Array probs) {
+    MOERUN_CHECK(logits.ndim() == 1 && logits.shape(0) >= 1, "logits must be [V]");
+    const size_t V = logits.shape(0);
     check_dtype(seen, dtype_code::Int, 64, "seen");
     check_dtype(extra, dtype_code::Int, 64, "extra");
-    check_dtype(out, dtype_code::Int, 64, "out");
     MOERUN_CHECK(seen.ndim() == 1 && extra.ndim() == 1, "seen and extra must be 1-D");
-    check_shape(out, {R}, "out");
-    MOERUN_CHECK(V >= 1, "logits: empty rows");
-    const int64_t* ids[2] = {(const int64_t*)seen.data(), (const int64_t*)extra.data()};
-    const size_t n_ids[2] = {seen.shape(0), extra.shape(0)};
-    for (int k = 0; k < 2; ++k)
-        for (size_t i = 0; i < n_ids[k]; ++i)
-            if (ids[k][i] < 0 || (size_t)ids[k][i] >= V)
-                throw std::out_of_range("token id " + std::to_string(ids[k][i]) + " outside the " +
-                                        std::to_string(V) + " logits of a row");
-    const bool penalised = penalty != 1.0f && (n_ids[0] || n_ids[1]);
-    thread_local std::vector<uint8_t> mark;
-    if (penalised) {
-        mark.assign(V, 0);
-        for (size_t i = 0; i < n_ids[0]; ++i) mark[ids[0][i]] = 1;
-        if (!extra_per_row)
-            for (size_t i = 0; i < n_ids[1]; ++i) mark[ids[1][i]] = 1;
-    }
-    const float* f = (const float*)logits.data();
-    const uint16_t* h = (const uint16_t*)logits.data();
-    int64_t* o = (int64_t*)out.data();
-    for (size_t j = 0; j < R; ++j) {
-        if (penalised && extra_per_row && j >= 1 && j - 1 < n_ids[1]) mark[ids[1][j - 1]] = 1;
-        auto value = [&](size_t i) {
-            float v;
-            if (bf16) {
-                const uint32_t u = (uint32_t)h[j * V + i] << 16;
-                std::memcpy(&v, &u, 4);
-            } else {
-                v = f[j * V + i];
-            }
-            if (penalised && mark[i]) v = v > 0.f ? v / penalty : v * penalty;
-            return v;
-        };
-        size_t best = 0;
-        float bv = value(0);
-        if (bv == bv)
-            for (size_t i = 1; i < V; ++i) {
-                const float v = value(i);
-                if (v != v) {  // NaN: numpy's argmax takes the first one
-                    best = i;
-                    break;
-                }
-                if (v > bv) {
-                    bv = v;
-                    best = i;
-                }
-            }
-        o[j] = (int64_t)best;
-    }
+    MOERUN_CHECK(temperature > 0.f, "temperature must be > 0");
+    MOERUN_CHECK(probs.size() == 0 || (probs.ndim() == 1 && probs.shape(0) == V), "probs must be [V] or empty");
+    if (probs.size()) check_dtype(probs, dtype_code::Float, 32, "probs");
+    ActIn x(logits, "logits");
+    return moerun::sample_row(x.p, V, (const int64_t*)seen.data(), seen.shape(0), (const int64_t*)extra.data(),
+                              extra.shape(0), penalty, temperature, top_k, top_p, min_p, u,
+                              probs.size() ? (float*)probs.data() : nullptr);
 }
 
 void route_softmax_topk(Array x, Array router, Array ids, Array weights, bool renorm) {
@@ -1010,6 +976,9 @@ NB_MODULE(_native, m) {
     m.def("greedy_picks", &greedy_picks, nb::arg("logits"), nb::arg("seen"), nb::arg("extra"), nb::arg("penalty"),
           nb::arg("extra_per_row"), nb::arg("out"),
           "each row's first maximum with the repetition penalty on seen (and extra[:j], or all of extra)");
+    m.def("sample_row", &sample_row, nb::arg("logits"), nb::arg("seen"), nb::arg("extra"), nb::arg("penalty"),
+          nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"), nb::arg("u"), nb::arg("probs"),
+          "a token drawn from one row of logits through the penalty, temperature, top-k, top-p and min-p");
     m.def("route_softmax_topk", &route_softmax_topk, nb::arg("x"), nb::arg("router"), nb::arg("ids"), nb::arg("weights"),
           nb::arg("renorm"), "softmax top-k routing of a few tokens: ids, weights [T, K] of the most probable experts");
     m.def("attn_decode", &attn_decode, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("scale"),

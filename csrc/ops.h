@@ -259,6 +259,19 @@ struct MtpStepArgs {
 };
 void mtp_step_decode(MtpStepArgs& a);
 
+// Next-token choice for rows of float32 logits (sampling.cpp; references in
+// moerun.engine.sampling). greedy_picks: out[j] = the first maximum of row j of x [R, V] with
+// the repetition penalty on the ids of seen and of extra[:j] (`extra_per_row`, a verification
+// pass's positions) or all of extra; numpy's argmax (a NaN's index where the row has one).
+void greedy_picks(const float* x, size_t R, size_t V, const int64_t* seen, size_t ns, const int64_t* extra, size_t ne,
+                  float penalty, bool extra_per_row, int64_t* out);
+// sample_row: one row [V] through the penalty (seen and extra), temperature, top-k (ties with
+// the k-th kept), top-p and min-p; probs (when not null) gets the distribution over the row;
+// returns the token whose cumulative probability first passes u in [0, 1) (in candidate
+// order: largest first with top-k, else id order), or -1 for u < 0.
+int64_t sample_row(const float* x, size_t V, const int64_t* seen, size_t ns, const int64_t* extra, size_t ne,
+                   float penalty, float temperature, int top_k, float top_p, float min_p, float u, float* probs);
+
 // The ends of a layer half (moe_block_decode, deltanet_block_decode, attn_block_decode with
 // `half`), as the separate ops compute them: the input RMSNorm, and the residual add of the
 // half's output f (each rounded to bf16 with `round`, as the bf16 ops hand them on).

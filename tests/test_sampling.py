@@ -6,15 +6,22 @@ from moerun.engine.generate import Sequence
 from moerun.engine.sampling import (
     History,
     SamplingParams,
+    Uniforms,
     apply_repetition_penalty,
     argmax,
+    candidate_probs,
+    distribution,
+    draw,
+    draw_ref,
     filter_logits,
     greedy_token,
     greedy_tokens,
+    full_probs,
     greedy_tokens_ref,
     sample,
 )
 from moerun import kernels
+from moerun.engine import sampling
 from moerun.errors import MoerunError
 
 
@@ -131,6 +138,32 @@ def test_greedy_picks_run_natively_and_refuse_ids_outside_the_row():
         kernels.greedy_picks(row, np.array([3]), [], 2.0, True)
     with pytest.raises(IndexError, match="token id -1 outside"):
         kernels.greedy_picks(row, np.array([0]), [-1], 2.0, False)
+    args = (1.1, 0.7, 2, 1.0, 0.0)  # penalty, temperature, top_k, top_p, min_p
+    assert kernels.sample_row(row[0], np.array([1]), [], *args, 0.999) in (1, 2)
+    with pytest.raises(IndexError, match="token id 5 outside"):
+        kernels.sample_row(row[0], np.array([5]), [], *args, 0.5)
+
+
+def test_sampling_without_the_extension_runs_the_reference(monkeypatch):
+    x = torch.randn(50, generator=torch.Generator().manual_seed(2))
+    p = SamplingParams(temperature=0.9, top_k=10, top_p=0.9, repetition_penalty=1.2)
+    native = [draw(x, p, [1, 2], torch.Generator().manual_seed(s)) for s in range(20)]
+    monkeypatch.setattr(kernels, "sample_row", lambda *a, **k: None)
+    monkeypatch.setattr(kernels, "greedy_picks", lambda *a, **k: None)
+    assert [draw(x, p, [1, 2], torch.Generator().manual_seed(s)) for s in range(20)] == native
+    assert greedy_token(x, [int(x.argmax())], 5.0) == _penalized_argmax(x, [int(x.argmax())], 5.0)
+
+
+def test_uniforms_are_the_generators_stream_drawn_in_blocks():
+    a = Uniforms(torch.Generator().manual_seed(4))
+    got = [a.next() for _ in range(150)]  # past two blocks
+    want = torch.rand(192, generator=torch.Generator().manual_seed(4), dtype=torch.float64)[:150].tolist()
+    assert got == want and all(0.0 <= u < 1.0 for u in got)
+    s1, s2 = (Sequence([1], SamplingParams(temperature=1.0, seed=11)) for _ in range(2))
+    x = torch.randn(2, 30, generator=torch.Generator().manual_seed(0))
+    p = SamplingParams(temperature=1.0, top_k=8)
+    assert [sample(x, p, [[], []], s1.uniforms).tolist() for _ in range(70)] == [
+        sample(x, p, [[], []], s2.uniforms).tolist() for _ in range(70)]
 
 
 def test_history_grows_with_the_sequence():
@@ -143,6 +176,68 @@ def test_history_grows_with_the_sequence():
     assert h.set == {4, 5, *range(10, 17)}
     s.out_ids = s.out_ids[:3]  # shortened (not what decoding does): made again
     assert s.history().ids.tolist() == [4, 5, 4, 10, 11, 12]
+
+
+def test_top_k_candidates_give_the_filtered_distribution():
+    """candidate_probs over the top-k candidates, scattered back, equals
+    filter_logits(...).softmax over the whole row (float rounding apart) for top-k with and
+    without top-p and min-p, with rows whose logits tie with the k-th past k (all kept) next
+    to rows without; without top-k it is the whole-row path, exactly."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 500, generator=g) * 4
+    tied = logits.clone()
+    tied[1, :] = 0.0
+    tied[1, :3] = 5.0  # top-k 10: the k-th value 0.0 ties 497 logits
+    tied[2] = tied[2].bfloat16().float()  # bf16's few values: ties here and there
+    for params in (dict(top_k=10), dict(top_k=10, top_p=0.8), dict(top_k=50, top_p=0.95, min_p=0.05),
+                   dict(top_k=1), dict(top_p=0.9), dict(top_k=0, min_p=0.1)):
+        p = SamplingParams(temperature=0.7, **params)
+        for x in (logits, tied):
+            want = filter_logits(x, p).softmax(-1)
+            probs, ids = candidate_probs(x, p)
+            got = full_probs(probs, ids, x.shape[-1])
+            assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+            assert torch.equal(got > 0, want > 0)  # the same tokens kept
+            if ids is None:
+                assert torch.equal(got, want) and not p.top_k
+            else:
+                assert ids.shape[1] >= p.top_k and bool((probs.sum(-1) - 1).abs().max() < 1e-5)
+    assert candidate_probs(tied, SamplingParams(temperature=0.7, top_k=10))[1].shape[1] == 500  # row 1 keeps them all
+
+
+def test_top_k_sampling_draws_only_kept_tokens_at_their_frequency():
+    g = torch.Generator().manual_seed(6)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 3.0, -1.0, 0.0]])
+    p = SamplingParams(temperature=1.0, top_k=3)
+    draws = torch.stack([sample(logits, p, [[]], g) for _ in range(6000)]).flatten()
+    assert set(draws.tolist()) == {0, 1, 3}
+    want = filter_logits(logits, p).softmax(-1)[0]
+    freq = torch.bincount(draws, minlength=6).float() / len(draws)
+    assert torch.allclose(freq, want, atol=0.02)
+
+
+@pytest.mark.parametrize("params", [dict(top_k=40, top_p=0.95, repetition_penalty=1.1), dict(top_k=5),
+                                    dict(top_p=0.7, repetition_penalty=0.8), dict(min_p=0.05, top_k=100),
+                                    dict(temperature=1.3)])
+def test_draw_and_distribution_match_the_torch_reference(params):
+    """draw (native where built) takes the same token as draw_ref for the same u, and
+    distribution gives filter_logits' law (float rounding apart), with a history, drafts after
+    it, float32 and bf16 rows; the inverse CDF runs in candidate order."""
+    p = SamplingParams(**{"temperature": 0.7, **params})
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(300, generator=g) * 3
+    hist_ids = torch.randint(0, 300, (40,), generator=g).tolist()
+    for extra in ([], [7, 7, 290]):
+        law = filter_logits(apply_repetition_penalty(x[None], [hist_ids + extra], p.repetition_penalty), p).softmax(-1)[0]
+        for hist in (hist_ids, History(hist_ids)):
+            assert torch.allclose(distribution(x, p, hist, extra), law, atol=1e-6, rtol=1e-5)
+            assert torch.allclose(distribution(x.bfloat16(), p, hist, extra), filter_logits(apply_repetition_penalty(
+                x.bfloat16().float()[None], [hist_ids + extra], p.repetition_penalty), p).softmax(-1)[0], atol=1e-6, rtol=1e-5)
+            for u in torch.rand(200, generator=g).tolist():
+                want = draw_ref(x, p, hist, extra, u)
+                assert sampling._row(x, p, hist, extra, u, None) == want and law[want] > 0
+            u0 = float(torch.rand((), generator=torch.Generator().manual_seed(9)))
+            assert draw(x, p, hist, torch.Generator().manual_seed(9), extra) == draw_ref(x, p, hist, extra, u0)
 
 
 def test_greedy_is_argmax_and_seed_reproduces():

@@ -12,8 +12,8 @@ import moerun
 from conftest import make_tokenizer, rel_err
 from moerun.engine.cache import Cache, RecurrentState
 from moerun.engine.generate import Sequence, run
-from moerun.engine.sampling import SamplingParams
-from moerun.engine.speculative import SpeculativeDecoder, SpeculativeStats, _probs, run_speculative
+from moerun.engine.sampling import SamplingParams, apply_repetition_penalty, filter_logits
+from moerun.engine.speculative import SpeculativeDecoder, SpeculativeStats, run_speculative
 from moerun.errors import MoerunError
 
 
@@ -226,6 +226,11 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     stat = float(((obs - exp) ** 2 / exp).sum())
     df = obs.numel() - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def _probs(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> torch.Tensor:
+    """The plain sampler's law for one row, from the torch reference ops."""
+    return filter_logits(apply_repetition_penalty(logits.float()[None], [history], p.repetition_penalty), p).softmax(-1)[0]
 
 
 @pytest.mark.parametrize("draft_vocab", [None, 9])

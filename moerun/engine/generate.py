@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 
 from .cache import Cache
-from .sampling import History, SamplingParams, sample
+from .sampling import History, SamplingParams, Uniforms, sample
 
 
 @dataclass
@@ -45,6 +45,14 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     _history: History | None = field(default=None, repr=False, compare=False)
+    _uniforms: Uniforms | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def uniforms(self) -> Uniforms:
+        """The sampler's uniform numbers, from `generator` (`sampling.Uniforms`)."""
+        if self._uniforms is None:
+            self._uniforms = Uniforms(self.generator)
+        return self._uniforms
 
     def history(self) -> History:
         """prompt_ids + out_ids as the repetition penalty reads them, kept from one token to
@@ -158,7 +166,7 @@ def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats:
             tokens = []
             for b in active:
                 s = seqs[b]
-                tok = int(sample(last[b][None], s.params, [s.history()], s.generator)[0])
+                tok = int(sample(last[b][None], s.params, [s.history()], s.uniforms)[0])
                 tokens.append(tok)
                 stats.generated_tokens += 1
                 piece = s.accept(tok, eos_ids)

@@ -97,7 +97,15 @@ from ..errors import MoerunError
 from ..layers.moe import Experts
 from .cache import Cache, RecurrentState
 from .generate import GenerationStats, Sequence, run_plans
-from .sampling import History, SamplingParams, apply_repetition_penalty, filter_logits, greedy_token, greedy_tokens, sample
+from .sampling import (
+    History,
+    SamplingParams,
+    distribution,
+    draw,
+    greedy_token,
+    greedy_tokens,
+    sample,
+)
 
 # B batch (active rows), N draft tokens, T tokens per pass, H hidden, V vocab
 
@@ -507,15 +515,6 @@ def _long(rows: list[list[int]]) -> torch.Tensor:
     return torch.from_numpy(np.array(rows, dtype=np.int64))
 
 
-def _probs(logits: torch.Tensor, p: SamplingParams, history, extra: list[int] = ()) -> torch.Tensor:
-    """The plain sampler's distribution for one row: logits [V] -> fp32 probabilities [V].
-    history: a list of ids or a `History`, followed by the ids in `extra`."""
-    if extra:
-        history = [*(history.ids.tolist() if isinstance(history, History) else history), *extra]
-    logits = apply_repetition_penalty(logits.float()[None], [history], p.repetition_penalty)
-    return filter_logits(logits, p).softmax(-1)[0]
-
-
 class SpeculativeDecoder:
     """Runs `Sequence`s like `generate.run`, drafting with the MTP head and verifying in one pass.
 
@@ -617,7 +616,7 @@ class SpeculativeDecoder:
                         s.finish_reason = "length"
                         continue
                     stats.decode_rows_started += 1
-                    tok = int(sample(last[b][None], s.params, [s.history()], s.generator)[0])
+                    tok = int(sample(last[b][None], s.params, [s.history()], s.uniforms)[0])
                     stats.generated_tokens += 1
                     piece = s.accept(tok, eos_ids)
                     if piece:
@@ -664,8 +663,8 @@ class SpeculativeDecoder:
                 if s.params.greedy:
                     tok, q = greedy_token(logits_now[i], history, s.params.repetition_penalty, extra), None
                 else:
-                    q = _probs(logits_now[i], s.params, history, extra)
-                    tok = int(torch.multinomial(q, 1, generator=s.generator)[0])
+                    q = torch.empty(logits_now[i].shape[-1])
+                    tok = draw(logits_now[i], s.params, history, s.uniforms, extra, probs=q)
                 drafts[i].append(tok)
                 qs[i].append(q)
                 if self.chooser is not None:  # the draft's probability under the head
@@ -835,9 +834,9 @@ class SpeculativeDecoder:
         out: list[int] = []
         for j, d in enumerate(drafts):
             h = history + out
-            p = _probs(logits[j], p_, h)
+            p = distribution(logits[j], p_, h)
             q = qs[j]
-            u = float(torch.rand((), generator=s.generator))
+            u = s.uniforms.next()
             if q[d] > 0 and u * float(q[d]) < float(p[d]):
                 out.append(d)
                 continue
@@ -845,7 +844,7 @@ class SpeculativeDecoder:
             if float(residual.sum()) <= 0:
                 residual = p
             return out + [int(torch.multinomial(residual, 1, generator=s.generator)[0])], j
-        return out + [int(torch.multinomial(_probs(logits[n], p_, history + out), 1, generator=s.generator)[0])], n
+        return out + [draw(logits[n], p_, history + out, s.uniforms)], n
 
 
 def new_draft_length(net, expert_cost: float = 1.0) -> DraftLength:

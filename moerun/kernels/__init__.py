@@ -457,6 +457,21 @@ def greedy_picks(rows, seen: np.ndarray, extra: list[int], penalty: float, extra
     return out.tolist()
 
 
+def sample_row(logits: torch.Tensor, seen: np.ndarray, extra: list[int], penalty: float, temperature: float,
+               top_k: int, top_p: float, min_p: float, u: float, probs: torch.Tensor | None = None) -> int | None:
+    """One row of logits [V] (float32 or bf16) through the repetition penalty (ids of `seen`,
+    an int64 array, and of `extra`), temperature, top-k, top-p and min-p in one native call:
+    the token whose cumulative probability first passes u in [0, 1) (-1 for u < 0), with the
+    distribution written into `probs` [V] float32 when given. None without the extension
+    (`sampling` then runs its torch reference)."""
+    nat = _native()
+    if nat is None:
+        return None
+    x = logits if logits.is_contiguous() else logits.contiguous()
+    return nat.sample_row(_np(x), seen, np.asarray(extra, dtype=np.int64), float(penalty), float(temperature),
+                          int(top_k), float(top_p), float(min_p), float(u), _EMPTY_NP if probs is None else _np(probs))
+
+
 def route_softmax_topk(x: torch.Tensor, router: torch.Tensor, k: int,
                        renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] float32 or bf16, router [E, H] float32 -> (weights [T, k] float32, ids [T, k] long):
@@ -1050,7 +1065,7 @@ __all__ = [
     "has_hooks", "module_plan",
     "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "numpy_views", "swiglu_mlp",
     "swiglu_mlp_ref",
-    "greedy_picks", "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
+    "greedy_picks", "sample_row", "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
     "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block_args", "moe_block_run", "MtpStep",
     "ExpertViews", "norm_args", "rms_norm", "rms_norm_ref", "norm_rope_heads", "norm_rope_heads_ref",
     "attn_decode_is_native", "fuse_decode_attention", "fused_attention_applies",

@@ -259,7 +259,7 @@ class Scheduler:
         Returns whether a token was sampled; the token waits in `req.next_token` otherwise."""
         s = req.seq
         try:
-            tok = int(sample(logits[None], s.params, [s.history()], s.generator)[0])
+            tok = int(sample(logits[None], s.params, [s.history()], s.uniforms)[0])
             piece = s.accept(tok, set() if req.ignore_eos else self.eos_ids)
         except Exception as e:  # noqa: BLE001
             self._finish(req, error=f"sampling failed: {e}")
