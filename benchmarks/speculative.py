@@ -2,14 +2,15 @@
 
     python benchmarks/speculative.py [-m PATH] [--threads 2] [--gen-tokens 64] [--drafts 0,1,2,3,auto]
                                      [--draft-vocab all,1024] [--rounds R] [--ram-budget 50%]
-                                     [--prefetch both|on|off] [--pass-times] [--json]
+                                     [--prefetch both|on|off] [--pass-times] [--sampled] [--json]
 
-Single stream (one prompt at a time), greedy. For every setting it prints decode tok/s (over
+Single stream (one prompt at a time), greedy (--sampled: the model's generation config,
+seeded per prompt and round, the same seeds for every setting). For every setting it prints decode tok/s (over
 all prompts, settings interleaved prompt by prompt so a shared machine's load falls on all
 alike), the acceptance rate of drafts, tokens emitted per verification step, and the
 routed-expert bytes the trunk reads per emitted token (the union of the experts of a
 verification pass) against one plain decode token. It checks that every speculative output
-equals the plain greedy output, and prints the machine's load average before and after.
+equals the plain greedy output (greedy only), and prints the machine's load average before and after.
 
 With --ram-budget the routed experts sit in an expert store holding that share in RAM (the
 rest read from disk on a miss); each speculative setting then runs with and without
@@ -65,8 +66,10 @@ def random_model(path: Path) -> Path:
 
 
 def run_one(llm, prompt: str, gen_tokens: int, draft, prefetch: bool = True, chooser=None,
-            draft_vocab: int | None = None) -> tuple[list[int], dict]:
-    """One greedy continuation: plain (draft 0) or speculative; its ids and figures."""
+            draft_vocab: int | None = None, sampling: dict | None = None) -> tuple[list[int], dict]:
+    """One continuation, greedy unless `sampling` (SamplingParams fields over the model's
+    generation config): plain (draft 0) or speculative; its ids and figures."""
+    sampling = {"temperature": 0.0} if sampling is None else sampling
     ids = llm.encode_prompt(prompt)
     store = getattr(llm, "store", None)
     if store is not None:  # every run starts from the same cold store, not from what the one before left
@@ -74,10 +77,10 @@ def run_one(llm, prompt: str, gen_tokens: int, draft, prefetch: bool = True, cho
     before = store_figures(store) if store is not None else (0, 0.0)
     cpu0 = time.thread_time()
     if draft == 0:
-        out = llm.generate_ids([ids], max_tokens=gen_tokens, temperature=0.0)[0]
+        out = llm.generate_ids([ids], max_tokens=gen_tokens, **sampling)[0]
         st = llm.last_stats
     else:
-        seq = Sequence(ids, llm.sampling_params(max_tokens=gen_tokens, temperature=0.0))
+        seq = Sequence(ids, llm.sampling_params(max_tokens=gen_tokens, **sampling))
         st = SpeculativeStats()
         for _ in run_speculative(llm.net, [seq], llm.eos_ids(), llm.dtype, st, draft, chooser=chooser,
                                  kv_dtype=llm.kv_dtype, prefetch=prefetch, draft_vocab=draft_vocab):
@@ -159,6 +162,8 @@ def main(argv=None):
                     help="with --ram-budget: speculative rows with the drafts' experts hinted to the store, without, or both")
     ap.add_argument("--pass-times", action="store_true",
                     help="also time a trunk pass of 1-4 tokens and one MTP call (medians), after the table")
+    ap.add_argument("--sampled", action="store_true",
+                    help="sample with the model's generation config (seeded per prompt and round) instead of greedy")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -199,12 +204,15 @@ def main(argv=None):
     plain_out: dict = {}
     figs: dict = {st: [] for st in settings}
     same = {st: True for st in settings}
-    for _ in range(args.rounds):
-        for p in prompts:
+    for rnd in range(args.rounds):
+        for k, p in enumerate(prompts):
             for st in settings:
                 d, pf, dv = st
-                out, fig = run_one(llm, p, args.gen_tokens, d, pf, choosers.get(st), dv)
-                if d == 0:
+                sampling = {"seed": 1000 * rnd + k} if args.sampled else None
+                out, fig = run_one(llm, p, args.gen_tokens, d, pf, choosers.get(st), dv, sampling)
+                if args.sampled:  # the same law, not the same tokens: nothing to compare
+                    pass
+                elif d == 0:
                     plain_out[p] = out
                 elif p in plain_out:
                     same[st] &= out == plain_out[p]
@@ -232,7 +240,7 @@ def main(argv=None):
                 single_token_expert_bytes=fs[0]["single_token_expert_bytes"],
                 extra_expert_bytes_per_token=mean("extra_expert_bytes_per_token"),
                 draft_expert_bytes_per_token=mean("draft_expert_bytes_per_token"),
-                identical_to_plain=same[st] if plain_out else None,
+                identical_to_plain=same[st] if plain_out and not args.sampled else None,
             )
             if d == "auto":
                 hist: dict = {}
@@ -247,7 +255,8 @@ def main(argv=None):
             r["speedup"] = r["decode_tok_s"] / plain["decode_tok_s"]
             r["best_round_speedup"] = r["best_round_decode_tok_s"] / plain["best_round_decode_tok_s"]
             r["cpu_speedup"] = plain["cpu_ms_per_token"] / r["cpu_ms_per_token"]
-    report = {"model": str(args.model), "note": note, "threads": args.threads, "dtype": args.dtype, "quant": args.quant, "gen_tokens": args.gen_tokens,
+    report = {"model": str(args.model), "note": note, "threads": args.threads, "dtype": args.dtype, "quant": args.quant,
+              "sampled": args.sampled, "gen_tokens": args.gen_tokens,
               "prompts": len(prompts), "rounds": args.rounds, "ram_budget": args.ram_budget,
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "results": results}
     if args.pass_times:
@@ -258,7 +267,8 @@ def main(argv=None):
     if note:
         print(f"NOTE: {note}")
     print(f"{args.model}  threads={args.threads}  {len(prompts)} prompts x {args.gen_tokens} tokens x {args.rounds} rounds, "
-          f"greedy, single stream" + (f", RAM budget {args.ram_budget}" if args.ram_budget else ""))
+          + ("sampled (generation config, seeded)" if args.sampled else "greedy") + ", single stream"
+          + (f", RAM budget {args.ram_budget}" if args.ram_budget else ""))
     print("load average before/after: " + " / ".join(" ".join(f"{x:.2f}" for x in la) for la in (load_before, os.getloadavg())))
     store_cols = f" {'diskB/tok':>10} {'wait ms/tok':>11}" if args.ram_budget else ""
     print(f"{'setting':22} {'tok/s':>7} {'speedup':>7} {'best-round':>10} {'cpu ms/tok':>10} {'cpu x':>6} {'accept':>6} "
