@@ -88,6 +88,8 @@ int64_t sample_row(const float* x, size_t V, const int64_t* seen, size_t ns, con
     std::vector<float>&s = s_buf, &heap = heap_buf, &e = e_buf, &es = es_buf;
     std::vector<int>&keep = keep_buf, &order = order_buf, &drop = drop_buf;
     s.assign(x, x + V);
+    for (size_t i = 0; i < V; ++i)  // (torch's multinomial refuses such a row too)
+        if (x[i] != x[i]) throw std::invalid_argument("logits contain NaN: nothing to sample from");
     check_ids(seen, ns, V);
     check_ids(extra, ne, V);
     if (penalty != 1.0f) {  // each id once, from the row as it came
