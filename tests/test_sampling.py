@@ -229,15 +229,19 @@ def test_draw_and_distribution_match_the_torch_reference(params):
     g = torch.Generator().manual_seed(8)
     x = torch.randn(300, generator=g) * 3
     hist_ids = torch.randint(0, 300, (40,), generator=g).tolist()
+    def law(row, ids):
+        penalised = apply_repetition_penalty(row.float()[None], [ids], p.repetition_penalty)
+        return filter_logits(penalised, p).softmax(-1)[0]
+
     for extra in ([], [7, 7, 290]):
-        law = filter_logits(apply_repetition_penalty(x[None], [hist_ids + extra], p.repetition_penalty), p).softmax(-1)[0]
+        want_law = law(x, hist_ids + extra)
         for hist in (hist_ids, History(hist_ids)):
-            assert torch.allclose(distribution(x, p, hist, extra), law, atol=1e-6, rtol=1e-5)
-            assert torch.allclose(distribution(x.bfloat16(), p, hist, extra), filter_logits(apply_repetition_penalty(
-                x.bfloat16().float()[None], [hist_ids + extra], p.repetition_penalty), p).softmax(-1)[0], atol=1e-6, rtol=1e-5)
+            assert torch.allclose(distribution(x, p, hist, extra), want_law, atol=1e-6, rtol=1e-5)
+            assert torch.allclose(distribution(x.bfloat16(), p, hist, extra), law(x.bfloat16(), hist_ids + extra),
+                                  atol=1e-6, rtol=1e-5)
             for u in torch.rand(200, generator=g).tolist():
                 want = draw_ref(x, p, hist, extra, u)
-                assert sampling._row(x, p, hist, extra, u, None) == want and law[want] > 0
+                assert sampling._row(x, p, hist, extra, u, None) == want and want_law[want] > 0
             u0 = float(torch.rand((), generator=torch.Generator().manual_seed(9)))
             assert draw(x, p, hist, torch.Generator().manual_seed(9), extra) == draw_ref(x, p, hist, extra, u0)
 

@@ -123,7 +123,8 @@ def greedy_tokens(rows: torch.Tensor | np.ndarray, history, penalty: float, extr
                              extra, extra_per_row)
 
 
-def greedy_tokens_ref(rows: np.ndarray, history, penalty: float, extra: list[int], extra_per_row: bool = True) -> list[int]:
+def greedy_tokens_ref(rows: np.ndarray, history, penalty: float, extra: list[int],
+                      extra_per_row: bool = True) -> list[int]:
     """greedy_tokens in numpy (float32 rows): every first maximum at once, and one penalised
     copy of the rows at most. A penalty above 1 only lowers seen tokens, so where every
     row's own first maximum is unseen, those are the picks and nothing is copied."""
@@ -246,7 +247,9 @@ def distribution(logits: torch.Tensor, p: SamplingParams, history, extra: list[i
     return probs
 
 
-def _row(logits, p, history, extra, u, probs):
+def _row(logits: torch.Tensor, p: SamplingParams, history, extra: list[int], u: float,
+         probs: torch.Tensor | None) -> int:
+    """`draw` (u >= 0) or `distribution` (u < 0, probs given) natively, else by `draw_ref`."""
     seen = history.ids if isinstance(history, History) else np.asarray(history, dtype=np.int64)
     tok = kernels.sample_row(logits, seen, extra, p.repetition_penalty, p.temperature, p.top_k, p.top_p, p.min_p, u,
                              probs)

@@ -679,7 +679,8 @@ class SpeculativeDecoder:
             if chooser is not None and not chooser.more(d + 1, max(all_accepted)):
                 break
             if d + 1 < n_cap:  # chained: the head's own output stands in for the trunk's hidden state
-                hidden = h_last if torch.is_tensor(h_last) else h_last[0][None] if B == 1 else torch.stack(h_last)  # [B, 1, H]
+                # [B, 1, H]
+                hidden = h_last if torch.is_tensor(h_last) else h_last[0][None] if B == 1 else torch.stack(h_last)
                 tokens = _long([[dr[-1]] for dr in drafts])
                 logits, h = self._mtp(hidden, tokens, slots)
                 logits_now, h_last = logits[:, -1], h[:, -1:]
