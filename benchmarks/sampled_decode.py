@@ -32,6 +32,16 @@ def main(argv=None) -> int:
     ap.add_argument("--reference", action="store_true", help="the sampler's torch/numpy references, not its native ops")
     a = parse_args(ap, argv)
 
+    from moerun.errors import MoerunError
+
+    try:
+        return measure(a)
+    except MoerunError as e:  # a bad model path or option: one line, as the CLI says it
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def measure(a: argparse.Namespace) -> int:
     import torch
 
     import moerun

@@ -44,6 +44,7 @@ import moerun
 from moerun.engine.generate import Sequence, run_plans
 from moerun.engine.llm import DEMO_MODEL
 from moerun.engine.speculative import SpeculativeStats, draft_head, new_draft_length, run_speculative, store_figures
+from moerun.errors import MoerunError
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -293,4 +294,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except MoerunError as e:  # a bad model path or option: one line, as the CLI says it
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

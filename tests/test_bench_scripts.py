@@ -58,3 +58,11 @@ def test_native_ab_times_a_models_own_calls(tmp_path):
     r = subprocess.run(cmd + ["--model", str(tmp_path / "nothing")], capture_output=True, text=True, cwd=BENCH)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("script", ["speculative", "sampled_decode"])
+def test_decode_benchmarks_name_a_missing_model_in_one_line(script, tmp_path):
+    r = subprocess.run([sys.executable, str(BENCH / f"{script}.py"), "-m", str(tmp_path / "none")],
+                       capture_output=True, text=True, cwd=BENCH)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"error: model path {tmp_path / 'none'} does not exist"
