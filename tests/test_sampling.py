@@ -2,6 +2,8 @@ import numpy as np
 import pytest
 import torch
 
+from moerun import kernels
+from moerun.engine import sampling
 from moerun.engine.generate import Sequence
 from moerun.engine.sampling import (
     History,
@@ -14,14 +16,12 @@ from moerun.engine.sampling import (
     draw,
     draw_ref,
     filter_logits,
+    full_probs,
     greedy_token,
     greedy_tokens,
-    full_probs,
     greedy_tokens_ref,
     sample,
 )
-from moerun import kernels
-from moerun.engine import sampling
 from moerun.errors import MoerunError
 
 
@@ -130,7 +130,7 @@ def test_greedy_with_a_history_and_drafts_after_it_is_the_penalized_argmax():
 
 
 @pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
-def test_greedy_picks_run_natively_and_refuse_ids_outside_the_row():
+def test_native_picks_and_draws_refuse_ids_outside_the_row_and_nan_rows():
     row = torch.tensor([[0.0, 5.0, 1.0]])
     assert kernels.greedy_picks(row, np.array([1]), [], 10.0, True) == [2]
     assert kernels.greedy_picks(row, np.array([1]), [], 2.0, True) == [1]
