@@ -2,7 +2,6 @@
 the sampling distribution unchanged, and a clear error without an MTP head."""
 
 import json
-import math
 
 import pytest
 import torch

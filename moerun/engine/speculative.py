@@ -97,15 +97,7 @@ from ..errors import MoerunError
 from ..layers.moe import Experts
 from .cache import Cache, RecurrentState
 from .generate import GenerationStats, Sequence, run_plans
-from .sampling import (
-    History,
-    SamplingParams,
-    distribution,
-    draw,
-    greedy_token,
-    greedy_tokens,
-    sample,
-)
+from .sampling import distribution, draw, greedy_token, greedy_tokens, sample
 
 # B batch (active rows), N draft tokens, T tokens per pass, H hidden, V vocab
 
