@@ -121,6 +121,12 @@ class Sequence:
         return piece
 
 
+def long_ids(rows: list[list[int]]) -> torch.Tensor:
+    """Token ids [B, T] as a long tensor, through numpy (~2 us where torch.tensor takes ~8; a
+    decode step makes one, a speculative step a few)."""
+    return torch.from_numpy(np.array(rows, dtype=np.int64))
+
+
 def run_plans(net) -> dict:
     """Keyword arguments for the forwards of one generation run: a new `plans` dict where the
     model takes one (`takes_plans`: its layer halves' checks made once a run,
@@ -182,9 +188,8 @@ def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats:
             if len(still) != len(active):
                 active = [b for b, _ in still]
                 slots = torch.tensor(active)
-            # (through numpy: ~2 us where torch.tensor takes ~8; the same slots tensor while the
-            # rows stay, which keeps what `Cache` learnt of it)
-            ids = torch.from_numpy(np.array([[t] for _, t in still], dtype=np.int64))
+            # (the same slots tensor while the rows stay: it keeps what `Cache` learnt of it)
+            ids = long_ids([[t] for _, t in still])
             logits, hidden = forward(ids, slots)
             stats.decode_steps += 1
             for i, b in enumerate(active):

@@ -75,6 +75,11 @@ class History:
         return self.n
 
 
+def _id_array(history) -> np.ndarray:
+    """A list of ids or a `History` as an int64 array."""
+    return history.ids if isinstance(history, History) else np.asarray(history, dtype=np.int64)
+
+
 def apply_repetition_penalty(logits: torch.Tensor, history: list, penalty: float) -> torch.Tensor:
     """CTRL-style: seen tokens' positive logits are divided by the penalty, negative multiplied.
 
@@ -96,7 +101,7 @@ def _penalize(rows: np.ndarray, seen, penalty: float) -> None:
     `History`). A token seen twice is listed twice: both writes put the same value, computed
     from the rows before any of them."""
     if len(seen):
-        idx = seen.ids if isinstance(seen, History) else np.asarray(seen, dtype=np.int64)
+        idx = _id_array(seen)
         vals = rows[..., idx]
         p = np.float32(penalty)
         rows[..., idx] = np.where(vals > 0, vals / p, vals * p)
@@ -115,7 +120,7 @@ def greedy_tokens(rows: torch.Tensor | np.ndarray, history, penalty: float, extr
     (a verification pass's positions; without `extra_per_row`, all of extra for every row),
     in one native call (`kernels.greedy_picks`: a dozen numpy calls each cost several times
     more inside a decode step than in a loop of their own), else `greedy_tokens_ref`."""
-    seen = history.ids if isinstance(history, History) else np.asarray(history, dtype=np.int64)
+    seen = _id_array(history)
     picks = kernels.greedy_picks(rows, seen, extra, penalty, extra_per_row)
     if picks is not None:
         return picks
@@ -250,7 +255,7 @@ def distribution(logits: torch.Tensor, p: SamplingParams, history, extra: list[i
 def _row(logits: torch.Tensor, p: SamplingParams, history, extra: list[int], u: float,
          probs: torch.Tensor | None) -> int:
     """`draw` (u >= 0) or `distribution` (u < 0, probs given) natively, else by `draw_ref`."""
-    seen = history.ids if isinstance(history, History) else np.asarray(history, dtype=np.int64)
+    seen = _id_array(history)
     tok = kernels.sample_row(logits, seen, extra, p.repetition_penalty, p.temperature, p.top_k, p.top_p, p.min_p, u,
                              probs)
     return tok if tok is not None else draw_ref(logits, p, history, extra, u, probs)

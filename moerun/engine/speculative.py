@@ -96,7 +96,7 @@ from .. import kernels
 from ..errors import MoerunError
 from ..layers.moe import Experts
 from .cache import Cache, RecurrentState
-from .generate import GenerationStats, Sequence, run_plans
+from .generate import GenerationStats, Sequence, long_ids, run_plans
 from .sampling import distribution, draw, greedy_token, greedy_tokens, sample
 
 # B batch (active rows), N draft tokens, T tokens per pass, H hidden, V vocab
@@ -501,12 +501,6 @@ class DraftLength:
             self.wait_s_per_byte = self.decay * self.wait_s_per_byte + (1 - self.decay) * wait_s / union_bytes
 
 
-def _long(rows: list[list[int]]) -> torch.Tensor:
-    """Token ids [B, T] as a long tensor, through numpy (~2 us where torch.tensor takes ~8; a
-    step makes a few)."""
-    return torch.from_numpy(np.array(rows, dtype=np.int64))
-
-
 class SpeculativeDecoder:
     """Runs `Sequence`s like `generate.run`, drafting with the MTP head and verifying in one pass.
 
@@ -673,7 +667,7 @@ class SpeculativeDecoder:
             if d + 1 < n_cap:  # chained: the head's own output stands in for the trunk's hidden state
                 # [B, 1, H]
                 hidden = h_last if torch.is_tensor(h_last) else h_last[0][None] if B == 1 else torch.stack(h_last)
-                tokens = _long([[dr[-1]] for dr in drafts])
+                tokens = long_ids([[dr[-1]] for dr in drafts])
                 logits, h = self._mtp(hidden, tokens, slots)
                 logits_now, h_last = logits[:, -1], h[:, -1:]
         tracker.end_pass()
@@ -694,7 +688,7 @@ class SpeculativeDecoder:
         h_last: list = [None] * B
         for rows in groups.values():
             hidden = pend_h[active[rows[0]]][None] if len(rows) == 1 else torch.stack([pend_h[active[i]] for i in rows])
-            tokens = _long([pend_t[active[i]] for i in rows])
+            tokens = long_ids([pend_t[active[i]] for i in rows])
             logits, h = self._mtp(hidden, tokens, slots if len(rows) == B else slots[rows])
             for j, i in enumerate(rows):
                 logits_now[i], h_last[i] = logits[j, -1], h[j, -1:]
@@ -751,7 +745,7 @@ class SpeculativeDecoder:
                 tracker.end_pass()
                 for b in active:
                     pend_h[b], pend_t[b] = pend_h[b][:0], []
-        ids = _long([[t] + drafts[i] for i, t in enumerate(first)])
+        ids = long_ids([[t] + drafts[i] for i, t in enumerate(first)])
         for layer in recurrent:
             layer.positions.clear()
         tracker.start_pass("verify")
@@ -823,11 +817,9 @@ class SpeculativeDecoder:
             for j in range(n + 1):
                 if j == n or picks[j] != drafts[j]:
                     return drafts[:j] + [picks[j]], j
-        history = s.prompt_ids + s.out_ids
         out: list[int] = []
         for j, d in enumerate(drafts):
-            h = history + out
-            p = distribution(logits[j], p_, h)
+            p = distribution(logits[j], p_, s.history(), out)
             q = qs[j]
             u = s.uniforms.next()
             if q[d] > 0 and u * float(q[d]) < float(p[d]):
@@ -837,7 +829,7 @@ class SpeculativeDecoder:
             if float(residual.sum()) <= 0:
                 residual = p
             return out + [int(torch.multinomial(residual, 1, generator=s.generator)[0])], j
-        return out + [draw(logits[n], p_, history + out, s.uniforms)], n
+        return out + [draw(logits[n], p_, s.history(), s.uniforms, out)], n
 
 
 def new_draft_length(net, expert_cost: float = 1.0) -> DraftLength:

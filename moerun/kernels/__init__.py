@@ -451,7 +451,7 @@ def greedy_picks(rows, seen: np.ndarray, extra: list[int], penalty: float, extra
     nat = _native()
     if nat is None:
         return None
-    x = rows if isinstance(rows, np.ndarray) else _np(rows if rows.is_contiguous() else rows.contiguous())
+    x = rows if isinstance(rows, np.ndarray) else _np(_act(rows))
     out = np.empty(x.shape[0], dtype=np.int64)
     nat.greedy_picks(x, seen, np.asarray(extra, dtype=np.int64), float(penalty), bool(extra_per_row), out)
     return out.tolist()
@@ -467,8 +467,7 @@ def sample_row(logits: torch.Tensor, seen: np.ndarray, extra: list[int], penalty
     nat = _native()
     if nat is None:
         return None
-    x = logits if logits.is_contiguous() else logits.contiguous()
-    return nat.sample_row(_np(x), seen, np.asarray(extra, dtype=np.int64), float(penalty), float(temperature),
+    return nat.sample_row(_np(_act(logits)), seen, np.asarray(extra, dtype=np.int64), float(penalty), float(temperature),
                           int(top_k), float(top_p), float(min_p), float(u), _EMPTY_NP if probs is None else _np(probs))
 
 
