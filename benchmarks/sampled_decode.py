@@ -19,8 +19,6 @@ from pathlib import Path
 
 from checkout import parse_args
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -211,9 +211,7 @@ def main(argv=None):
                 d, pf, dv = st
                 sampling = {"seed": 1000 * rnd + k} if args.sampled else None
                 out, fig = run_one(llm, p, args.gen_tokens, d, pf, choosers.get(st), dv, sampling)
-                if args.sampled:  # the same law, not the same tokens: nothing to compare
-                    pass
-                elif d == 0:
+                if d == 0 and not args.sampled:  # sampled runs share a law, not tokens: nothing to compare
                     plain_out[p] = out
                 elif p in plain_out:
                     same[st] &= out == plain_out[p]
@@ -241,7 +239,7 @@ def main(argv=None):
                 single_token_expert_bytes=fs[0]["single_token_expert_bytes"],
                 extra_expert_bytes_per_token=mean("extra_expert_bytes_per_token"),
                 draft_expert_bytes_per_token=mean("draft_expert_bytes_per_token"),
-                identical_to_plain=same[st] if plain_out and not args.sampled else None,
+                identical_to_plain=same[st] if plain_out else None,
             )
             if d == "auto":
                 hist: dict = {}

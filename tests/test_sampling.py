@@ -142,6 +142,8 @@ def test_native_picks_and_draws_refuse_ids_outside_the_row_and_nan_rows():
     assert kernels.sample_row(row[0], np.array([1]), [], *args, 0.999) in (1, 2)
     with pytest.raises(IndexError, match="token id 5 outside"):
         kernels.sample_row(row[0], np.array([5]), [], *args, 0.5)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        kernels.sample_row(row[0], np.array([1]), [], 1.1, 0.0, 2, 1.0, 0.0, 0.5)
     with pytest.raises(ValueError, match="logits contain NaN"):
         kernels.sample_row(torch.tensor([0.0, float("nan")]), np.array([], dtype=np.int64), [], *args, 0.5)
 
