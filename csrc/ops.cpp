@@ -176,17 +176,26 @@ void route_softmax_topk(int T, int H, int E, int K, bool renorm, const float* x,
     Workspace& W = ws();
     W.att.resize((size_t)T * E);
     float* lg = W.att.data();
-    // experts split over the pool: each router row is read once for all T tokens
-    auto rows = [&](int e0, int e1) {
-        for (int e = e0; e < e1; ++e)
-            for (int t = 0; t < T; ++t) lg[(size_t)t * E + e] = dot8(x + (size_t)t * H, R + (size_t)e * H, H);
-    };
-    const int nt = (size_t)E * H < 65536 ? 1 : std::min(pool().size(), E);
-    if (nt == 1) {
-        rows(0, E);
+    // the logits are a float32 GEMM (the ISA's float kernel: each (token, expert) dot product
+    // in one fixed order whatever T is); a small router runs on this thread
+    if ((size_t)E * H < 65536 && T <= 4) {
+        GemmArgs a;
+        a.nrows = E;
+        a.nb = blocks_of(H);
+        a.w = reinterpret_cast<const uint8_t*>(R);
+        a.w_row = (size_t)H * sizeof(float);
+        a.ws = nullptr;
+        a.ntok = T;
+        a.xidx = nullptr;
+        a.y = lg;
+        a.y_row = E;
+        a.in = H;
+        a.xf = x;
+        a.x_row = H;
+        kern().gemm_f32(a);
     } else {
-        const int per = (E + nt - 1) / nt;
-        pool().parallel_for(nt, [&](int i) { rows(i * per, std::min(E, (i + 1) * per)); });
+        const QWeight r{FMT_F32, reinterpret_cast<const uint8_t*>(R), nullptr};
+        qlinear_multi(T, H, 1, &r, &E, x, lg);
     }
     for (int t = 0; t < T; ++t) {
         float* l = lg + (size_t)t * E;
