@@ -1,0 +1,185 @@
+"""A decode pass through the whole layer stack as its native calls in one loop
+(`layers.stack.stack_run`): bit-identical to the modules, and out of the way wherever they
+must run (the first pass of a run, a batch, hooks, a layer without both fused halves)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from moerun import kernels
+from moerun.layers import stack
+
+pytestmark = pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+
+CFG = dict(vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3,
+           norm_topk_prob=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3_path(tmp_path_factory):
+    def make(**over):
+        torch.manual_seed(0)
+        path = tmp_path_factory.mktemp("qwen3_stack")
+        Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**CFG, **over}, experts_implementation="eager")).eval().save_pretrained(path)
+        return path
+
+    return make
+
+
+def passes(net, dtype, plans, slot=1):
+    """A prompt into slot 1 of a 2-slot cache, then one-token steps and a pass of three (a
+    verification pass) -> every pass's logits."""
+    from moerun.engine.cache import Cache
+
+    ids = torch.randint(0, CFG["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(3))
+    cache = Cache(net.cache_spec(), 2, 32, dtype)
+    s = torch.tensor([slot])
+    kw = {} if plans is None else {"plans": plans}
+    out = [net(ids[:, :8], cache, s, **kw)]
+    for i, T in ((8, 1), (9, 1), (10, 1), (11, 3), (14, 1), (15, 3), (18, 1)):
+        out.append(net(ids[:, i : i + T], cache, s, **kw))
+    return out
+
+
+def counting(monkeypatch):
+    ran = []
+    real = stack.stack_run
+
+    def counted(*a, **k):
+        y = real(*a, **k)
+        ran.append(y is not None)
+        return y
+
+    from moerun.models import qwen3_moe
+
+    monkeypatch.setattr(qwen3_moe, "stack_run", counted)
+    return ran
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_stack_is_bit_identical_to_the_modules(qwen3_path, dtype, quant, monkeypatch):
+    import moerun
+
+    net = moerun.load(qwen3_path(), dtype=dtype, threads=1, quant=quant).net
+    kv = net.model.embed_tokens.weight.dtype
+    ran = counting(monkeypatch)
+    with torch.inference_mode():
+        want = passes(net, kv, None)
+        assert not any(ran)  # no plans: the modules
+        ran.clear()
+        got = passes(net, kv, {})
+    # the prefill (a long pass: no fused halves) and the first pass of each decode shape run
+    # the modules; the other one-token steps and the second pass of three the stack
+    assert ran == [False, False, True, True, False, True, True, True]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_hooks_and_batches_run_the_modules(qwen3_path, monkeypatch):
+    import moerun
+    from moerun.engine.cache import Cache
+
+    net = moerun.load(qwen3_path(), dtype="float32", threads=1, quant="int4").net
+    ran = counting(monkeypatch)
+    seen = []
+    ids = torch.randint(0, CFG["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(7))
+
+    def steps(plans, hook_at=(), layer_hook=False):
+        cache, s, out = Cache(net.cache_spec(), 1, 24, torch.float32), torch.tensor([0]), []
+        kw = {} if plans is None else {"plans": plans}
+        net(ids[:, :4], cache, s, **kw)
+        for i in range(4, 12):
+            hooks = []
+            if i in hook_at:  # a pre-hook on one layer's experts during the run: the modules serve it
+                hooks.append(net.model.layers[1].mlp.experts.register_forward_pre_hook(
+                    lambda m, a: seen.append(a[1].shape)))
+            out.append(net(ids[:, i : i + 1], cache, s, **kw))
+            for h in hooks:
+                h.remove()
+        return out
+
+    with torch.inference_mode():
+        want = steps(None)
+        ran.clear()
+        got = steps({}, hook_at=(7, 8))
+        assert ran == [False, False, True, True, False, False, True, True, True]
+        assert len(seen) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
+        # a forward hook on a layer: the stack is not built
+        h = net.model.layers[0].register_forward_hook(lambda *a: seen.append("layer"))
+        ran.clear()
+        got = steps({})
+        h.remove()
+        assert not any(ran) and seen.count("layer") == 9
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        # a batch of two rows: the modules
+        cache, s, plans = Cache(net.cache_spec(), 2, 16, torch.float32), torch.tensor([0, 1]), {}
+        ran.clear()
+        net(torch.randint(0, 97, (2, 4)), cache, s, plans=plans)
+        for i in range(3):
+            net(torch.randint(0, 97, (2, 1)), cache, s, plans=plans)
+        assert not any(ran)
+
+
+def test_a_dense_layer_runs_the_modules(qwen3_path, monkeypatch):
+    """A layer whose MLP is dense (no MoE half plan): the whole pass runs the modules."""
+    import moerun
+
+    net = moerun.load(qwen3_path(mlp_only_layers=[1]), dtype="float32", threads=1, quant="int4").net
+    ran = counting(monkeypatch)
+    with torch.inference_mode():
+        want = passes(net, torch.float32, None)
+        got = passes(net, torch.float32, {})
+    assert not any(ran) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_path(tmp_path_factory):
+    from test_qwen3_5_moe import make_reference
+
+    path = tmp_path_factory.mktemp("qwen3_5_stack")
+    make_reference().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quant", [None, "int4"])
+@pytest.mark.parametrize("slot", [0, 1])
+def test_qwen3_5_stack_keeps_logits_and_states(qwen3_5_path, dtype, quant, slot, monkeypatch):
+    """Gated DeltaNet and attention halves: the same logits, recurrent states and per-token
+    states kept for a rollback (passes of three) as the modules, in slot 0 (whose states the
+    modules update as views) and slot 1 (which they gather and write back)."""
+    import moerun
+    from moerun.engine.cache import Cache, RecurrentState
+    from moerun.models import qwen3_5_moe
+
+    net = moerun.load(qwen3_5_path, dtype=dtype, threads=1, quant=quant).net
+    kv = net.model.embed_tokens.weight.dtype
+    ran = []
+    real = stack.stack_run
+    monkeypatch.setattr(qwen3_5_moe, "stack_run", lambda *a: (lambda y: (ran.append(y is not None), y)[1])(real(*a)))
+
+    def run(plans):
+        ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(4))
+        cache = Cache(net.cache_spec(), 2, 32, kv)
+        rec = [layer for layer in cache.layers if isinstance(layer, RecurrentState)]
+        for layer in rec:
+            layer.positions = {}
+        s = torch.tensor([slot])
+        kw = {} if plans is None else {"plans": plans}
+        out, kept = [net(ids[:, :8], cache, s, **kw)], []
+        for i, T in ((8, 1), (9, 3), (12, 1), (13, 3), (16, 1), (17, 3), (20, 1)):
+            out.append(net(ids[:, i : i + T], cache, s, **kw))
+            kept += [t.clone() for layer in rec for t in layer.positions.values()]
+        states = [layer.tensors[n][slot].clone() for layer in rec for n in ("conv", "recurrent")]
+        return out, kept, states
+
+    with torch.inference_mode():
+        want = run(None)
+        ran.clear()
+        got = run({})
+    assert ran == [False, False, False, True, True, True, True, True]
+    for a, b in zip(got, want):
+        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
