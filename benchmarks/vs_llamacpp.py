@@ -44,6 +44,7 @@ import torch
 from moerun import kernels
 from moerun.bench.random_model import preset_config
 from moerun.engine.cache import Cache
+from moerun.engine.generate import run_plans
 from moerun.layers.moe import Experts
 from moerun.models import qwen3_moe
 from moerun.quant import POLICIES, quantize_model
@@ -266,13 +267,14 @@ def run_moerun(net, args, prompt: list[int], gen: int, threads: int, split: bool
     # bf16 checkpoint: the checkpoint's dtype); the weights compute in float32
     cache = Cache(net.cache_spec(), 1, len(prompt) + gen + 1, torch.bfloat16)
     ids = torch.tensor([prompt])
+    plans = run_plans(net)  # as moerun's decode loop runs its passes (their checks made once a run)
     with torch.inference_mode():
         with CpuClock() as pre:
-            logits = net(ids, cache, last_only=True)
+            logits = net(ids, cache, last_only=True, **plans)
         tok = torch.tensor([[prompt[0]]])
         with CpuClock() as dec:
             for i in range(gen):
-                net(tok, cache, last_only=True)
+                net(tok, cache, last_only=True, **plans)
                 tok = torch.tensor([[prompt[(i + 1) % len(prompt)]]])
     return dict(prefill_tok_s=len(prompt) / pre.wall, decode_tok_s=gen / dec.wall,
                 decode_cpu_per_wall=dec.cpu_s / dec.wall, decode_invol_csw_per_tok=dec.invol / gen,
