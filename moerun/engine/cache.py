@@ -181,6 +181,21 @@ class RecurrentState:
         """`set` for one slot given as an int (a few microseconds where `set` takes tens)."""
         self.tensors[name][slot].copy_(value)
 
+    def roll_back(self, slot: int, row: int, keep: int) -> None:
+        """The slot's states <- the ones kept after token keep - 1 of row `row` of the last pass
+        (`positions`, `keep_every`): speculative decoding's rollback after a rejected draft.
+        float32 states as numpy copies (a torch index and copy_ per state cost ~16 us, and a
+        rejection restores two states per DeltaNet layer)."""
+        arrays = self.__dict__.get("_arrays")
+        if arrays is None:
+            arrays = self._arrays = {n: t.numpy() if t.dtype == torch.float32 else None for n, t in self.tensors.items()}
+        for name, every in self.positions.items():
+            a = arrays[name]
+            if a is None or every.dtype != torch.float32:
+                self.set_slot(name, slot, every[row, keep - 1])
+            else:
+                a[slot] = every.numpy()[row, keep - 1]
+
     def scratch(self, name: str, shape: tuple, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A contiguous buffer of `shape` kept from one call to the next: where a pass of a few
         tokens writes every token's state, instead of fresh memory each pass (a fresh buffer of

@@ -801,8 +801,7 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         for i, keep in rollback.items():  # recurrent states: the one after the last kept token
             for state in recurrent:
-                for name, every in state.positions.items():
-                    state.set_slot(name, active[i], every[i, keep - 1])
+                state.roll_back(active[i], i, keep)
         if self.chooser is not None:
             self.chooser.observe_time(n, busy + time.perf_counter() - t1, wait, tracker.pass_bytes // len(active))
 
