@@ -24,20 +24,22 @@ import torch
 from moerun.layers import stack
 
 
+STACK = stack.stack_run
+
+
 def modules_only(*args):
     return None
 
 
 def demo(a) -> None:
     import moerun
-    from moerun.models import qwen3_5_moe
     from speculative import PROMPTS, run_one
 
     llm = moerun.load(None, threads=a.threads, dtype="bfloat16")
     tok_s, outs, same = {}, {}, True
     for _ in range(a.rounds):
-        for mode, fn in (("stack", stack.stack_run), ("modules", modules_only)):
-            qwen3_5_moe.stack_run = fn
+        for mode, fn in (("stack", STACK), ("modules", modules_only)):
+            stack.stack_run = fn
             for draft in (0, 2):
                 n = dec = 0
                 for p in PROMPTS:
@@ -45,7 +47,7 @@ def demo(a) -> None:
                     n, dec = n + len(out), dec + fig["decode_s"]
                     same &= outs.setdefault(p, out) == out
                 tok_s.setdefault((mode, draft), []).append(n / dec)
-    qwen3_5_moe.stack_run = stack.stack_run
+    stack.stack_run = STACK
     for (mode, draft), v in tok_s.items():
         print(f"{mode:8s} {'plain' if draft == 0 else 'N=2':5s} tok/s per round: " + " / ".join(f"{x:.0f}" for x in v))
     for draft in (0, 2):
@@ -57,7 +59,6 @@ def demo(a) -> None:
 def random_30b(a) -> None:
     from moerun import kernels
     from moerun.engine.cache import Cache
-    from moerun.models import qwen3_moe
     from vs_llamacpp import build_model
 
     net, args = build_model(a.layers, a.row)
@@ -72,14 +73,14 @@ def random_30b(a) -> None:
         net(prompt, cache, last_only=True, plans=plans)
         for _ in range(a.rounds):
             for mode in times:
-                qwen3_moe.stack_run = stack.stack_run if mode == "stack" else modules_only
+                stack.stack_run = STACK if mode == "stack" else modules_only
                 for i in range(10):
                     cache.lengths[0] = 512
                     t = time.perf_counter()
                     net(prompt[:, i : i + 1], cache, last_only=True, plans=plans)
                     if i >= 2:  # a block's first steps make or find its plans
                         times[mode].append(time.perf_counter() - t)
-    qwen3_moe.stack_run = stack.stack_run
+    stack.stack_run = STACK
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{a.layers} Qwen3-30B-A3B-shaped layers, {a.row}, {a.threads} threads, 512 tokens of context: "
           f"stack {med['stack'] * 1e3:.2f} ms, modules {med['modules'] * 1e3:.2f} ms a step "

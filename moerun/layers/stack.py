@@ -22,6 +22,18 @@ from .routes import routes_seen
 _UNSET, _SEEN = object(), object()
 
 
+def run_layers(layers, x: torch.Tensor, cos_sin: tuple, cache, slots, pos0, plans: dict | None) -> torch.Tensor:
+    """x through every decoder layer (called as layer(x, cos_sin, its cache entry, slots,
+    pos0, plans=plans)): the stack's one loop where it applies (`stack_run`), else the
+    modules one by one."""
+    y = stack_run(layers, x, cos_sin, cache, slots, pos0, plans)
+    if y is not None:
+        return y
+    for i, layer in enumerate(layers):
+        x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0, plans=plans)
+    return x
+
+
 def stack_run(layers, x: torch.Tensor, cos_sin: tuple, cache, slots: torch.Tensor, pos0: torch.Tensor,
               plans: dict | None) -> torch.Tensor | None:
     """x [1, T, H] (the embeddings) through `layers` at positions pos0.. of cache slot

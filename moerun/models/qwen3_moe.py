@@ -15,7 +15,7 @@ from ..layers.attention import attend, attn_residual
 from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, norm_rope
-from ..layers.stack import stack_run
+from ..layers.stack import run_layers
 
 # B batch, T tokens, H hidden, E experts, K experts per token, D head dim
 
@@ -151,12 +151,7 @@ class Model(nn.Module):
         m = self.model
         x = m.embed_tokens(input_ids)
         cos_sin = m.rope.span(pos0, T, x.dtype)
-        y = stack_run(m.layers, x, cos_sin, cache, slots, pos0, plans)  # a decode pass's native calls in one loop
-        if y is not None:
-            x = y
-        else:
-            for i, layer in enumerate(m.layers):
-                x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0, plans=plans)
+        x = run_layers(m.layers, x, cos_sin, cache, slots, pos0, plans)  # a decode pass: one loop of native calls
         if cache is not None:
             cache.advance(slots, T)
         hidden = m.norm(x)
