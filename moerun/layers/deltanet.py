@@ -23,6 +23,9 @@ import torch.nn.functional as F
 CHUNK = 64
 SEGMENT = 64 * CHUNK  # tokens per pass of the chunked form (a multiple of CHUNK)
 FEW = 8  # up to this many tokens (a speculative verification pass) run token by token
+# the weights of a Gated DeltaNet module that its native step reads (`kernels.deltanet_decode`),
+# by their names on the module: the key of their views in a run's plans
+DELTA_WEIGHTS = ("conv1d.weight", "A_log", "dt_bias", "norm.weight")
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, every_state: bool = False):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from .deltanet import DELTA_WEIGHTS
 from .routes import routes_seen
 
 _UNSET, _SEEN = object(), object()
@@ -124,8 +125,6 @@ def _attention(attn, x, kv, s: int, plans: dict) -> tuple | None:
 def _deltanet(dn, x, state, s: int, plans: dict) -> tuple | None:
     """GatedDeltaNet.residual's native call: its plans (the weights' views, and the fused
     call's projections, out_proj and norm), and its states' slot as views, updated in place."""
-    from ..models.qwen3_5_moe import DELTA_WEIGHTS
-
     views = plans.get((dn, DELTA_WEIGHTS))
     fused = plans.get((dn, (x.shape, x.dtype)))
     if dn is None or views is None or fused is None or kernels.has_hooks(dn):

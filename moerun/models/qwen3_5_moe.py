@@ -34,7 +34,7 @@ from .. import kernels
 from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec, StateSpec
 from ..layers.attention import attend, attn_residual
-from ..layers.deltanet import FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, split_heads
+from ..layers.deltanet import DELTA_WEIGHTS, FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, split_heads
 from ..layers.linear import native_call_views, packed_views, project
 from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.mtp import MtpParts, native_step, prepare as prepare_drafter
@@ -163,9 +163,6 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-
-
-DELTA_WEIGHTS = ("conv1d.weight", "A_log", "dt_bias", "norm.weight")  # what kernels.deltanet_decode reads
 
 
 class GatedDeltaNet(nn.Module):
