@@ -648,3 +648,24 @@ def test_expert_tracker_counts_the_union_per_module():
     bare.start_pass("verify")
     bare.end_pass()
     assert bare.pass_bytes == bare.token_bytes == 0 and bare.bytes == {"verify": 0, "draft": 0}
+
+
+def test_roll_back_restores_the_kept_state_of_a_slot():
+    """RecurrentState.roll_back: slot <- the state kept after token keep - 1 of a row, as numpy
+    copies for float32 states and through set_slot for others (a bf16 one here); other slots
+    and the kept states untouched."""
+    from moerun.engine.cache import StateSpec
+
+    spec = StateSpec(shapes=(("a", (2, 3)), ("b", (4,))), dtypes=(("a", torch.float32),))
+    st = RecurrentState(spec, 3, torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    for t in st.tensors.values():
+        t.copy_(torch.randn(t.shape, generator=g))
+    before = {n: t.clone() for n, t in st.tensors.items()}
+    every = {"a": torch.randn(2, 4, 2, 3, generator=g), "b": torch.randn(2, 4, 4, generator=g).to(torch.bfloat16)}
+    st.positions = {n: t.clone() for n, t in every.items()}
+    st.roll_back(slot=2, row=1, keep=3)
+    for n, t in st.tensors.items():
+        assert torch.equal(t[2], every[n][1, 2])
+        assert torch.equal(t[:2], before[n][:2])
+        assert torch.equal(st.positions[n], every[n])
