@@ -238,6 +238,32 @@ def float_decode_rows(x: torch.Tensor) -> bool:
     return x.numel() <= FLOAT_LINEAR_MAX_TOKENS * x.shape[-1] and not torch.is_grad_enabled()
 
 
+def float_native_rows(x: torch.Tensor) -> bool:
+    """Whether a float linear or float experts call on x goes native: a decode-sized x
+    (`float_decode_rows`), or a bf16 x of any size on a CPU where torch has no fast bf16
+    GEMM (`torch_bf16_is_slow`), autograd off. There torch's bf16 product runs 5-8x slower
+    than the native bf16 kernel at every size measured (this AVX2 machine, 2 threads: 128 x
+    2048 -> 4096 138.7 vs 25.2 ms, 512 tokens 817 vs 98 ms; the demo's 128 -> 4096 at 128
+    tokens 17.4 vs 3.5 ms), and a bf16 model's prefill was mostly that."""
+    if torch.is_grad_enabled():
+        return False
+    if x.numel() <= FLOAT_LINEAR_MAX_TOKENS * x.shape[-1]:
+        return True
+    return x.dtype == torch.bfloat16 and torch_bf16_is_slow()
+
+
+def torch_bf16_is_slow() -> bool:
+    """Whether torch's CPU bf16 GEMMs lack hardware support here (no AVX-512 BF16, no AMX):
+    oneDNN then widens every operand in software. False without the native extension."""
+    slow = _state.get("bf16_slow")
+    if slow is None:
+        _native()
+        nat = _state["native"]  # the extension, even while the torch references are forced
+        slow = _state["bf16_slow"] = nat is not None and not nat.cpu_features().get("avx512bf16", False) \
+            and "amx" not in nat.available_isas()
+    return slow
+
+
 def float_linear_views(lin: torch.nn.Module) -> Packed:
     """A float linear's weight as the linear ops take it (`float_packed`, kept on the module)."""
     return native_views(lin, ("weight",), float_packed)
@@ -1031,7 +1057,8 @@ def _cache_slot(kv, s: int) -> tuple:
 def native_float_linears(net: torch.nn.Module) -> int:
     """Run each plain float linear's few-row calls (`layers.linear.plain_float_linear`:
     float32 or bf16 weight, no bias, no hooks when wrapped; at most FLOAT_LINEAR_MAX_TOKENS
-    rows, no autograd) as one native call over its weight as it is (`qlinear_multi` with
+    rows, or any number of bf16 rows where torch's bf16 GEMM is slow (`float_native_rows`),
+    no autograd) as one native call over its weight as it is (`qlinear_multi` with
     `float_packed`), where torch's bf16 product of one row costs ~0.2 ms on a CPU without
     bf16 arithmetic. Other calls, and the module's weights and state_dict, are untouched:
     only the instance's forward is wrapped (hooks still see every call). Returns how many
@@ -1050,7 +1077,7 @@ def native_float_linears(net: torch.nn.Module) -> int:
 
 def float_linear_forward(self, x):
     w = self._parameters["weight"]
-    if (x.dtype != w.dtype or not float_decode_rows(x) or not w.is_cpu or self.bias is not None
+    if (x.dtype != w.dtype or not float_native_rows(x) or not w.is_cpu or self.bias is not None
             or _native() is None):
         return F.linear(x, w, self.bias)
     return qlinear_multi(x, [float_linear_views(self)], dtype=x.dtype)[0]

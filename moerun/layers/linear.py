@@ -26,15 +26,15 @@ def project(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
 def packed_views(*mods: nn.Module, x: torch.Tensor | None = None) -> tuple | None:
     """Each module's weight as the native ops take it (`kernels.Packed`) when the native
     kernels run and every module is a packed quantized linear without bias
-    (`QuantizedLinear`) or, given an x of decode size (`kernels.float_decode_rows`), a
-    `plain_float_linear` (`kernels.float_linear_views`: read as it is; torch's
-    GEMM is the better one for more rows); None otherwise."""
+    (`QuantizedLinear`) or, given an x of decode size (or bf16 where torch's bf16 GEMM is
+    slow: `kernels.float_native_rows`), a `plain_float_linear` (`kernels.float_linear_views`:
+    read as it is; torch's GEMM is the better one for more float32 rows); None otherwise."""
     if not kernels.native():
         return None
     packed = [type(m) is QuantizedLinear and m.bias is None for m in mods]  # (list comprehensions: one call each)
     if all(packed):
         return tuple([m.views() for m in mods])
-    if (x is None or not kernels.float_decode_rows(x)
+    if (x is None or not kernels.float_native_rows(x)
             or not all([p or plain_float_linear(m) for p, m in zip(packed, mods)])):
         return None
     return tuple([m.views() if p else kernels.float_linear_views(m) for p, m in zip(packed, mods)])

@@ -53,11 +53,12 @@ EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
 def native_float_experts(x: torch.Tensor, gate: torch.Tensor) -> bool:
-    """Whether x [N, H] goes through the native float experts kernel: a decode-sized pass
-    without autograd (`kernels.float_decode_rows`), float32 or bf16 weights contiguous in CPU memory (up and down are
-    alike wherever gate is), and the extension in use."""
+    """Whether x [N, H] goes through the native float experts kernel: a decode-sized pass, or a
+    bf16 one of any size where torch's bf16 GEMMs are slow, without autograd
+    (`kernels.float_native_rows`), float32 or bf16 weights contiguous in CPU memory (up and
+    down are alike wherever gate is), and the extension in use."""
     return (gate.dtype in kernels.FLOAT_DTYPES and gate.is_cpu and gate.is_contiguous()
-            and kernels.float_decode_rows(x) and kernels.native())
+            and kernels.float_native_rows(x) and kernels.native())
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int):
