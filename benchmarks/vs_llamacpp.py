@@ -15,7 +15,9 @@ f16, moerun bf16).
 
 Prints prefill tok/s (one prompt of --prompt-tokens), decode tok/s (--gen-tokens steps with
 a KV cache), the ratio, and the decode roofline: bytes read per decoded token / memory read
-bandwidth (`torch.sum` over 1 GiB, measured before each round; the median). A sanity line
+bandwidth (`torch.sum` over 1 GiB, measured right before and right after each engine's run:
+each run's share of its roofline uses the mean of the two, and the table shows the median
+of the rounds' shares with their range; the roofline row the median bandwidth). A sanity line
 compares the two engines' last-token logits after the prompt (same weights -> nearly the
 same logits). Both engines stay loaded and take turns for
 --rounds rounds; the table shows medians, and each ratio is the median of the rounds' own
@@ -394,19 +396,32 @@ def main(argv=None) -> int:
                 return 1
             llm = load_llamacpp(gguf_path, prompt, a.gen_tokens, a.threads)
         ours_runs, lc_runs, bws = [], [], []
+        fractions = {"moerun": [], "llamacpp": []}  # per round: decode tok/s over that run's own roofline
         for r in range(a.rounds):
-            # the bandwidth drifts between minutes: measured again right before each round
+            # the bandwidth drifts by a fifth within a minute here: measured right before and
+            # right after each engine's run, and each run's roofline from the mean of the two
             bws.append(read_bandwidth(a.threads))
             ours_runs.append(run_moerun(net, args, prompt, a.gen_tokens, a.threads, split=not a.no_split_threads))
-            print(f"[{row}] round {r + 1} read bandwidth {bws[-1] / 1e9:.1f} GB/s; moerun: " + ", ".join(
-                f"{k} {v:.2f}" for k, v in ours_runs[-1].items() if k != "logits"), file=sys.stderr)
+            bws.append(read_bandwidth(a.threads))
+            fractions["moerun"].append(ours_runs[-1]["decode_tok_s"] * nbytes / ((bws[-2] + bws[-1]) / 2))
+            print(f"[{row}] round {r + 1} read bandwidth {bws[-2] / 1e9:.1f} / {bws[-1] / 1e9:.1f} GB/s before / after; "
+                  f"moerun: " + ", ".join(f"{k} {v:.2f}" for k, v in ours_runs[-1].items() if k != "logits")
+                  + f", {100 * fractions['moerun'][-1]:.0f}% of roofline", file=sys.stderr)
             if llm is not None:
                 lc_runs.append(run_llamacpp(llm, prompt, a.gen_tokens))
+                bws.append(read_bandwidth(a.threads))
+                fractions["llamacpp"].append(lc_runs[-1]["decode_tok_s"] * nbytes / ((bws[-2] + bws[-1]) / 2))
                 print(f"[{row}] round {r + 1} llama.cpp: " + ", ".join(
-                    f"{k} {v:.2f}" for k, v in lc_runs[-1].items() if k != "logits"), file=sys.stderr)
+                    f"{k} {v:.2f}" for k, v in lc_runs[-1].items() if k != "logits")
+                    + f", {100 * fractions['llamacpp'][-1]:.0f}% of roofline (bandwidth after: {bws[-1] / 1e9:.1f} GB/s)",
+                    file=sys.stderr)
         ours = median_run(ours_runs)
         res["read_bw"] = float(np.median(bws))
         res["roofline_tok_s"] = res["read_bw"] / nbytes
+        for eng, f in fractions.items():
+            if f:
+                res[f"{eng}_of_roofline"] = float(np.median(f))
+                res[f"{eng}_of_roofline_range"] = (min(f), max(f))
         res["moerun"] = {k: v for k, v in ours.items() if k != "logits"}
         if llm is not None:
             del llm
@@ -421,7 +436,7 @@ def main(argv=None) -> int:
                 ratios = [o[f"{fig}_tok_s"] / t[f"{fig}_tok_s"] for o, t in zip(ours_runs, lc_runs)]
                 res[f"{fig}_ratio"] = float(np.median(ratios))
                 res[f"{fig}_ratio_range"] = (min(ratios), max(ratios))
-        res["decode_of_roofline"] = ours["decode_tok_s"] / res["roofline_tok_s"]
+        res["decode_of_roofline"] = res["moerun_of_roofline"]
         results.append(res)
         del net
         gc.collect()
@@ -431,17 +446,19 @@ def main(argv=None) -> int:
         return 0
     per_row = ", ".join(f"{r['read_bw'] / 1e9:.1f}" for r in results)
     print(f"\n{a.layers} layers, Qwen3-30B-A3B shapes, {a.threads} threads, prompt {a.prompt_tokens}, "
-          f"decode {a.gen_tokens}, read bandwidth {bw / 1e9:.1f} GB/s at the start, {per_row} before the rounds "
-          f"(per row, median; the roofline's), kernels {kernels.isa()}; medians of "
-          f"{a.rounds} alternating rounds (ratios: median of the rounds' ratios, range in brackets)")
+          f"decode {a.gen_tokens}, read bandwidth {bw / 1e9:.1f} GB/s at the start, {per_row} around the runs "
+          f"(per row, median; the roofline row's), kernels {kernels.isa()}; medians of "
+          f"{a.rounds} alternating rounds (ratios: median of the rounds' ratios, range in brackets; % of roofline: "
+          f"per run, against the mean of the bandwidths measured right before and after it)")
     print("| weights | engine | prefill tok/s | decode tok/s | decode % of roofline |")
     print("|---|---|---|---|---|")
     for r in results:
         for eng in ("llamacpp", "moerun"):
             if eng in r:
                 e = r[eng]
+                f0, f1 = r[f"{eng}_of_roofline_range"]
                 print(f"| {r['row'] if eng == 'moerun' else r['llama_type']} | {eng} | {e['prefill_tok_s']:.1f} | "
-                      f"{e['decode_tok_s']:.2f} | {100 * e['decode_tok_s'] / r['roofline_tok_s']:.0f}% |")
+                      f"{e['decode_tok_s']:.2f} | {100 * r[f'{eng}_of_roofline']:.0f}% ({100 * f0:.0f}-{100 * f1:.0f}) |")
         if "decode_ratio" in r:
             (p0, p1), (d0, d1) = r["prefill_ratio_range"], r["decode_ratio_range"]
             print(f"| {r['row']} | moerun / llama.cpp | {r['prefill_ratio']:.2f}x ({p0:.2f}-{p1:.2f}) | "
