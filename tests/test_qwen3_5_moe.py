@@ -121,6 +121,19 @@ def test_matches_transformers(tmp_path, overrides):
         assert llm.generate_ids([prompt], max_tokens=32, temperature=0.0)[0] == hf_greedy(ref, prompt, 32)
 
 
+def test_prompt_through_the_chunked_form_with_a_cache(tmp_path, monkeypatch):
+    """A small model's prompt runs the DeltaNet recurrence token by token
+    (`deltanet.token_by_token`); with that off, the chunked form carries the cache's states
+    from one pass to the next and matches transformers too."""
+    ref = make_reference()
+    llm = load(ref, tmp_path)
+    layer = llm.net.model.layers[llm.net.args.layer_types.index("linear_attention")].linear_attn
+    assert layer._token_by_token(140)
+    monkeypatch.setattr(deltanet, "RECURRENT_PREFILL_ELEMENTS", 0)
+    assert not layer._token_by_token(140) and layer._token_by_token(deltanet.FEW)
+    check_against_reference(ref, llm, ref.config.vocab_size, seq=140)
+
+
 def test_multimodal_checkpoint_loads(tmp_path):
     """The full qwen3_5_moe layout: text under text_config and model.language_model., a vision tower to skip."""
     ref = make_reference()

@@ -23,6 +23,17 @@ import torch.nn.functional as F
 CHUNK = 64
 SEGMENT = 64 * CHUNK  # tokens per pass of the chunked form (a multiple of CHUNK)
 FEW = 8  # up to this many tokens (a speculative verification pass) run token by token
+# ... and a prompt of more, where its tokens times one row's state elements (heads x Dk x Dv)
+# stay within this: a small model's chunked form is dozens of tiny torch ops per layer (~2 ms
+# a layer for 12 tokens of the demo model, whose 4 x 32 x 32 state takes ~1 us a token in the
+# native recurrence); a Qwen3.6-sized state (32 x 128 x 128) keeps the chunked form above FEW
+RECURRENT_PREFILL_ELEMENTS = 1 << 20
+
+
+def token_by_token(T: int, heads: int, dk: int, dv: int) -> bool:
+    """Whether a pass of T tokens runs the recurrence token by token (the native decode step)
+    rather than the chunked form: a few tokens, or a small state (RECURRENT_PREFILL_ELEMENTS)."""
+    return T <= FEW or T * heads * dk * dv <= RECURRENT_PREFILL_ELEMENTS
 # the weights of a Gated DeltaNet module that its native step reads (`kernels.deltanet_decode`),
 # by their names on the module: the key of their views in a run's plans
 DELTA_WEIGHTS = ("conv1d.weight", "A_log", "dt_bias", "norm.weight")

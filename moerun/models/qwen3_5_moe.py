@@ -34,7 +34,8 @@ from .. import kernels
 from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec, StateSpec
 from ..layers.attention import attend, attn_residual
-from ..layers.deltanet import DELTA_WEIGHTS, FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, split_heads
+from ..layers.deltanet import (DELTA_WEIGHTS, FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, split_heads,
+                               token_by_token)
 from ..layers.linear import native_call_views, packed_views, project
 from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.mtp import MtpParts, native_step, prepare as prepare_drafter
@@ -185,7 +186,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, state, slots):
         B, T, _ = x.shape
-        if state is not None and T <= FEW:  # decode, or a speculative verification pass
+        if state is not None and self._token_by_token(T):  # decode, a verification pass, a small model's prompt
             return self._few_tokens(x, state, slots)
         conv_state = state.get("conv", slots) if state is not None else None
         qkv, conv_state = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight, conv_state)  # [B, T, C]
@@ -204,16 +205,20 @@ class GatedDeltaNet(nn.Module):
         """x + self(norm(x), state, slots): the decoder layer's first half. A few-token pass
         runs as one native call (`kernels.deltanet_block`) where every part can (`_fusable`),
         bit-identical to the modules one by one. `plans`: a run's (`kernels.run_plan`)."""
-        if state is not None and x.shape[1] <= FEW and not kernels.has_hooks(self):
+        if state is not None and self._token_by_token(x.shape[1]) and not kernels.has_hooks(self):
             return self._few_tokens(x, state, slots, norm, plans)
         return x + self(norm(x), state, slots)
 
+    def _token_by_token(self, T: int) -> bool:
+        return token_by_token(T, self.n_v, self.dk, self.dv)
+
     def _few_tokens(self, x, state, slots, norm=None, plans=None):
-        """Token after token (kernels.deltanet_decode); a pass of several tokens keeps every
-        token's state, so that a rejected speculative draft can be rolled back. With `norm`
-        (`residual`): x + the layer's output on norm(x)."""
+        """Token after token (kernels.deltanet_decode); a pass of 2..FEW tokens keeps every
+        token's state, so that a rejected speculative draft can be rolled back (a longer one,
+        a small model's prompt, keeps the last only). With `norm` (`residual`): x + the
+        layer's output on norm(x)."""
         B, T, _ = x.shape
-        every = T > 1
+        every = 1 < T <= FEW
         conv, rec = state.get("conv", slots), state.get("recurrent", slots)
         bufs = None
         if every:
