@@ -73,6 +73,26 @@ def test_greedy_picks_the_first_of_tied_maxima():
     assert sample(logits, SamplingParams(), [[], []], None).tolist() == [1, 0]
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_greedy_token_probability(native):
+    """The pick is greedy_token's, and its probability torch's softmax of the raw row at it
+    (not the penalised one), natively and through the reference; bf16 rows too, a row whose
+    logits span far more than the 30 the native sum leaves out, and a NaN row."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(500, generator=g) * 4, torch.randn(500, generator=g) * 40, torch.zeros(17)]
+    rows[0][11] = 9.0
+    with kernels.use_isa(kernels.isa() if native else "torch"):
+        for row in rows:
+            for dtype in (torch.float32, torch.bfloat16):
+                x = row.to(dtype)
+                for seen, penalty in (([], 1.0), ([11, 3], 1.3), ([11], 50.0)):
+                    tok, p = sampling.greedy_token_probability(x, seen, penalty, [4])
+                    assert tok == greedy_token(x, seen, penalty, [4])
+                    assert p == pytest.approx(float(x.float().softmax(-1)[tok]), rel=1e-5, abs=1e-30)
+        tok, p = sampling.greedy_token_probability(torch.full((5,), float("nan")), [], 1.0)
+        assert tok == 0 and p != p
+
+
 def test_greedy_token_is_the_argmax_of_the_penalized_row():
     """greedy_token: argmax(apply_repetition_penalty(row)) for penalties above and below 1,
     none, an empty history, a bf16 row and a token the penalty knocks off the top; the row

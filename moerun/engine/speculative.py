@@ -97,7 +97,7 @@ from ..errors import MoerunError
 from ..layers.moe import Experts
 from .cache import Cache, RecurrentState
 from .generate import GenerationStats, Sequence, long_ids, run_plans
-from .sampling import distribution, draw, greedy_token, greedy_tokens, sample
+from .sampling import distribution, draw, greedy_token, greedy_token_probability, greedy_tokens, sample
 
 # B batch (active rows), N draft tokens, T tokens per pass, H hidden, V vocab
 
@@ -284,10 +284,16 @@ class ExpertTracker:
         self.flat = np.zeros(int(sizes.sum()), dtype=np.uint8)
         # reduceat over [start, start + E) and [start + E, next start): each module's union, then its k
         self.bounds = np.stack([starts, starts + self.num_experts_of], axis=1).reshape(-1)
+        # a pass's bytes in one dot product each: the flat masks weighed by their module's bytes
+        # per expert, at its experts' places (the union) or at its top-k's (one token)
+        self.union_weights = np.zeros(len(self.flat), dtype=np.int64)
+        self.k_weights = np.zeros(len(self.flat), dtype=np.int64)
         for i, m in enumerate(mods):
             # its own mask, installed on the module: a tracker left behind by an earlier run
             # (a generator dropped unfinished) neither shares it nor takes it away (close)
             self.masks[m] = m.routes_seen = self.flat[starts[i] : starts[i] + sizes[i]]
+            self.union_weights[starts[i] : starts[i] + self.num_experts_of[i]] = self.per_expert[i]
+            self.k_weights[starts[i] + self.num_experts_of[i]] = self.per_expert[i]
         self.counts = {phase: np.zeros(len(self.flat), dtype=np.int64) for phase in ("verify", "draft")}
 
     def start_pass(self, phase: str) -> None:
@@ -301,11 +307,10 @@ class ExpertTracker:
             return
         self.counts[phase] += self.flat
         if phase == "verify" and (self.per_pass or not self.token_bytes):
-            sums = np.add.reduceat(self.flat, self.bounds, dtype=np.int64)
-            union, k = sums[0::2], sums[1::2]  # k: 0 where the module was not called in this pass (union 0 too)
-            self.pass_bytes = int(union @ self.per_expert)
-            self.token_bytes = int(k @ self.per_expert)
-            if k.any():  # the last module called
+            self.pass_bytes = int(self.flat @ self.union_weights)
+            self.token_bytes = int(self.flat @ self.k_weights)  # a module not called in this pass: 0
+            if self.token_bytes and not self.top_k:  # from the last module called, once
+                k = self.flat[self.bounds[1::2]]
                 i = len(k) - 1 - int(k[::-1].argmax())
                 self.top_k, self.num_experts = int(k[i]), int(self.num_experts_of[i])
 
@@ -396,6 +401,7 @@ class DraftLength:
         self._next_explore = explore_every
         self._last_best: int | None = None
         self._explored = False
+        self._priced: tuple | None = None  # `_prices`, until the next measurement
 
     def expected_tokens(self, n: int) -> float:
         total, run = 1.0, 1.0
@@ -428,8 +434,19 @@ class DraftLength:
         m = min(self.step_s, key=lambda m: (abs(m - n), m))
         return self.step_s[m] * self.cost(n) / self.cost(m) + wait
 
+    def _prices(self) -> tuple[list[float], float]:
+        """(step_time(n) for n in 0..max_n, the best expected tokens per second): worked out
+        once between two measurements (a step's choice and its drafts' `more` ask several
+        times; each `update` or `observe_*` starts afresh)."""
+        if self._priced is None:
+            times = [self.step_time(n) for n in range(self.max_n + 1)]
+            rates = [self.expected_tokens(n) / t for n, t in enumerate(times)]
+            self._priced = (times, max(rates), rates.index(max(rates)))
+        return self._priced[:2]
+
     def best(self) -> int:
-        return max(range(self.max_n + 1), key=lambda n: self.expected_tokens(n) / self.step_time(n))
+        self._prices()
+        return self._priced[2]
 
     def choose(self) -> int:
         """N for the next step: 0 for a plain step; otherwise drafting may stop earlier or go
@@ -469,12 +486,13 @@ class DraftLength:
         the best N's expected rate would have given that many tokens too."""
         if n >= self.max_n:
             return False
-        rate = max(self.expected_tokens(m) / self.step_time(m) for m in range(self.max_n + 1))
-        return all_accepted * self.accept[n] >= (self.step_time(n + 1) - self.step_time(n)) * rate
+        times, rate = self._prices()
+        return all_accepted * self.accept[n] >= (times[n + 1] - times[n]) * rate
 
     def update(self, checked: int, accepted: int, confidences: list[float] | None = None) -> None:
         """A row's step: `accepted` of its first `checked` drafts accepted, their probabilities
         under the head `confidences` (if known)."""
+        self._priced = None
         for i in range(min(accepted + 1, checked)):  # drafts 1..accepted+1 were looked at
             hit = 1.0 if i < accepted else 0.0
             self.accept[i] = self.decay * self.accept[i] + (1 - self.decay) * hit
@@ -483,6 +501,7 @@ class DraftLength:
                 self.calibration[b] = self.decay * self.calibration[b] + (1 - self.decay) * hit
 
     def observe_union(self, n: int, ratio: float, k_over_e: float, token_bytes: int = 0) -> None:
+        self._priced = None
         self.k_over_e = k_over_e
         self.token_bytes = token_bytes or self.token_bytes
         old = self.union.get(n)
@@ -491,6 +510,7 @@ class DraftLength:
     def observe_time(self, n: int, seconds: float, wait_s: float = 0.0, union_bytes: int = 0) -> None:
         """A step with n drafts took `seconds`, `wait_s` of them waiting for the expert store
         while reading `union_bytes` of routed experts in its verification pass."""
+        self._priced = None
         window = self._times.setdefault(n, collections.deque(maxlen=self.TIME_WINDOW))
         window.append(seconds - wait_s)
         # the median of the last few: on a shared machine one preempted step is several times
@@ -646,15 +666,19 @@ class SpeculativeDecoder:
                     history, extra = [t for t in s.prompt_ids + s.out_ids + drafts[i] if t < self.draft_vocab], []
                 else:
                     history, extra = s.history(), drafts[i]
-                if s.params.greedy:
+                conf = None  # the draft's probability under the head, where "auto" bins it
+                if s.params.greedy and self.chooser is not None:
+                    (tok, conf), q = greedy_token_probability(logits_now[i], history, s.params.repetition_penalty,
+                                                              extra), None
+                elif s.params.greedy:
                     tok, q = greedy_token(logits_now[i], history, s.params.repetition_penalty, extra), None
                 else:
                     q = torch.empty(logits_now[i].shape[-1])
                     tok = draw(logits_now[i], s.params, history, s.uniforms, extra, probs=q)
+                    conf = float(q[tok])
                 drafts[i].append(tok)
                 qs[i].append(q)
-                if self.chooser is not None:  # the draft's probability under the head
-                    conf = float((q if q is not None else logits_now[i].float().softmax(-1))[tok])
+                if self.chooser is not None:
                     confidences[i].append(conf)
                     if chooser is not None:
                         all_accepted[i] *= chooser.confidence_accept(conf)
