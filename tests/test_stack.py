@@ -31,7 +31,9 @@ def qwen3_path(tmp_path_factory):
 
 def passes(net, dtype, plans, slot=1):
     """A prompt into slot 1 of a 2-slot cache, then one-token steps and a pass of three (a
-    verification pass) -> every pass's logits."""
+    verification pass), some for the last position's logits only, some with the final
+    hidden state too (`stack.model_pass` makes both) -> every pass's outputs, the cache's
+    lengths after each."""
     from moerun.engine.cache import Cache
 
     ids = torch.randint(0, CFG["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(3))
@@ -39,8 +41,10 @@ def passes(net, dtype, plans, slot=1):
     s = torch.tensor([slot])
     kw = {} if plans is None else {"plans": plans}
     out = [net(ids[:, :8], cache, s, **kw)]
-    for i, T in ((8, 1), (9, 1), (10, 1), (11, 3), (14, 1), (15, 3), (18, 1)):
-        out.append(net(ids[:, i : i + T], cache, s, **kw))
+    for j, (i, T) in enumerate(((8, 1), (9, 1), (10, 1), (11, 3), (14, 1), (15, 3), (18, 1), (19, 3))):
+        got = net(ids[:, i : i + T], cache, s, last_only=j % 2 == 1, return_hidden=j % 3 > 0, **kw)
+        out.extend(got if isinstance(got, tuple) else [got])
+        out.append(cache.lengths.clone())
     return out
 
 
@@ -65,15 +69,20 @@ def test_stack_is_bit_identical_to_the_modules(qwen3_path, dtype, quant, monkeyp
     net = moerun.load(qwen3_path(), dtype=dtype, threads=1, quant=quant).net
     kv = net.model.embed_tokens.weight.dtype
     ran = counting(monkeypatch)
+    whole = []  # passes `model_pass` ran (it alone asks for the rope's rows this way)
+    real_rows = stack._rope_table_rows
+    monkeypatch.setattr(stack, "_rope_table_rows", lambda *a: whole.append(a[-1]) or real_rows(*a))
     with torch.inference_mode():
         want = passes(net, kv, None)
-        assert not any(ran)  # no plans: the modules
+        assert not any(ran) and not whole  # no plans: the modules
         ran.clear()
         got = passes(net, kv, {})
     # the prefill (a long pass: no fused halves) and the first pass of each decode shape run
-    # the modules; the other one-token steps and the second pass of three the stack
-    assert ran == [False, False, True, True, False, True, True, True]
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the modules; the other one-token steps and the later passes of three the stack, through
+    # `model_pass` (embedding, final norm and LM head native too)
+    assert ran == [False, False, True, True, False, True, True, True, True]
+    assert whole == [1, 1, 1, 3]  # (the pass that builds a stack runs it from `run_layers`)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_hooks_and_batches_run_the_modules(qwen3_path, monkeypatch):

@@ -35,13 +35,14 @@ def run_layers(layers, x: torch.Tensor, cos_sin: tuple, cache, slots, pos0, plan
     return x
 
 
-def stack_run(layers, x: torch.Tensor, cos_sin: tuple, cache, slots: torch.Tensor, pos0: torch.Tensor,
-              plans: dict | None) -> torch.Tensor | None:
+def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torch.Tensor, pos0: torch.Tensor | None,
+              plans: dict | None, rope: tuple | None = None, pos: int | None = None) -> torch.Tensor | None:
     """x [1, T, H] (the embeddings) through `layers` at positions pos0.. of cache slot
     slots[0] -> [1, T, H]; None where the stack does not apply, and the caller runs the
     modules. A layer is input_layernorm, self_attn or linear_attn, post_attention_layernorm
     and mlp. The first pass of each shape in a run returns None: its modules make the plans
-    that the next one reads."""
+    that the next one reads. `rope` and `pos` (`model_pass`): the rope rows as the native
+    calls take them and the first position, in place of cos_sin and pos0."""
     if plans is None or cache is None or x.shape[0] != 1:
         return None
     T, H = x.shape[1], x.shape[2]
@@ -56,13 +57,12 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple, cache, slots: torch.Tenso
     if stack is None:
         return None
     calls, experts = stack
-    # hooks added since (a predictor on the experts, a global one): the modules call them
-    if kernels.has_hooks() or any(e._forward_pre_hooks for e in experts):
+    if _hooked(experts):
         return None
     nat = kernels._native()
     kernels._sync_threads(nat)
-    rope = kernels._rope_rows(cos_sin, T)
-    p = int(pos0[0])
+    rope = kernels._rope_rows(cos_sin, T) if rope is None else rope
+    p = int(pos0[0]) if pos is None else pos
     # two buffers taking turns: each first half writes a, each MoE half b (the attention and
     # MoE calls take [T, H] rows, the DeltaNet's [B, T, H])
     a, b = kernels._out((1, T, H), x.dtype), kernels._out((1, T, H), x.dtype)
@@ -89,6 +89,12 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple, cache, slots: torch.Tenso
         nat.moe_block(a2, *moe_args, b2, *obs, empty if seen is None else seen)
         cur2, cur3 = b2, b3
     return b
+
+
+def _hooked(experts) -> bool:
+    """Hooks added since the stack was made (a predictor on the experts, a global one): the
+    modules call them."""
+    return kernels.has_hooks() or any(e._forward_pre_hooks for e in experts)
 
 
 _ATTN, _DELTA = "attention", "deltanet"
@@ -137,3 +143,81 @@ def _deltanet(dn, x, state, s: int, plans: dict) -> tuple | None:
     head = (kernels._np(norm_weight), norm_offset, norm_eps, [q.w for q in proj], [q.s for q in proj],
             [q.code for q in proj], out_proj.w, out_proj.s, out_proj.code, cw)
     return _DELTA, state, head, kernels._np(conv), kernels._np(S), (al, dt, nw, float(dn.norm.eps), dn.n_k)
+
+
+def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None, last_only: bool,
+               plans: dict | None) -> tuple | None:
+    """(logits, the final normed hidden state) of one decode pass of `model`, a causal LM
+    whose `model` holds embed_tokens, rope, layers and norm and whose lm_head gives the
+    logits, with the embedding rows, the stack (`stack_run`), the final norm and the LM head
+    as native calls and nothing else: what its forward returns, bit for bit. Around the
+    stack's loop, a demo-model decode pass spent ~0.5 of ~1.8 ms in the modules' own calls
+    (embedding, rope rows, cache positions, norm, LM head). None (nothing run, the cache
+    untouched) until the run's modules have made the stack for this shape, or where a part
+    would not run natively: the caller runs the modules."""
+    if plans is None or cache is None or input_ids.shape[0] != 1:
+        return None
+    s = 0 if slots is None else int(slots[0])
+    T = input_ids.shape[1]
+    m = model.model
+    head = plans.get(("head", T, s, cache), _UNSET)
+    if head is _UNSET:
+        head = plans[("head", T, s, cache)] = _head(model, T, cache)
+    if head is None or kernels.has_hooks(m.embed_tokens, m.norm, model.lm_head):
+        return None
+    emb, dtype, lengths, (norm_w, eps, offset), lm = head
+    H = emb.shape[1]
+    stack = plans.get(("stack", torch.Size((1, T, H)), dtype, s, cache))
+    if type(stack) is not tuple or _hooked(stack[1]):  # the modules make it first, and serve hooks
+        return None
+    p = int(lengths[s])
+    rows = emb[input_ids.numpy()[0]]  # the embedding's rows, as nn.Embedding copies them
+    x = torch.from_numpy(rows).view(dtype).view(1, T, H)
+    rope = _rope_table_rows(m.rope, p + T, dtype, p, T)
+    y = stack_run(m.layers, x, None, cache, torch.tensor([s]) if slots is None else slots, None, plans, rope=rope, pos=p)
+    if y is None:
+        return None
+    lengths[s] += T  # cache.advance
+    nat = kernels._native()
+    hidden = kernels._out((1, T, H), dtype)
+    h2 = kernels._np(hidden).reshape(T, H)
+    nat.rms_norm(kernels._np(y).reshape(T, H), norm_w, h2, eps, offset)
+    rows_out = h2[T - 1 :] if last_only else h2
+    logits = kernels._out((1, rows_out.shape[0], lm.w.shape[0]), dtype)
+    nat.qlinear_multi(rows_out, [lm.w], [lm.s], [lm.code], kernels._np(logits).reshape(rows_out.shape[0], -1))
+    return logits, hidden
+
+
+def _head(model, T: int, cache) -> tuple | None:
+    """What `model_pass` reads besides the stack: the embedding as a numpy array (bf16 as its
+    bits), the dtype, the cache's lengths as a numpy view, the final norm's native arguments
+    and the LM head's `kernels.Packed`; None where the modules' calls would not be exactly
+    these native ops (another module type, a norm over RMS_NORM_MAX, no native head)."""
+    from .linear import native_call_views
+    from .norm import RMSNorm
+
+    m = model.model
+    embed, norm = m.embed_tokens, m.norm
+    if type(embed) is not torch.nn.Embedding or type(norm) is not RMSNorm or not kernels.native():
+        return None
+    w = embed.weight.detach()
+    dtype = w.dtype
+    H = w.shape[1]
+    if (dtype not in kernels.FLOAT_DTYPES or T * H > kernels.RMS_NORM_MAX
+            or (dtype == torch.float32 and norm.weight.dtype != torch.float32)):
+        return None  # RMSNorm.forward would not make exactly one native call
+    lm = native_call_views(model.lm_head, torch.empty(1, 1, H, dtype=dtype))
+    if lm is None or lm.w.shape[0] != model.lm_head.out_features:
+        return None
+    nw, eps, offset = kernels.norm_args(norm)
+    return kernels._np(w), dtype, cache.lengths.numpy(), (kernels._np(nw), eps, offset), lm
+
+
+def _rope_table_rows(rope, need: int, dtype: torch.dtype, p: int, T: int) -> tuple:
+    """Rows p..p+T-1 of the rope's `float_table` as float32 numpy views (the values `span`
+    gives in dtype): the table's numpy views kept on the rope until it grows."""
+    table = rope.float_table(need, dtype)
+    kept = rope.__dict__.get("_table_np")
+    if kept is None or kept[0] is not table:
+        kept = rope.__dict__["_table_np"] = (table, tuple(kernels._np(t) for t in table))
+    return tuple(t[p : p + T] for t in kept[1])

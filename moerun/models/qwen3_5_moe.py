@@ -41,7 +41,7 @@ from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.mtp import MtpParts, native_step, prepare as prepare_drafter
 from ..layers.norm import RMSNorm, rms_norm_cat
 from ..layers.rope import Rope, norm_rope
-from ..layers.stack import run_layers
+from ..layers.stack import model_pass, run_layers
 
 # B batch, T tokens, H hidden, E experts, K experts per token, D head dim,
 # Hv/Hk DeltaNet value/key heads, Dv/Dk their dims, C DeltaNet conv channels
@@ -385,6 +385,9 @@ class Model(nn.Module):
         """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final normed hidden state [B,
         T, H]). plans: a dict a decode loop keeps for one run (`kernels.run_plan`)."""
         B, T = input_ids.shape
+        fast = model_pass(self, input_ids, cache, slots, last_only, plans)  # a decode pass: all native calls
+        if fast is not None:
+            return fast if return_hidden else fast[0]
         slots, pos0 = self._positions(B, cache, slots)
         m = self.model
         x = m.embed_tokens(input_ids)

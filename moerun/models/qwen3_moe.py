@@ -15,7 +15,7 @@ from ..layers.attention import attend, attn_residual
 from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, norm_rope
-from ..layers.stack import run_layers
+from ..layers.stack import model_pass, run_layers
 
 # B batch, T tokens, H hidden, E experts, K experts per token, D head dim
 
@@ -143,6 +143,9 @@ class Model(nn.Module):
         """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final hidden state [B, T, H]).
         plans: a dict a decode loop keeps for one run (`kernels.run_plan`)."""
         B, T = input_ids.shape
+        fast = model_pass(self, input_ids, cache, slots, last_only, plans)  # a decode pass: all native calls
+        if fast is not None:
+            return fast if return_hidden else fast[0]
         if cache is not None:
             slots = torch.arange(B) if slots is None else slots
             pos0 = cache.start_positions(slots)
