@@ -608,6 +608,11 @@ class SpeculativeDecoder:
                 mtp_drafter = getattr(net, "mtp_drafter", None)
                 self.drafter = mtp_drafter(self.mtp_cache, 0, self.draft_head) if B == 1 and mtp_drafter else None
                 self.plans = run_plans(net)  # the trunk's layer checks, made once for the run
+                # trunk passes run so far per width: a run's first pass of a width runs the
+                # modules (making the plans), its second builds the native stack, so neither
+                # prices its N for "auto" (a plain step's first pass took several times a later
+                # one's, and "auto" then kept away from plain steps that were the fastest)
+                self._passes = collections.Counter()
                 self._mtp_len = self.mtp_cache.lengths.numpy()
                 self._len = cache.lengths.numpy()
                 t0 = time.perf_counter()
@@ -835,7 +840,8 @@ class SpeculativeDecoder:
         for i, keep in rollback.items():  # recurrent states: the one after the last kept token
             for state in recurrent:
                 state.roll_back(active[i], i, keep)
-        if self.chooser is not None:
+        self._passes[n] += 1
+        if self.chooser is not None and self._passes[n] > 2:
             self.chooser.observe_time(n, busy + time.perf_counter() - t1, wait, tracker.pass_bytes // len(active))
 
     @staticmethod
