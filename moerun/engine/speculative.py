@@ -300,13 +300,15 @@ class ExpertTracker:
         self.phase = phase
         self.flat[:] = 0  # every module's mask (calls outside a pass count nowhere)
 
-    def end_pass(self) -> None:
-        """Count what the pass's Experts calls read: the union of their ids, per module."""
+    def end_pass(self, figures: bool = True) -> None:
+        """Count what the pass's Experts calls read: the union of their ids, per module (and
+        a verification pass's own figures, unless `figures` is False: a caller that knows
+        them, as long as one token's bytes are known)."""
         phase, self.phase = self.phase, None
         if not len(self.bounds):
             return
         self.counts[phase] += self.flat
-        if phase == "verify" and (self.per_pass or not self.token_bytes):
+        if phase == "verify" and ((self.per_pass and figures) or not self.token_bytes):
             self.pass_bytes = int(self.flat @ self.union_weights)
             self.token_bytes = int(self.flat @ self.k_weights)  # a module not called in this pass: 0
             if self.token_bytes and not self.top_k:  # from the last module called, once
@@ -784,20 +786,23 @@ class SpeculativeDecoder:
                 for b in active:
                     pend_h[b], pend_t[b] = pend_h[b][:0], []
         ids = long_ids([[t] + drafts[i] for i, t in enumerate(first)])
-        for layer in recurrent:
-            layer.positions.clear()
+        if n > 0:  # (a one-token pass keeps no per-token states)
+            for layer in recurrent:
+                layer.positions.clear()
+        # one row's plain step reads one token's experts: its union figures are known (ratio 1)
+        figures = n > 0 or len(active) > 1
         tracker.start_pass("verify")
         try:
             logits, hidden = net(ids, cache, slots, return_hidden=True, **self.plans)  # [B, n+1, V], [B, n+1, H]
         finally:
-            tracker.end_pass()
+            tracker.end_pass(figures)
         stats.draft_hist[n] = stats.draft_hist.get(n, 0) + 1
         if n > 0 and not all(layer.positions for layer in recurrent):
             raise MoerunError("speculative decoding cannot roll back this model's recurrent state (no per-token states)")
         stats.verify_steps += 1
         stats.decode_steps += 1
         stats.single_token_expert_bytes = max(stats.single_token_expert_bytes, tracker.token_bytes)
-        if self.chooser is not None and tracker.token_bytes:
+        if self.chooser is not None and tracker.token_bytes and figures:
             k_over_e = tracker.top_k / tracker.num_experts if tracker.num_experts else 0.0
             self.chooser.observe_union(n, tracker.pass_bytes / (tracker.token_bytes * len(active)), k_over_e,
                                        tracker.token_bytes)
@@ -842,7 +847,8 @@ class SpeculativeDecoder:
                 state.roll_back(active[i], i, keep)
         self._passes[n] += 1
         if self.chooser is not None and self._passes[n] > 2:
-            self.chooser.observe_time(n, busy + time.perf_counter() - t1, wait, tracker.pass_bytes // len(active))
+            union = tracker.pass_bytes if figures else tracker.token_bytes
+            self.chooser.observe_time(n, busy + time.perf_counter() - t1, wait, union // len(active))
 
     @staticmethod
     def _accept(s: Sequence, drafts: list[int], qs: list, logits: torch.Tensor) -> tuple[list[int], int]:
