@@ -170,8 +170,11 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     stack = plans.get(("stack", torch.Size((1, T, H)), dtype, s, cache))
     if type(stack) is not tuple or _hooked(stack[1]):  # the modules make it first, and serve hooks
         return None
+    ids = input_ids.numpy()[0]
+    if int(ids.min()) < 0:  # (numpy would wrap it round; nn.Embedding says what is wrong)
+        return None
     p = int(lengths[s])
-    rows = emb[input_ids.numpy()[0]]  # the embedding's rows, as nn.Embedding copies them
+    rows = emb[ids]  # the embedding's rows, as nn.Embedding copies them (an id past the end raises)
     x = torch.from_numpy(rows).view(dtype).view(1, T, H)
     rope = _rope_table_rows(m.rope, p + T, dtype, p, T)
     y = stack_run(m.layers, x, None, cache, torch.tensor([s]) if slots is None else slots, None, plans, rope=rope, pos=p)

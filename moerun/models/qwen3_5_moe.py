@@ -210,7 +210,8 @@ class GatedDeltaNet(nn.Module):
         return x + self(norm(x), state, slots)
 
     def _token_by_token(self, T: int) -> bool:
-        return token_by_token(T, self.n_v, self.dk, self.dv)
+        """A few tokens, or a small model's prompt where the native step runs it."""
+        return T <= FEW or (kernels.native() and token_by_token(T, self.n_v, self.dk, self.dv))
 
     def _few_tokens(self, x, state, slots, norm=None, plans=None):
         """Token after token (kernels.deltanet_decode); a pass of 2..FEW tokens keeps every
