@@ -187,3 +187,22 @@ def test_qwen3_5_stack_keeps_logits_and_states(qwen3_5_path, dtype, quant, slot,
     assert ran == [False, False, False, True, True, True, True, True]
     for a, b in zip(got, want):
         assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_bad_token_id_is_an_error_in_the_native_pass_too(qwen3_path):
+    """Once the stack runs a decode pass end to end (`model_pass`), a token id outside the
+    vocabulary is still nn.Embedding's IndexError (a negative one is not wrapped round by
+    numpy's indexing), and the cache does not move."""
+    import moerun
+    from moerun.engine.cache import Cache
+
+    net = moerun.load(qwen3_path(), dtype="bfloat16", threads=1).net
+    cache, s, plans = Cache(net.cache_spec(), 1, 16, torch.bfloat16), torch.tensor([0]), {}
+    with torch.inference_mode():
+        net(torch.tensor([[1, 2, 3]]), cache, s, plans=plans)
+        for t in (4, 5, 6):  # the modules, the stack built, then the whole pass native
+            net(torch.tensor([[t]]), cache, s, plans=plans)
+        for bad in (-1, CFG["vocab_size"]):
+            with pytest.raises(IndexError):
+                net(torch.tensor([[bad]]), cache, s, plans=plans)
+            assert int(cache.lengths[0]) == 6
