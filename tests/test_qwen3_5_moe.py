@@ -235,3 +235,19 @@ def test_long_prompt_segments(monkeypatch):
     o_ref, s_ref = hf.torch_chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o, s = deltanet.chunk_gated_delta_rule(q, k, v, g, beta)
     assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+
+
+def test_bf16_conv_of_a_prompt_equals_torchs():
+    """A bf16 prompt's causal conv runs in float32 and rounds to bf16 (torch's bf16 depthwise
+    conv goes channel by channel on a CPU without bf16 arithmetic): the same values as
+    torch's own bf16 conv, and its state."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(2, 40, 24, generator=g).bfloat16(), torch.randn(24, 1, 4, generator=g).bfloat16()
+    state = torch.randn(2, 24, 3, generator=g).bfloat16()
+    with torch.inference_mode():
+        y, new_state = deltanet.causal_conv1d(x, w, state)
+    xs = torch.cat([state, x.transpose(1, 2)], dim=-1)
+    assert torch.equal(y, F.silu(F.conv1d(xs, w, groups=24)).transpose(1, 2))
+    assert torch.equal(new_state, xs[..., -3:])
