@@ -100,13 +100,22 @@ def pass_times(llm, max_tokens: int = 4, repeats: int = 50, draft_vocabs=(None,)
     """Median wall time (ms) of a trunk pass of T = 1..max_tokens tokens after a prompt (a
     decode step, then verification passes) and of one MTP head call on one token (through a
     `Drafter` where the model makes one, as single-stream decoding does): what a speculative
-    step is made of."""
+    step is made of. Each pass takes other tokens at another place in the cache (seeded), as
+    a run's passes do, not the same ones each time. The passes take turns (T = 1..4, then
+    the MTP calls), so each trunk pass follows another pass or the head's call: a loop's
+    order matters (ad hoc, one-token passes back to back took 1.08 ms, one after two MTP
+    calls 1.18)."""
+    import random
+
     from moerun.engine.cache import Cache, RecurrentState
 
     net = llm.net
     ids = torch.tensor([llm.encode_prompt(PROMPTS[1])])
-    cache = Cache(net.cache_spec(), 1, ids.shape[1] + max_tokens + 8, llm.dtype, llm.kv_dtype)
-    mtp_cache = Cache(net.mtp_cache_spec(), 1, ids.shape[1] + max_tokens + 8, llm.dtype, llm.kv_dtype)
+    rnd = random.Random(0)
+    V = net.lm_head.out_features
+    slack = 64  # the places a pass may start at, after the prompt
+    cache = Cache(net.cache_spec(), 1, ids.shape[1] + slack + max_tokens + 8, llm.dtype, llm.kv_dtype)
+    mtp_cache = Cache(net.mtp_cache_spec(), 1, ids.shape[1] + slack + max_tokens + 8, llm.dtype, llm.kv_dtype)
     for layer in cache.layers:
         if isinstance(layer, RecurrentState):
             layer.positions = {}  # as speculative decoding runs them: every token's state kept
@@ -120,14 +129,15 @@ def pass_times(llm, max_tokens: int = 4, repeats: int = 50, draft_vocabs=(None,)
         plans = run_plans(net)  # as a run makes its passes
 
         def trunk(T):  # the recurrent state moves on each time; its cost does not depend on it
-            cache.lengths[0] = n0
-            net(ids[:, :T], cache, slots, return_hidden=True, **plans)
+            cache.lengths[0] = n0 + rnd.randrange(slack)
+            net(torch.tensor([[rnd.randrange(V) for _ in range(T)]]), cache, slots, return_hidden=True, **plans)
 
         def mtp(head):  # as a single-stream run calls the head: through its drafter, where it has one
             drafter = drafters.get(head)
-            if drafter is None or drafter.run(hidden[:, -1:], ids[:, :1], n0) is None:
-                mtp_cache.lengths[0] = n0
-                net.mtp_logits(hidden[:, -1:], ids[:, :1], mtp_cache, slots, return_hidden=True, head=head)
+            tok, at = torch.tensor([[rnd.randrange(V)]]), n0 + rnd.randrange(slack)
+            if drafter is None or drafter.run(hidden[:, -1:], tok, at) is None:
+                mtp_cache.lengths[0] = at
+                net.mtp_logits(hidden[:, -1:], tok, mtp_cache, slots, return_hidden=True, head=head)
 
         drafters = {}
 
