@@ -194,6 +194,7 @@ def cmd_info(a) -> int:
         "dtype": str(llm.dtype).removeprefix("torch."),
         "context_length": llm.context_length,
         "kernel_isa": _kernel_isa(),
+        "bf16_products": _bf16_products(llm.dtype),
         "quantization": formats_in_use(llm.net) or None,
         "quantized_checkpoint": stored_policy(llm.path) is not None,
         **kv_cache_summary(llm.net.cache_spec(), llm.dtype, llm.kv_dtype),
@@ -212,6 +213,7 @@ def cmd_info(a) -> int:
         ("dtype", info["dtype"]),
         ("context", info["context_length"]),
         ("kernels", info["kernel_isa"]),
+        *([("bf16 products", info["bf16_products"])] if info["bf16_products"] else []),
         ("quantization", _quant_row(info)),
         ("KV cache", f"{info['kv_cache']}, {human_bytes(info['kv_bytes_per_token'])} per token of context"),
         ("bytes/token", human_bytes(d["bytes_per_token"]) + " read per decoded token"),
@@ -261,6 +263,22 @@ def _kernel_isa() -> str:
         return kernels.isa()
     except Exception:
         return "torch (native kernels not built)"
+
+
+def _bf16_products(dtype) -> str | None:
+    """For a bf16 model: which code multiplies its matrices of more than a decode step's rows
+    (`kernels.float_native_rows`); None otherwise."""
+    import torch
+
+    if dtype != torch.bfloat16:
+        return None
+    from . import kernels
+
+    if not kernels.native():
+        return "torch"
+    if kernels.torch_bf16_is_slow():
+        return "native kernels at every size (this CPU has no AVX-512 BF16 or AMX for torch's)"
+    return "native kernels up to 16 rows, torch's above (AVX-512 BF16 or AMX)"
 
 
 def cmd_bench(a) -> int:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import moerun
+from moerun import kernels
 from conftest import make_tiny_model, rel_err
 from moerun.engine.cache import (Cache, Int8KVCache, KVCache, KVSpec, RecurrentState, dequantize_int8,
                                  kv_bytes_per_token, quantize_int8)
@@ -253,6 +254,10 @@ def test_info_and_bench_report_kv_bytes_per_token(capsys):
         kv_bytes = sum(layer.nbytes() for layer in cache.layers if isinstance(layer, (KVCache, Int8KVCache)))
         assert info[kind]["kv_bytes_per_token"] * 10 == kv_bytes
     assert info["auto"]["kv_cache"] == "bfloat16" and info["int8"]["kv_cache"] == "int8"
+    # the bf16 demo model: which code multiplies its prefill's matrices
+    want = ("torch" if not kernels.native() else "native kernels at every size" if kernels.torch_bf16_is_slow()
+            else "native kernels up to 16 rows")
+    assert info["auto"]["bf16_products"].startswith(want)
     rc, out, err = cli(capsys, "bench", "--json", "--kv-cache", "int8", "--prompt-tokens", "8", "--gen-tokens", "2")
     assert rc == 0, err
     bench = json.loads(out)
