@@ -54,7 +54,8 @@ a_i being the measured acceptance of draft i given drafts < i were accepted (EMA
 0.6), and
     t(N) = c(N) + w * U(N)
 c(N) the measured seconds of a step with N drafts (the median of its last 15: draft +
-verification + rollback) less its waits for the expert store, U(N) the routed-expert bytes of its
+verification + rollback; a run's first two passes of a width, which make its plans, left
+out) less its waits for the expert store, U(N) the routed-expert bytes of its
 verification pass (measured per N; before that, the expected union of N+1 tokens routed
 uniformly, one token's bytes * (1-(1-K/E)^(N+1)) / (K/E)), and w the measured seconds
 waited per union byte (the store's stall time over the pass's union bytes: the miss rate
