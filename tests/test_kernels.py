@@ -163,6 +163,41 @@ def test_moe_experts(isa, fmt, T, H, I, E, K):
         assert norm_rel(y, ex(x, ids, w)) < FLOAT_TOL[fmt]
 
 
+@pytest.mark.skipif(not NATIVE, reason="needs the native extension")
+@pytest.mark.parametrize("fmt", ["int4", "bfloat16"])
+def test_long_expert_passes_run_in_calls_of_bounded_tokens(fmt, monkeypatch):
+    """Past EXPERT_TOKENS_PER_CALL tokens the experts ops run in several native calls (their
+    workspace grows with the tokens of a call): the same bits as one call."""
+    g = torch.Generator().manual_seed(11)
+    ex = _experts(8, 64, 48, seed=11)
+    x = torch.randn(23, 64, generator=g)
+    ids, w = _route(23, 8, 3, g)
+    if fmt == "int4":
+        qe = QuantizedExperts.from_experts(ex, fmt)
+        args = (qe.gate_q, qe.gate_scales, qe.up_q, qe.up_scales, qe.down_q, qe.down_scales, fmt, 48)
+        run = lambda: kernels.moe_experts(x, ids, w, *args)  # noqa: E731
+    else:
+        weights = [p.detach().bfloat16() for p in (ex.gate_proj, ex.up_proj, ex.down_proj)]
+        run = lambda: kernels.moe_experts_float(x.bfloat16(), ids, w, *weights, dtype=torch.bfloat16)  # noqa: E731
+    calls = []
+    nat = kernels._native()
+    name = "moe_experts" if fmt == "int4" else "moe_experts_float"
+    real = getattr(nat, name)
+    one = run()
+    monkeypatch.setattr(kernels, "EXPERT_TOKENS_PER_CALL", 5)
+
+    class Counting:  # the extension module's attributes are read-only: count through a stand-in
+        def __getattr__(self, a):
+            return getattr(nat, a)
+
+    counting = Counting()
+    setattr(counting, name, lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(kernels, "_native", lambda: counting)
+    split = run()
+    assert calls == [5, 5, 5, 5, 3]
+    assert torch.equal(split, one)
+
+
 @pytest.mark.parametrize("isa", NATIVE)
 def test_moe_experts_bf16_in_out(isa):
     g = torch.Generator().manual_seed(3)
