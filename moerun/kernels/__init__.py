@@ -688,13 +688,7 @@ class MtpStep:
         self.pre = (_np(pre_w), float(pre_eps), fc.w, fc.s, fc.code)
         final_w, eps, offset = final
         self.post = (_np(final_w), float(eps), float(offset), head.w, head.s, head.code)
-        self._rope = (None, None)
 
-    def rope_rows(self, table: tuple, pos: int, T: int) -> tuple:
-        """Rows pos..pos+T-1 of a rope's `float_table` (cos, sin) as the attention takes them."""
-        if self._rope[0] is not table:
-            self._rope = (table, tuple(_np(t) for t in table))
-        return tuple(t[pos : pos + T] for t in self._rope[1])
 
     def bind(self, attn: tuple, attn_norm: tuple, kv_slot: tuple, moe: tuple, seen=None) -> tuple:
         """What `run` passes on besides its tokens, hidden states, rope rows and position, for
@@ -709,7 +703,7 @@ class MtpStep:
             observe: bool = False) -> tuple:
         """tokens [T] (int64), hidden [T, H] (the model's dtype) -> (logits [1, V], h [1, H] of
         the last token, and with `observe` the MoE half's (h, ids, weights) for the experts'
-        hooks, else None). rope: `rope_rows`; bound: `bind`'s."""
+        hooks, else None). rope: `layers.rope.Rope.float_rows`; bound: `bind`'s."""
         nat = _native()
         _sync_threads(nat)
         pre, kv_slot, mid, seen, k = bound

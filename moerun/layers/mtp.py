@@ -58,9 +58,8 @@ class Drafter:
     the call's arithmetic (~150 of ~240 us on the demo model). It stands for the modules as
     they were when it was made: a run must not add hooks or change weights while it uses it."""
 
-    def __init__(self, step: kernels.MtpStep, bound: tuple, table: tuple, experts: nn.Module, H: int,
-                 dtype: torch.dtype):
-        self.step, self.bound, self.table, self.experts, self.H, self.dtype = step, bound, table, experts, H, dtype
+    def __init__(self, step: kernels.MtpStep, bound: tuple, rope, experts: nn.Module, H: int, dtype: torch.dtype):
+        self.step, self.bound, self.rope, self.experts, self.H, self.dtype = step, bound, rope, experts, H, dtype
         self.observe = bool(experts._forward_pre_hooks)
 
     def run(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int) -> tuple | None:
@@ -72,7 +71,7 @@ class Drafter:
         x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
         step = self.step
         logits, h, observed = step.run(tokens.reshape(T).contiguous(), x.reshape(T, H).contiguous(),
-                                       step.rope_rows(self.table, pos, T), pos, self.bound, self.observe)
+                                       self.rope.float_rows(pos, T, self.dtype), pos, self.bound, self.observe)
         if self.observe:
             call_observers(self.experts, observed)
         return logits.view(1, 1, -1), h.view(1, 1, H)
@@ -99,7 +98,7 @@ def prepare(owner: nn.Module, parts: MtpParts, kv, slot: int, rope) -> Drafter |
     experts, moe_args = moe
     bound = step.bind(kernels.attn_plan(parts.attn), kernels.half_norm_args(parts.attn_norm),
                       kernels._cache_slot(kv, slot), moe_args, routes_seen(experts))
-    return Drafter(step, bound, rope.float_table(kv.max_len, dtype), experts, H, dtype)
+    return Drafter(step, bound, rope, experts, H, dtype)
 
 
 def _plan(parts: MtpParts, dtype: torch.dtype, H: int) -> kernels.MtpStep | None:

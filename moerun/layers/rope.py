@@ -96,12 +96,24 @@ class Rope(torch.nn.Module):
         """(cos, sin) [n, rotary_dim] float32 for positions 0..n-1 (n >= need) holding the values
         `span` gives in dtype (rounded to it): a native op reads its rows. Kept per dtype until
         the tables grow (the same tensors are returned until then)."""
+        return self._float(need, dtype)[1]
+
+    def float_rows(self, pos: int, T: int, dtype: torch.dtype) -> tuple:
+        """Rows pos..pos+T-1 of `float_table` as float32 numpy views, as the native ops that
+        apply the rope take them (a decode pass's, an MTP call's)."""
+        rows = self._float(pos + T, dtype)[2]
+        return rows[0][pos : pos + T], rows[1][pos : pos + T]
+
+    def _float(self, need: int, dtype: torch.dtype) -> tuple:
+        """(the tables, `float_table`'s tensors, their numpy views), kept per dtype until the
+        tables grow."""
         table = self._tables(need)
         kept = self.__dict__.setdefault("_float_tables", {})
         got = kept.get(dtype)
         if got is None or got[0] is not table:
-            got = kept[dtype] = (table, tuple(t.to(dtype).float() for t in table))
-        return got[1]
+            tensors = tuple(t.to(dtype).float() for t in table)
+            got = kept[dtype] = (table, tensors, tuple(t.numpy() for t in tensors))
+        return got
 
     def _tables(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (cos, sin) tables, grown to hold positions 0..need-1 if they do not."""

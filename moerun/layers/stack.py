@@ -47,7 +47,7 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
         return None
     T, H = x.shape[1], x.shape[2]
     s = int(slots[0])
-    key = ("stack", x.shape, x.dtype, s, cache)  # the calls hold views of this cache's slot
+    key = _stack_key(x.shape, x.dtype, s, cache)
     stack = plans.get(key, _UNSET)
     if stack is _UNSET:
         plans[key] = _SEEN
@@ -89,6 +89,11 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
         nat.moe_block(a2, *moe_args, b2, *obs, empty if seen is None else seen)
         cur2, cur3 = b2, b3
     return b
+
+
+def _stack_key(shape, dtype: torch.dtype, s: int, cache) -> tuple:
+    """A stack's key in the run's plans: the calls hold views of this cache's slot."""
+    return "stack", torch.Size(shape), dtype, s, cache
 
 
 def _hooked(experts) -> bool:
@@ -167,7 +172,7 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
         return None
     emb, dtype, lengths, (norm_w, eps, offset), lm = head
     H = emb.shape[1]
-    stack = plans.get(("stack", torch.Size((1, T, H)), dtype, s, cache))
+    stack = plans.get(_stack_key((1, T, H), dtype, s, cache))
     if type(stack) is not tuple or _hooked(stack[1]):  # the modules make it first, and serve hooks
         return None
     ids = input_ids.numpy()[0]
@@ -176,7 +181,7 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     p = int(lengths[s])
     rows = emb[ids]  # the embedding's rows, as nn.Embedding copies them (an id past the end raises)
     x = torch.from_numpy(rows).view(dtype).view(1, T, H)
-    rope = _rope_table_rows(m.rope, p + T, dtype, p, T)
+    rope = m.rope.float_rows(p, T, dtype)
     y = stack_run(m.layers, x, None, cache, torch.tensor([s]) if slots is None else slots, None, plans, rope=rope, pos=p)
     if y is None:
         return None
@@ -215,12 +220,3 @@ def _head(model, T: int, cache) -> tuple | None:
     nw, eps, offset = kernels.norm_args(norm)
     return kernels._np(w), dtype, cache.lengths.numpy(), (kernels._np(nw), eps, offset), lm
 
-
-def _rope_table_rows(rope, need: int, dtype: torch.dtype, p: int, T: int) -> tuple:
-    """Rows p..p+T-1 of the rope's `float_table` as float32 numpy views (the values `span`
-    gives in dtype): the table's numpy views kept on the rope until it grows."""
-    table = rope.float_table(need, dtype)
-    kept = rope.__dict__.get("_table_np")
-    if kept is None or kept[0] is not table:
-        kept = rope.__dict__["_table_np"] = (table, tuple(kernels._np(t) for t in table))
-    return tuple(t[p : p + T] for t in kept[1])
