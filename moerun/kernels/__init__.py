@@ -245,11 +245,7 @@ def float_native_rows(x: torch.Tensor) -> bool:
     than the native bf16 kernel at every size measured (this AVX2 machine, 2 threads: 128 x
     2048 -> 4096 138.7 vs 25.2 ms, 512 tokens 817 vs 98 ms; the demo's 128 -> 4096 at 128
     tokens 17.4 vs 3.5 ms), and a bf16 model's prefill was mostly that."""
-    if torch.is_grad_enabled():
-        return False
-    if x.numel() <= FLOAT_LINEAR_MAX_TOKENS * x.shape[-1]:
-        return True
-    return x.dtype == torch.bfloat16 and torch_bf16_is_slow()
+    return float_decode_rows(x) or (x.dtype == torch.bfloat16 and not torch.is_grad_enabled() and torch_bf16_is_slow())
 
 
 def torch_bf16_is_slow() -> bool:
