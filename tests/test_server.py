@@ -341,9 +341,11 @@ def test_client_disconnect_cancels_and_frees_the_slot(server):
             assert any(line.startswith("data: ") for line in got)
     wait_idle(base, timeout=20)
     assert metric(base, "moerun_cancelled_requests_total") == cancelled0 + 1
-    # a non-streaming client that gives up (read timeout) is noticed too
+    # a non-streaming client that gives up (read timeout) is noticed too: 1500 tokens take
+    # the demo model ~1 s or more at its fastest (a Zen 4 core pair), 4x the client's patience
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base + "/v1/chat/completions", json={**body, "stream": False}, timeout=httpx.Timeout(60, read=1.0))
+        httpx.post(base + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1500},
+                   timeout=httpx.Timeout(60, read=0.25))
     wait_idle(base, timeout=20)
     assert metric(base, "moerun_cancelled_requests_total") == cancelled0 + 2
     r = chat(client(base), model, "and now?", max_tokens=4)
