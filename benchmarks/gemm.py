@@ -51,6 +51,8 @@ def main(argv=None) -> int:
         for shape in a.shapes.split(","):
             T, N, K = map(int, shape.split("x"))
             x = torch.randn(T, K)
+            if fmt == "bfloat16":  # a bf16 model's activations are bf16 values (the avx512bf16 path needs them)
+                x = x.to(torch.bfloat16)
             if fmt in ("float32", "bfloat16"):  # unquantized rows, read as they are
                 w = (torch.randn(N, K) * 0.02).to(getattr(torch, fmt))
                 s = torch.empty(0)

@@ -120,6 +120,10 @@ extern const KernelTable generic_kernels;
 extern const KernelTable avx2_kernels;        // AVX2 + FMA + F16C
 extern const KernelTable avxvnni_kernels;     // + AVX-VNNI
 extern const KernelTable avx512vnni_kernels;  // + AVX-512F/BW/VL/VNNI (512-bit integer GEMM)
+extern const KernelTable avx512bf16_kernels;  // + AVX512_BF16 dot products for bf16 weight rows
+// avx512bf16's gemm_bf16, for the amx table where the CPU has AVX512_BF16 (every AMX CPU so far)
+void gemm_bf16_dp(const GemmArgs& a);
+bool cpu_has_avx512bf16();
 extern const KernelTable amx_kernels;         // + AMX-INT8 tiles for GEMMs of 16 tokens or more
 
 // The one dispatch point. Returns nullptr for an unknown or unsupported name.

@@ -247,7 +247,16 @@ MOERUN_TARGET void gemm_q8_amx(const GemmArgs& a) { gemm_amx<FMT_INT8>(a); }
 }  // namespace
 }  // namespace amx
 
+// bf16 weight rows as avx512bf16 runs them where the CPU has AVX512_BF16, else the FMA path
+static void gemm_bf16_amx(const GemmArgs& a) {
+    static const bool dp = cpu_has_avx512bf16();
+    if (dp)
+        gemm_bf16_dp(a);
+    else
+        amx::gemm_bf16(a);
+}
+
 const KernelTable amx_kernels = {"amx", amx::quantize_row, amx::gemm_q4_amx, amx::gemm_q8_amx, amx::attn_chunk_zmm,
-                                 amx::delta_head, amx::gemm_f32, amx::gemm_bf16};
+                                 amx::delta_head, amx::gemm_f32, gemm_bf16_amx};
 
 }  // namespace moerun

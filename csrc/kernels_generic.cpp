@@ -210,6 +210,8 @@ static bool cpu_has_amx() {
     return ok;
 }
 
+bool cpu_has_avx512bf16() { return cpu_has_avx512vnni() && __builtin_cpu_supports("avx512bf16"); }
+
 static bool cpu_has_avxvnni() { return cpu_has_avx2() && __builtin_cpu_supports("avxvnni"); }
 
 // Every path this CPU can run, slowest first; the last is the default.
@@ -219,6 +221,7 @@ int supported_kernels(const KernelTable** out) {
     if (cpu_has_avx2()) out[n++] = &avx2_kernels;
     if (cpu_has_avxvnni()) out[n++] = &avxvnni_kernels;
     if (cpu_has_avx512vnni()) out[n++] = &avx512vnni_kernels;
+    if (cpu_has_avx512bf16()) out[n++] = &avx512bf16_kernels;
     if (cpu_has_amx()) out[n++] = &amx_kernels;
     return n;
 }

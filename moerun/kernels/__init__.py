@@ -4,9 +4,11 @@ every native op.
 The kernel path is chosen once at run time from the CPU (`moerun._native` checks it), the
 fastest the CPU has of: `generic` (portable C++), `avx2` (AVX2 + FMA + F16C), `avxvnni` (the
 same 256-bit kernels with vpdpbusd dot products), `avx512vnni` (its int4 / int8 GEMMs 512 bits
-wide, the same results, and its decode attention, in another summation order) and `amx`
-(GEMMs of 16 or more tokens on AMX-INT8 tiles, the same results again; where Linux grants
-the tile state). `MOERUN_ISA=torch|generic|avx2|...`
+wide, the same results, and its decode attention, in another summation order), `avx512bf16`
+(avx512vnni with bf16 weight rows as vdpbf16ps dot products: no widening of the weights,
+and float32 activations that are not bf16 values taken as two bf16 halves, within 2^-17)
+and `amx` (GEMMs of 16 or more tokens on AMX-INT8 tiles, the same results again; where
+Linux grants the tile state; bf16 rows as avx512bf16 runs them). `MOERUN_ISA=torch|generic|avx2|...`
 forces a path (`torch` runs the references, which is also what happens when the extension
 is not built).
 
