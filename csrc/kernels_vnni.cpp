@@ -111,15 +111,18 @@ MOERUN_BF16_TARGET void dp_rows(const GemmArgs& a, int r0, int nr, const uint16_
 }
 
 // x's n float32 values as bf16 halves, zero-padded to a multiple of 32: hi the top 16 bits
-// of each, lo what is left (exact in float32) rounded to nearest even; lo 0 where hi is
-// inf or NaN. Returns whether every lo is 0 (x's values are all bf16 values: lo unused).
+// of each (a NaN kept a NaN: its quiet bit set, where its payload was in the low bits
+// only), lo what is left (exact in float32) rounded to nearest even; lo 0 where x is inf or
+// NaN. Returns whether every lo is 0 (x's values are all bf16 values: lo unused).
 MOERUN_BF16_TARGET bool bf16_halves(const float* x, int n, uint16_t* hi, uint16_t* lo) {
     const __m512i top = _mm512_set1_epi32((int)0xffff0000u), expo = _mm512_set1_epi32(0x7f800000);
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), quiet = _mm512_set1_epi32(0x00400000);
     bool exact = true;
     for (int j = 0; j < n; j += 16) {
         const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
         const __m512i v = _mm512_maskz_loadu_epi32(m, x + j);
-        const __m512i h = _mm512_and_si512(v, top);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(v, magnitude), expo);
+        const __m512i h = _mm512_mask_or_epi32(_mm512_and_si512(v, top), nan, v, quiet);
         const __mmask16 finite = _mm512_cmpneq_epi32_mask(_mm512_and_si512(v, expo), expo);
         const __m512 rest = _mm512_maskz_sub_ps(finite, _mm512_castsi512_ps(v), _mm512_castsi512_ps(h));
         exact &= _mm512_test_epi32_mask(_mm512_castps_si512(rest), _mm512_castps_si512(rest)) == 0;
