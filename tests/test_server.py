@@ -342,7 +342,8 @@ def test_client_disconnect_cancels_and_frees_the_slot(server):
     wait_idle(base, timeout=20)
     assert metric(base, "moerun_cancelled_requests_total") == cancelled0 + 1
     # a non-streaming client that gives up (read timeout) is noticed too: 1500 tokens take
-    # the demo model ~1 s or more at its fastest (a Zen 4 core pair), 4x the client's patience
+    # the demo model 0.75 s or more (2000 tok/s, its fastest on a Zen 4 core pair), 3x the
+    # client's patience
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(base + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1500},
                    timeout=httpx.Timeout(60, read=0.25))
