@@ -26,6 +26,7 @@ import argparse
 import importlib.util
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,9 @@ from moerun.quant import formats
 def load(path: Path, name: str):
     spec = importlib.util.spec_from_file_location(f"{name}._native", path)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    with warnings.catch_warnings():  # both builds bind the same C++ classes (NativeStack): nanobind
+        warnings.filterwarnings("ignore", message="nanobind: type .* was already registered")  # says so
+        spec.loader.exec_module(mod)
     return mod
 
 

@@ -12,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -904,14 +905,16 @@ void deltanet_decode(Strided qkv, Array conv_w, Array conv, std::optional<Array>
 // both bf16; norm_w [H] float32; proj: in_proj_qkv, in_proj_z, in_proj_a, in_proj_b (weights,
 // scales, fmts as qlinear_multi takes them; rows C, Hv * Dv, Hv, Hv); out_proj [H rows of
 // Hv * Dv]; the DeltaNet's weights and states as `delta_args` takes them.
-void deltanet_block(Array x, Array norm_w, float norm_offset, float norm_eps, std::vector<Array> proj,
-                    std::vector<Array> proj_s, std::vector<int> proj_fmts, Array ow, Array os, int of, Array conv_w,
-                    Array conv, std::optional<Array> conv_every, Array A_log, Array dt_bias, Array S,
-                    std::optional<Array> S_every, Array gnorm_w, float eps, Array out, int Hk) {
-    MOERUN_CHECK(x.ndim() == 3, "x must be [B, T, H]");
-    const size_t B = x.shape(0), T = x.shape(1), H = x.shape(2);
-    MOERUN_CHECK(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
-    check_shape(out, {B, T, H}, "out");
+// The linear-attention half's weights, settings and states for B rows of T tokens of H,
+// checked -> deltanet_block_decode's arguments (x and y left null).
+moerun::DeltaBlockArgs deltanet_block_args(size_t B, size_t T, size_t H, bool round_bf16, const Array& norm_w,
+                                           float norm_offset, float norm_eps, const std::vector<Array>& proj,
+                                           const std::vector<Array>& proj_s, const std::vector<int>& proj_fmts,
+                                           const Array& ow, const Array& os, int of, const Array& conv_w,
+                                           const Array& conv, const std::optional<Array>& conv_every,
+                                           const Array& A_log, const Array& dt_bias, const Array& S,
+                                           const std::optional<Array>& S_every, const Array& gnorm_w, float eps,
+                                           int Hk) {
     check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
     check_shape(norm_w, {H}, "norm_w");
     MOERUN_CHECK(proj.size() == 4 && proj_s.size() == 4 && proj_fmts.size() == 4,
@@ -925,20 +928,173 @@ void deltanet_block(Array x, Array norm_w, float norm_offset, float norm_eps, st
     const char* names[4] = {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"};
     for (int p = 0; p < 4; ++p) a.proj[p] = qweight_of(proj[p], proj_s[p], proj_fmts[p], rows[p], H, names[p]);
     a.out_proj = qweight_of(ow, os, of, H, Z, "out_proj");
-    ActIn xin(x, "x");
-    ActOut o(out, "out");
     a.H = (int)H;
-    a.x = xin.p;
     a.norm_w = (const float*)norm_w.data();
     a.norm_offset = norm_offset;
     a.norm_eps = norm_eps;
-    a.round_bf16 = is_bf16(out);
+    a.round_bf16 = round_bf16;
+    return a;
+}
+
+void deltanet_block(Array x, Array norm_w, float norm_offset, float norm_eps, std::vector<Array> proj,
+                    std::vector<Array> proj_s, std::vector<int> proj_fmts, Array ow, Array os, int of, Array conv_w,
+                    Array conv, std::optional<Array> conv_every, Array A_log, Array dt_bias, Array S,
+                    std::optional<Array> S_every, Array gnorm_w, float eps, Array out, int Hk) {
+    MOERUN_CHECK(x.ndim() == 3, "x must be [B, T, H]");
+    const size_t B = x.shape(0), T = x.shape(1), H = x.shape(2);
+    MOERUN_CHECK(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
+    check_shape(out, {B, T, H}, "out");
+    moerun::DeltaBlockArgs a = deltanet_block_args(B, T, H, is_bf16(out), norm_w, norm_offset, norm_eps, proj, proj_s,
+                                                   proj_fmts, ow, os, of, conv_w, conv, conv_every, A_log, dt_bias, S,
+                                                   S_every, gnorm_w, eps, Hk);
+    ActIn xin(x, "x");
+    ActOut o(out, "out");
+    a.x = xin.p;
     a.y = o.p;
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lk(g_op_mutex);
     moerun::deltanet_block_decode(a);
     o.finish();
 }
+
+// A run's layer stack for one pass shape, one row (moerun.layers.stack): each layer's two
+// halves with their weights, settings, cache slot and states checked once (what
+// attn_block_decode, deltanet_block and moe_block check at every call), then each pass one
+// call: x [1, T, H] through every layer, the halves taking turns writing a and b (each half
+// as its own op computes it: the same bits). A decode pass of the demo model made 16 such
+// calls, each converting its dozen or more arrays again.
+class NativeStack {
+  public:
+    NativeStack(size_t T, size_t H, bool bf16) : T_(T), H_(H), bf16_(bf16) {}
+    NativeStack(const NativeStack&) = delete;
+    NativeStack& operator=(const NativeStack&) = delete;
+
+    void add_attention(Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf, Array ow,
+                       Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc, Array vc,
+                       int pos, int Hq, float scale, bool gated, Array in_norm, float in_offset, float in_eps) {
+        Layer l;
+        l.attn = true;
+        l.at = attn_block_args(T_, H_, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps, cos, sin, kc, vc,
+                               pos, Hq, scale, gated, in_norm, in_offset, in_eps, bf16_);
+        l.cache_len = kc.shape(1);
+        keep_.insert(keep_.end(), {qw, qs, kw, ks, vw, vs, ow, os, qn, kn, kc, vc, in_norm});
+        layers_.push_back(std::move(l));
+    }
+
+    void add_deltanet(Array norm_w, float norm_offset, float norm_eps, std::vector<Array> proj,
+                      std::vector<Array> proj_s, std::vector<int> proj_fmts, Array ow, Array os, int of, Array conv_w,
+                      Array conv, Array A_log, Array dt_bias, Array S, Array gnorm_w, float eps, int Hk) {
+        Layer l;
+        l.dn = deltanet_block_args(1, T_, H_, bf16_, norm_w, norm_offset, norm_eps, proj, proj_s, proj_fmts, ow, os, of,
+                                   conv_w, conv, std::nullopt, A_log, dt_bias, S, std::nullopt, gnorm_w, eps, Hk);
+        keep_.insert(keep_.end(), {norm_w, ow, os, conv_w, conv, A_log, dt_bias, S, gnorm_w});
+        keep_.insert(keep_.end(), proj.begin(), proj.end());
+        keep_.insert(keep_.end(), proj_s.begin(), proj_s.end());
+        deltanets_++;
+        layers_.push_back(std::move(l));
+    }
+
+    void add_moe(Array norm_w, float eps, float norm_offset, Array router, int K, bool renorm, int efmt,
+                 std::vector<Array> gate, std::vector<Array> gs, std::vector<Array> up, std::vector<Array> us,
+                 std::vector<Array> down, std::vector<Array> ds, std::vector<Array> shared,
+                 std::vector<Array> shared_s, std::vector<int> shared_fmts, Array shared_gate) {
+        MOERUN_CHECK(!layers_.empty() && !layers_.back().moe, "a MoE half follows an attention or DeltaNet half");
+        auto c = std::make_unique<MoeCall>();
+        moe_block_args(*c, T_, H_, bf16_, norm_w, eps, norm_offset, router, K, renorm, efmt, gate, gs, up, us, down, ds,
+                       shared, shared_s, shared_fmts, shared_gate);
+        keep_.insert(keep_.end(), {norm_w, router, shared_gate});
+        for (const auto* v : {&gate, &gs, &up, &us, &down, &ds, &shared, &shared_s}) keep_.insert(keep_.end(), v->begin(), v->end());
+        layers_.back().moe = std::move(c);
+    }
+
+    // x, a, b [1, T, H] in the stack's dtype; cos, sin [T, rd]: the pass's rope rows; pos its
+    // first position; conv_every, S_every: one each per DeltaNet layer (every token's states,
+    // kept for a rollback; T > 1) or none (in place); seen: per layer its experts' route mask
+    // [E + 1] uint8, or empty.
+    void run(Array x, Array a, Array b, Array cos, Array sin, int pos, std::vector<Array> conv_every,
+             std::vector<Array> S_every, std::vector<Array> seen) {
+        for (const Array* t : {&x, &a, &b}) {
+            MOERUN_CHECK(is_bf16(*t) == bf16_, "x, a, b: the stack's dtype");
+            check_shape(*t, {1, T_, H_}, "x, a, b");
+        }
+        MOERUN_CHECK(conv_every.size() == S_every.size() && (conv_every.empty() || conv_every.size() == deltanets_),
+                     "conv_every, S_every: one each per DeltaNet layer, or none");
+        MOERUN_CHECK(seen.size() == layers_.size(), "seen: one per layer");
+        size_t j = 0;
+        for (size_t i = 0; i < layers_.size(); ++i) {
+            Layer& l = layers_[i];
+            MOERUN_CHECK(l.moe != nullptr, "every layer needs its MoE half");
+            if (l.attn) {
+                MOERUN_CHECK(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == T_ && sin.shape(0) == T_ &&
+                                 cos.shape(1) == (size_t)l.at.rd && sin.shape(1) == (size_t)l.at.rd,
+                             "cos, sin must be [T, rd]");
+                check_dtype(cos, dtype_code::Float, 32, "cos");
+                check_dtype(sin, dtype_code::Float, 32, "sin");
+                MOERUN_CHECK(pos >= 0 && (size_t)pos + T_ <= l.cache_len, "position outside the cache");
+                l.at.cos = (const float*)cos.data();
+                l.at.sin = (const float*)sin.data();
+                l.at.pos = pos;
+            } else {
+                moerun::DeltaArgs& d = l.dn.d;
+                d.conv_every = d.S_every = nullptr;
+                if (!conv_every.empty()) {
+                    check_dtype(conv_every[j], dtype_code::Float, 32, "conv_every");
+                    check_dtype(S_every[j], dtype_code::Float, 32, "S_every");
+                    check_shape(conv_every[j], {1, T_, (size_t)d.C, (size_t)d.K - 1}, "conv_every");
+                    check_shape(S_every[j], {1, T_, (size_t)d.Hv, (size_t)d.Dk, (size_t)d.Dv}, "S_every");
+                    d.conv_every = (float*)conv_every[j].data();
+                    d.S_every = (float*)S_every[j].data();
+                }
+                ++j;
+            }
+            moerun::MoeBlockArgs& m = l.moe->a;
+            m.seen = nullptr;
+            if (seen[i].size() > 0) {
+                MOERUN_CHECK(seen[i].dtype() == nb::dtype<uint8_t>(), "seen: must be uint8");
+                check_shape(seen[i], {(size_t)m.E + 1}, "seen");
+                m.seen = (uint8_t*)seen[i].data();
+            }
+        }
+        nb::gil_scoped_release release;
+        std::lock_guard<std::mutex> lk(g_op_mutex);
+        const Array* cur = &x;
+        for (Layer& l : layers_) {
+            {
+                ActIn xin(*cur, "x");
+                ActOut o(a, "out");
+                if (l.attn) {
+                    moerun::attn_block_decode(l.at, xin.p, o.p);
+                } else {
+                    l.dn.x = xin.p;
+                    l.dn.y = o.p;
+                    moerun::deltanet_block_decode(l.dn);
+                }
+                o.finish();
+            }
+            ActIn xin(a, "x");
+            ActOut o(b, "out");
+            l.moe->a.x = xin.p;
+            l.moe->a.y = o.p;
+            moerun::moe_block_decode(l.moe->a);
+            o.finish();
+            cur = &b;
+        }
+    }
+
+  private:
+    struct Layer {
+        bool attn = false;
+        moerun::AttnBlockArgs at{};
+        size_t cache_len = 0;
+        moerun::DeltaBlockArgs dn{};
+        std::unique_ptr<MoeCall> moe;
+    };
+    size_t T_, H_;
+    bool bf16_;
+    size_t deltanets_ = 0;
+    std::vector<Layer> layers_;
+    std::vector<Array> keep_;  // every array the layers point into, alive as long as the stack
+};
 
 std::vector<std::string> available_isas() {
     const moerun::KernelTable* all[8];
@@ -1025,6 +1181,13 @@ NB_MODULE(_native, m) {
           nb::arg("eps"), nb::arg("out"), nb::arg("hk"),
           "the linear-attention half of a Qwen3.5 decoder layer for a few tokens per row: out = x + "
           "out_proj(DeltaNet(projections of RMSNorm(x)))");
+    nb::class_<NativeStack>(m, "NativeStack", "a run's layer stack for one pass shape: the halves' arguments checked once")
+        .def(nb::init<size_t, size_t, bool>(), nb::arg("T"), nb::arg("H"), nb::arg("bf16"))
+        .def("add_attention", &NativeStack::add_attention)
+        .def("add_deltanet", &NativeStack::add_deltanet)
+        .def("add_moe", &NativeStack::add_moe)
+        .def("run", &NativeStack::run, nb::arg("x"), nb::arg("a"), nb::arg("b"), nb::arg("cos"), nb::arg("sin"),
+             nb::arg("pos"), nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"));
     m.def("mtp_step", &mtp_step, "one draft step of a one-layer MTP head (moerun::mtp_step_decode)");
     m.def("moe_experts_float", &moe_experts_float, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("up"), nb::arg("down"), nb::arg("out"), "fused routed experts with float32 or bf16 weights");

@@ -7,9 +7,12 @@ modules: each layer's `__call__`, its `attn_residual` / `GatedDeltaNet.residual`
 `moe_residual`, their plan lookups, the recurrent states' get and set, two output tensors
 and the numpy views of its activations. On 8 Qwen3-30B-shaped layers that glue took ~4 ms
 of a ~39 ms step (its Python runs with caches that the weights' streaming has just emptied);
-on the demo model about half of a step. `stack_run` makes the same native calls with the
-same arguments from one loop: bit-identical to the module path, which runs whenever the
-stack does not apply (no plans, a batch, a layer without both plans, hooks).
+on the demo model about half of a step. `stack_run` runs the same halves with the same
+arguments as one native call (`NativeStack`, csrc/bindings.cpp: the halves' arguments
+checked once a run, where a call per half converted a dozen or more arrays each time; a
+demo-model pass ~0.2 ms faster at every T in one process taking turns, ad hoc):
+bit-identical to the module path, which runs whenever the stack does not apply (no plans,
+a batch, a layer without both plans, hooks).
 """
 
 from __future__ import annotations
@@ -52,42 +55,33 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
     if stack is _UNSET:
         plans[key] = _SEEN
         return None
-    if stack is _SEEN:
-        stack = plans[key] = _build(layers, x, cache, s, plans)
-    if stack is None:
-        return None
-    calls, experts = stack
-    if _hooked(experts):
-        return None
     nat = kernels._native()
-    kernels._sync_threads(nat)
     rope = kernels._rope_rows(cos_sin, T) if rope is None else rope
     p = int(pos0[0]) if pos is None else pos
-    # two buffers taking turns: each first half writes a, each MoE half b (the attention and
-    # MoE calls take [T, H] rows, the DeltaNet's [B, T, H])
+    if stack is _SEEN:
+        stack = plans[key] = _build(layers, x, cache, s, plans, rope, p)
+    if stack is None:
+        return None
+    native, experts, deltanets = stack
+    if _hooked(experts):
+        return None
+    kernels._sync_threads(nat)
+    # two buffers taking turns: each first half writes a, each MoE half b
     a, b = kernels._out((1, T, H), x.dtype), kernels._out((1, T, H), x.dtype)
-    a3, b3 = kernels._np(a), kernels._np(b)
-    a2, b2 = a3.reshape(T, H), b3.reshape(T, H)
-    cur3 = kernels._np(kernels._act(x.contiguous()))
-    cur2 = cur3.reshape(T, H)
-    empty, obs = kernels._EMPTY_U8_NP, kernels._NOT_OBSERVED
-    for (first, moe_args), e in zip(calls, experts):
-        if first[0] is _ATTN:
-            _, weights, heads_scale, gated, half, kv_slot = first
-            nat.attn_block_decode(cur2, *weights, *rope, *kv_slot, p, *heads_scale, a2, gated, *half)
-        else:
-            _, state, head, conv, S, tail = first
-            if T == 1:
-                nat.deltanet_block(cur3, *head, conv, None, *tail[:2], S, None, *tail[2:4], a3, tail[4])
-            else:  # a verification pass: every token's states kept, for a rollback
-                conv_all = state.scratch("conv", (1, T, *state.tensors["conv"].shape[1:]))
-                S_all = state.scratch("recurrent", (1, T, *state.tensors["recurrent"].shape[1:]))
-                nat.deltanet_block(cur3, *head, conv, kernels._np(conv_all), *tail[:2], S, kernels._np(S_all),
-                                   *tail[2:4], a3, tail[4])
-                state.keep_every(conv=conv_all, recurrent=S_all)
-        seen = routes_seen(e)
-        nat.moe_block(a2, *moe_args, b2, *obs, empty if seen is None else seen)
-        cur2, cur3 = b2, b3
+    conv_every, S_every, kept = [], [], []
+    if T > 1:  # a verification pass: every token's states kept, for a rollback
+        for state in deltanets:
+            conv_all = state.scratch("conv", (1, T, *state.tensors["conv"].shape[1:]))
+            S_all = state.scratch("recurrent", (1, T, *state.tensors["recurrent"].shape[1:]))
+            conv_every.append(kernels._np(conv_all))
+            S_every.append(kernels._np(S_all))
+            kept.append((state, conv_all, S_all))
+    empty = kernels._EMPTY_U8_NP
+    seen = [empty if m is None else m for m in map(routes_seen, experts)]
+    native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope, p, conv_every,
+               S_every, seen)
+    for state, conv_all, S_all in kept:
+        state.keep_every(conv=conv_all, recurrent=S_all)
     return b
 
 
@@ -105,10 +99,13 @@ def _hooked(experts) -> bool:
 _ATTN, _DELTA = "attention", "deltanet"
 
 
-def _build(layers, x: torch.Tensor, cache, s: int, plans: dict) -> tuple | None:
-    """Per layer its first half's and its MoE half's call arguments, from the run's plans, and
-    the layers' experts modules; None unless every layer has both plans and no hooks."""
-    calls, experts = [], []
+def _build(layers, x: torch.Tensor, cache, s: int, plans: dict, rope: tuple, pos: int) -> tuple | None:
+    """The native stack (`NativeStack`: per layer its first half's and its MoE half's
+    arguments, from the run's plans, checked once), the layers' experts modules and the
+    DeltaNet layers' states; None unless every layer has both plans and no hooks."""
+    T, H = x.shape[1], x.shape[2]
+    native = kernels._native().NativeStack(T, H, x.dtype == torch.bfloat16)
+    experts, deltanets = [], []
     for i, layer in enumerate(layers):
         mods = layer._modules
         block = mods.get("mlp")
@@ -119,10 +116,17 @@ def _build(layers, x: torch.Tensor, cache, s: int, plans: dict) -> tuple | None:
             _deltanet(mods.get("linear_attn"), x, cache.layers[i], s, plans)
         if first is None:
             return None
+        if first[0] is _ATTN:
+            _, weights, heads_scale, gated, half, kv_slot = first
+            native.add_attention(*weights, *rope, *kv_slot, pos, *heads_scale, gated, *half)
+        else:
+            _, state, head, conv, S, tail = first
+            native.add_deltanet(*head, conv, *tail[:2], S, *tail[2:])
+            deltanets.append(state)
         e, moe_args = moe_plan
-        calls.append((first, moe_args))
+        native.add_moe(*moe_args)
         experts.append(e)
-    return calls, experts
+    return native, experts, deltanets
 
 
 def _attention(attn, x, kv, s: int, plans: dict) -> tuple | None:
