@@ -739,84 +739,122 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
 // out; in_norm required); the MoE half as moe_block takes it (without x and out, one token),
 // with its observed outputs; the final norm (norm_w [H] float32, eps, offset); the head: V
 // rows of H.
-void mtp_step(Array embed, Array tokens, Array hidden, Array pre_w, float pre_eps, Array fcw, Array fcs, int fcf,
-              Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf, Array ow, Array os,
-              int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc, Array vc, int pos, int Hq,
-              float scale, bool gated, Array in_norm, float in_offset, float in_eps, Array moe_norm_w, float moe_eps,
-              float moe_norm_offset, Array router, int K, bool renorm, int efmt, std::vector<Array> gate,
-              std::vector<Array> gs, std::vector<Array> up, std::vector<Array> us, std::vector<Array> down,
-              std::vector<Array> ds, std::vector<Array> shared, std::vector<Array> shared_s,
-              std::vector<int> shared_fmts, Array shared_gate, Array h_out, Array ids_out, Array w_out, Array seen,
-              Array norm_w, float norm_eps, float norm_offset, Array hw, Array hs, int hf, Array h, Array logits) {
-    const bool bf16 = is_bf16(h);
-    MOERUN_CHECK(bf16 || h.dtype() == nb::dtype<float>(), "h: must be float32 or bf16 (as uint16)");
-    MOERUN_CHECK(hidden.ndim() == 2 && hidden.shape(0) >= 1, "hidden must be [T, H]");
-    const size_t T = hidden.shape(0), H = hidden.shape(1);
-    for (const Array* t : {&embed, &hidden, &logits})
-        MOERUN_CHECK(t->dtype() == h.dtype(), "embed, hidden, h, logits: all in the model's dtype");
-    MOERUN_CHECK(embed.ndim() == 2 && embed.shape(1) == H, "embed must be [vocab, H]");
-    check_dtype(tokens, dtype_code::Int, 64, "tokens");
-    check_shape(tokens, {T}, "tokens");
-    const int64_t* tok = (const int64_t*)tokens.data();
-    for (size_t t = 0; t < T; ++t) MOERUN_CHECK(tok[t] >= 0 && (size_t)tok[t] < embed.shape(0),
-                                                "tokens: outside the embedding");
-    check_dtype(pre_w, dtype_code::Float, 32, "pre_w");
-    check_shape(pre_w, {2, H}, "pre_w");
-    MOERUN_CHECK(fcw.ndim() == 2, "fc must be [H, row]");
-    const moerun::QWeight fc = qweight_of(fcw, fcs, fcf, H, 2 * H, "fc");
-    const moerun::AttnBlockArgs attn = attn_block_args(T, H, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps,
-                                                       cos, sin, kc, vc, pos, Hq, scale, gated, in_norm, in_offset,
-                                                       in_eps, bf16);
-    MoeCall c;
-    moe_block_args(c, 1, H, bf16, moe_norm_w, moe_eps, moe_norm_offset, router, K, renorm, efmt, gate, gs, up, us, down,
-                   ds, shared, shared_s, shared_fmts, shared_gate);
-    moe_observe(c, h_out, ids_out, w_out, seen);
-    check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
-    check_shape(norm_w, {H}, "norm_w");
-    MOERUN_CHECK(hw.ndim() == 2, "head must be [V, row]");
-    const size_t V = hw.shape(0);
-    const moerun::QWeight head = qweight_of(hw, hs, hf, V, H, "head");
-    check_shape(h, {1, H}, "h");
-    check_shape(logits, {1, V}, "logits");
-    thread_local std::vector<float> u;  // per token: its embedding row, its hidden state (float32, exact)
-    u.resize(2 * T * H);
-    for (size_t t = 0; t < T; ++t) {
-        const size_t e = (size_t)tok[t] * H;
-        float *ue = u.data() + 2 * t * H, *uh = ue + H;
-        if (bf16) {
-            widen_bf16((const uint16_t*)embed.data() + e, ue, H);
-            widen_bf16((const uint16_t*)hidden.data() + t * H, uh, H);
-        } else {
-            std::memcpy(ue, (const float*)embed.data() + e, H * 4);
-            std::memcpy(uh, (const float*)hidden.data() + t * H, H * 4);
-        }
+class NativeMtp {
+  public:
+    // The head's weights, settings and cache slot, checked once (cos, sin: one row of rope,
+    // for the checks; the calls bring their own)
+    NativeMtp(Array embed, Array pre_w, float pre_eps, Array fcw, Array fcs, int fcf, Array qw, Array qs, int qf,
+              Array kw, Array ks, int kf, Array vw, Array vs, int vf, Array ow, Array os, int of, Array qn, Array kn,
+              float eps, Array cos, Array sin, Array kc, Array vc, int Hq, float scale, bool gated, Array in_norm,
+              float in_offset, float in_eps, Array moe_norm_w, float moe_eps, float moe_norm_offset, Array router,
+              int K, bool renorm, int efmt, std::vector<Array> gate, std::vector<Array> gs, std::vector<Array> up,
+              std::vector<Array> us, std::vector<Array> down, std::vector<Array> ds, std::vector<Array> shared,
+              std::vector<Array> shared_s, std::vector<int> shared_fmts, Array shared_gate, Array norm_w,
+              float norm_eps, float norm_offset, Array hw, Array hs, int hf)
+        : embed_(embed) {
+        bf16_ = is_bf16(embed);
+        MOERUN_CHECK(bf16_ || embed.dtype() == nb::dtype<float>(), "embed: must be float32 or bf16 (as uint16)");
+        MOERUN_CHECK(embed.ndim() == 2, "embed must be [vocab, H]");
+        H_ = embed.shape(1);
+        check_dtype(pre_w, dtype_code::Float, 32, "pre_w");
+        check_shape(pre_w, {2, H_}, "pre_w");
+        MOERUN_CHECK(fcw.ndim() == 2, "fc must be [H, row]");
+        a_.fc = qweight_of(fcw, fcs, fcf, H_, 2 * H_, "fc");
+        a_.attn = attn_block_args(1, H_, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps, cos, sin, kc, vc, 0,
+                                  Hq, scale, gated, in_norm, in_offset, in_eps, bf16_);
+        cache_len_ = kc.shape(1);
+        moe_block_args(c_, 1, H_, bf16_, moe_norm_w, moe_eps, moe_norm_offset, router, K, renorm, efmt, gate, gs, up, us,
+                       down, ds, shared, shared_s, shared_fmts, shared_gate);
+        check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
+        check_shape(norm_w, {H_}, "norm_w");
+        MOERUN_CHECK(hw.ndim() == 2, "head must be [V, row]");
+        V_ = hw.shape(0);
+        a_.head = qweight_of(hw, hs, hf, V_, H_, "head");
+        a_.H = (int)H_;
+        a_.V = (int)V_;
+        a_.round_bf16 = bf16_;
+        a_.pre_w = (const float*)pre_w.data();
+        a_.pre_eps = pre_eps;
+        a_.norm_w = (const float*)norm_w.data();
+        a_.norm_offset = norm_offset;
+        a_.norm_eps = norm_eps;
+        keep_.insert(keep_.end(), {pre_w, fcw, fcs, qw, qs, kw, ks, vw, vs, ow, os, qn, kn, kc, vc, in_norm, moe_norm_w,
+                                   router, shared_gate, norm_w, hw, hs});
+        for (const auto* v : {&gate, &gs, &up, &us, &down, &ds, &shared, &shared_s}) keep_.insert(keep_.end(), v->begin(), v->end());
     }
-    thread_local std::vector<float> hbuf;
-    ActOut ho(h, "h", hbuf), lo(logits, "logits");
-    moerun::MtpStepArgs a{};
-    a.T = (int)T;
-    a.H = (int)H;
-    a.V = (int)V;
-    a.round_bf16 = bf16;
-    a.u = u.data();
-    a.pre_w = (const float*)pre_w.data();
-    a.pre_eps = pre_eps;
-    a.fc = fc;
-    a.attn = attn;
-    a.moe = c.a;
-    a.norm_w = (const float*)norm_w.data();
-    a.norm_offset = norm_offset;
-    a.norm_eps = norm_eps;
-    a.head = head;
-    a.h = ho.p;
-    a.logits = lo.p;
-    nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::mtp_step_decode(a);
-    ho.finish();
-    lo.finish();
-    moe_observed_finish(c);
-}
+    NativeMtp(const NativeMtp&) = delete;
+    NativeMtp& operator=(const NativeMtp&) = delete;
+
+    // tokens [T] int64 (each < the embedding's rows) and hidden [T, H] (the trunk's states,
+    // the model's dtype) at positions pos..; cos, sin [T, rd]; the MoE half's observed outputs
+    // and route mask as moe_block takes them; h [1, H] and logits [1, V] in the model's dtype.
+    void run(Array tokens, Array hidden, Array cos, Array sin, int pos, Array h_out, Array ids_out, Array w_out,
+             Array seen, Array h, Array logits) {
+        MOERUN_CHECK(hidden.ndim() == 2 && hidden.shape(0) >= 1, "hidden must be [T, H]");
+        const size_t T = hidden.shape(0), H = H_;
+        for (const Array* t : {&hidden, &h, &logits})
+            MOERUN_CHECK(t->dtype() == embed_.dtype(), "embed, hidden, h, logits: all in the model's dtype");
+        check_shape(hidden, {T, H}, "hidden");
+        check_dtype(tokens, dtype_code::Int, 64, "tokens");
+        check_shape(tokens, {T}, "tokens");
+        const int64_t* tok = (const int64_t*)tokens.data();
+        for (size_t t = 0; t < T; ++t) MOERUN_CHECK(tok[t] >= 0 && (size_t)tok[t] < embed_.shape(0),
+                                                    "tokens: outside the embedding");
+        check_dtype(cos, dtype_code::Float, 32, "cos");
+        check_dtype(sin, dtype_code::Float, 32, "sin");
+        MOERUN_CHECK(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == T && sin.shape(0) == T &&
+                         cos.shape(1) == (size_t)a_.attn.rd && sin.shape(1) == (size_t)a_.attn.rd,
+                     "cos, sin must be [T, rd]");
+        MOERUN_CHECK(pos >= 0 && (size_t)pos + T <= cache_len_, "position outside the cache");
+        check_shape(h, {1, H}, "h");
+        check_shape(logits, {1, V_}, "logits");
+        MoeCall c;  // this call's observed outputs and route mask on the head's MoE half
+        c.a = c_.a;
+        moe_observe(c, h_out, ids_out, w_out, seen);
+        thread_local std::vector<float> u;  // per token: its embedding row, its hidden state (float32, exact)
+        u.resize(2 * T * H);
+        for (size_t t = 0; t < T; ++t) {
+            const size_t e = (size_t)tok[t] * H;
+            float *ue = u.data() + 2 * t * H, *uh = ue + H;
+            if (bf16_) {
+                widen_bf16((const uint16_t*)embed_.data() + e, ue, H);
+                widen_bf16((const uint16_t*)hidden.data() + t * H, uh, H);
+            } else {
+                std::memcpy(ue, (const float*)embed_.data() + e, H * 4);
+                std::memcpy(uh, (const float*)hidden.data() + t * H, H * 4);
+            }
+        }
+        thread_local std::vector<float> hbuf;
+        ActOut ho(h, "h", hbuf), lo(logits, "logits");
+        moerun::MtpStepArgs a = a_;
+        a.T = (int)T;
+        a.attn.T = (int)T;
+        a.attn.cos = (const float*)cos.data();
+        a.attn.sin = (const float*)sin.data();
+        a.attn.pos = pos;
+        a.u = u.data();
+        a.moe = c.a;
+        a.h = ho.p;
+        a.logits = lo.p;
+        {
+            nb::gil_scoped_release release;
+            std::lock_guard<std::mutex> lk(g_op_mutex);
+            moerun::mtp_step_decode(a);
+        }
+        ho.finish();
+        lo.finish();
+        moe_observed_finish(c);
+    }
+
+  private:
+    Array embed_;
+    bool bf16_ = false;
+    size_t H_ = 0, V_ = 0, cache_len_ = 0;
+    moerun::MtpStepArgs a_{};
+    MoeCall c_;  // the MoE half's weights (a_.moe is copied from it at each call)
+    std::vector<Array> keep_;  // every array the arguments point into
+};
+
 
 // A Gated DeltaNet layer's weights and states for B rows of T tokens of C conv channels, all
 // float32 and contiguous: conv_w [K, C] (the conv's weights transposed); conv [B, C, K-1]; A_log, dt_bias [Hv];
@@ -1188,7 +1226,16 @@ NB_MODULE(_native, m) {
         .def("add_moe", &NativeStack::add_moe)
         .def("run", &NativeStack::run, nb::arg("x"), nb::arg("a"), nb::arg("b"), nb::arg("cos"), nb::arg("sin"),
              nb::arg("pos"), nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"));
-    m.def("mtp_step", &mtp_step, "one draft step of a one-layer MTP head (moerun::mtp_step_decode)");
+    nb::class_<NativeMtp>(m, "NativeMtp", "a one-layer MTP head's calls on one cache slot: its arguments checked once")
+        .def(nb::init<Array, Array, float, Array, Array, int, Array, Array, int, Array, Array, int, Array, Array, int,
+                      Array, Array, int, Array, Array, float, Array, Array, Array, Array, int, float, bool, Array, float,
+                      float, Array, float, float, Array, int, bool, int, std::vector<Array>, std::vector<Array>,
+                      std::vector<Array>, std::vector<Array>, std::vector<Array>, std::vector<Array>,
+                      std::vector<Array>, std::vector<Array>, std::vector<int>, Array, Array, float, float, Array,
+                      Array, int>())
+        .def("run", &NativeMtp::run, nb::arg("tokens"), nb::arg("hidden"), nb::arg("cos"), nb::arg("sin"),
+             nb::arg("pos"), nb::arg("h_out"), nb::arg("ids_out"), nb::arg("w_out"), nb::arg("seen"), nb::arg("h"),
+             nb::arg("logits"), "one draft step over T tokens (moerun::mtp_step_decode)");
     m.def("moe_experts_float", &moe_experts_float, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("up"), nb::arg("down"), nb::arg("out"), "fused routed experts with float32 or bf16 weights");
     m.def("moe_experts", &moe_experts, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),

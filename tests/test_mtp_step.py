@@ -142,33 +142,54 @@ def test_hooks_and_unfusable_parts_run_the_modules(mtp_path, monkeypatch):
 
 
 def test_mtp_step_refuses_bad_arguments(mtp_path, monkeypatch):
-    """The binding checks what it is given: one clear ValueError each, nothing run."""
+    """The binding checks what it is given, once for the weights (`NativeMtp`) and at each
+    call for the rest: one clear ValueError each, nothing run."""
     net = moerun.load(mtp_path, dtype="float32", threads=2).net
     nat = kernels._native()
-    real = nat.mtp_step
-    captured = []
-    monkeypatch.setattr(nat, "mtp_step", lambda *a: captured.append(a) or real(*a))
+    Real = nat.NativeMtp
+    made, ran = [], []
+
+    class Capture:
+        def __init__(self, *a):
+            made.append(a)
+            self.native = Real(*a)
+
+        def run(self, *a):
+            ran.append(a)
+            return self.native.run(*a)
+
+    monkeypatch.setattr(nat, "NativeMtp", Capture)
     with torch.inference_mode():
         draft_calls(net)
-    monkeypatch.setattr(nat, "mtp_step", real)
-    args = list(captured[1])  # a one-token call: embed, tokens, hidden, pre_w, pre_eps, fc ...
+    monkeypatch.setattr(nat, "NativeMtp", Real)
+    args = list(made[0])  # embed, pre_w, pre_eps, fc ..., the attention's, the MoE half's, the final norm's, the head's
+    call = next(list(a) for a in ran if a[0].shape == (1,))  # a one-token call: tokens, hidden, cos, sin, pos ...
     H = net.args.hidden_size
-    real(*args)  # as captured: runs
+    native = Real(*args)
+    native.run(*call)  # as captured: runs
 
-    def bad(i, value, match):
+    def bad_weights(i, value, match):
         a = list(args)
         a[i] = value
         with pytest.raises(ValueError, match=match):
-            real(*a)
+            Real(*a)
 
-    bad(1, np.array([net.args.vocab_size], dtype=np.int64), "outside the embedding")
-    bad(1, np.array([1, 2], dtype=np.int64), "tokens")
-    bad(2, np.zeros((1, H), dtype=np.uint16), "model's dtype")
-    bad(3, np.zeros((3, H), dtype=np.float32), "pre_w")
-    bad(5, np.zeros((H + 1, 2 * H), dtype=np.float32), "fc")
-    bad(27, 10**6, "position outside the cache")
-    bad(len(args) - 2, np.zeros((2, H), dtype=np.float32), "h")
-    bad(len(args) - 1, np.zeros((1, 7), dtype=np.float32), "logits")
+    def bad_call(i, value, match):
+        a = list(call)
+        a[i] = value
+        with pytest.raises(ValueError, match=match):
+            native.run(*a)
+
+    bad_weights(0, np.zeros((5, H), dtype=np.uint8), "embed")
+    bad_weights(1, np.zeros((3, H), dtype=np.float32), "pre_w")
+    bad_weights(3, np.zeros((H + 1, 2 * H), dtype=np.float32), "fc")
+    bad_call(0, np.array([net.args.vocab_size], dtype=np.int64), "outside the embedding")
+    bad_call(0, np.array([1, 2], dtype=np.int64), "tokens")
+    bad_call(1, np.zeros((1, H), dtype=np.uint16), "model's dtype")
+    bad_call(2, np.zeros((2, 4), dtype=np.float32), "cos, sin")
+    bad_call(4, 10**6, "position outside the cache")
+    bad_call(len(call) - 2, np.zeros((2, H), dtype=np.float32), "h")
+    bad_call(len(call) - 1, np.zeros((1, 7), dtype=np.float32), "logits")
 
 
 def test_drafter_gives_the_calls_of_mtp_logits(mtp_path):

@@ -672,7 +672,7 @@ def _moe_observed(T: int, H: int, k: int, dtype: torch.dtype) -> tuple:
 class MtpStep:
     """A one-layer MTP head (`layers.mtp.native_step`) over T <= FUSED_MAX_TOKENS tokens of one
     row (a draft step, or a catch-up over the tokens accepted since the last) in one native
-    call (`mtp_step`): the two input RMSNorms, fc, the layer's attention half over the T
+    call (`NativeMtp.run`): the two input RMSNorms, fc, the layer's attention half over the T
     tokens, its MoE half on the last token, the final norm and the head, each as its own
     decode op computes it (in a bf16 model rounded to bf16 where those hand on a bf16 tensor):
     bit-identical to the modules one by one. The weights' arguments are made once (a draft
@@ -688,27 +688,29 @@ class MtpStep:
         self.post = (_np(final_w), float(eps), float(offset), head.w, head.s, head.code)
 
 
-    def bind(self, attn: tuple, attn_norm: tuple, kv_slot: tuple, moe: tuple, seen=None) -> tuple:
+    def bind(self, attn: tuple, attn_norm: tuple, kv_slot: tuple, moe: tuple, rope: tuple, seen=None) -> tuple:
         """What `run` passes on besides its tokens, hidden states, rope rows and position, for
         calls on one cache slot: attn: `attn_plan`; attn_norm: `half_norm_args`; kv_slot:
-        `_cache_slot`; moe: `moe_block_args`; seen: the experts' route mask or None. Made once
-        for a run of calls (`layers.mtp.Drafter`): the same for each of them."""
+        `_cache_slot`; moe: `moe_block_args`; rope: one token's rope rows (for the checks);
+        seen: the experts' route mask or None. Made once for a run of calls
+        (`layers.mtp.Drafter`): the weights' arguments checked and held natively
+        (`NativeMtp`), where converting them at each call took ~30 of its ~100 us on the demo
+        model."""
         weights, heads_scale, gated = attn
-        return ((*self.pre, *weights), kv_slot, (*heads_scale, gated, *attn_norm, *moe),
-                _EMPTY_U8_NP if seen is None else seen, moe[4])
+        native = _native().NativeMtp(self.embed, *self.pre, *weights, *rope, *kv_slot, *heads_scale, gated, *attn_norm,
+                                     *moe, *self.post)
+        return native, _EMPTY_U8_NP if seen is None else seen, moe[4]
 
     def run(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: tuple, pos: int, bound: tuple,
             observe: bool = False) -> tuple:
         """tokens [T] (int64), hidden [T, H] (the model's dtype) -> (logits [1, V], h [1, H] of
         the last token, and with `observe` the MoE half's (h, ids, weights) for the experts'
         hooks, else None). rope: `layers.rope.Rope.float_rows`; bound: `bind`'s."""
-        nat = _native()
-        _sync_threads(nat)
-        pre, kv_slot, mid, seen, k = bound
+        _sync_threads(_native())
+        native, seen, k = bound
         observed, obs = _moe_observed(1, self.H, k, self.dtype) if observe else (None, _NOT_OBSERVED)
         h, logits = torch.empty(1, self.H, dtype=self.dtype), torch.empty(1, self.V, dtype=self.dtype)
-        nat.mtp_step(self.embed, _np(tokens), _np(hidden), *pre, *rope, *kv_slot, pos, *mid, *obs, seen, *self.post,
-                     _np(h), _np(logits))
+        native.run(_np(tokens), _np(hidden), *rope, pos, *obs, seen, _np(h), _np(logits))
         return logits, h, observed
 
 

@@ -97,7 +97,7 @@ def prepare(owner: nn.Module, parts: MtpParts, kv, slot: int, rope) -> Drafter |
         return None
     experts, moe_args = moe
     bound = step.bind(kernels.attn_plan(parts.attn), kernels.half_norm_args(parts.attn_norm),
-                      kernels._cache_slot(kv, slot), moe_args, routes_seen(experts))
+                      kernels._cache_slot(kv, slot), moe_args, rope.float_rows(0, 1, dtype), routes_seen(experts))
     return Drafter(step, bound, rope, experts, H, dtype)
 
 
