@@ -1058,22 +1058,30 @@ class NativeStack {
         MOERUN_CHECK(conv_every.size() == S_every.size() && (conv_every.empty() || conv_every.size() == deltanets_),
                      "conv_every, S_every: one each per DeltaNet layer, or none");
         MOERUN_CHECK(seen.size() == layers_.size(), "seen: one per layer");
+        // this pass's arguments, checked, into copies of each layer's (the stack is not changed:
+        // another thread's pass on it would see none of this one's)
+        thread_local std::vector<Layer> pass;
+        pass.resize(layers_.size());
         size_t j = 0;
         for (size_t i = 0; i < layers_.size(); ++i) {
-            Layer& l = layers_[i];
+            const Layer& l = layers_[i];
+            Layer& c = pass[i];
             MOERUN_CHECK(l.moe != nullptr, "every layer needs its MoE half");
+            c.attn = l.attn;
             if (l.attn) {
+                c.at = l.at;
                 MOERUN_CHECK(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == T_ && sin.shape(0) == T_ &&
                                  cos.shape(1) == (size_t)l.at.rd && sin.shape(1) == (size_t)l.at.rd,
                              "cos, sin must be [T, rd]");
                 check_dtype(cos, dtype_code::Float, 32, "cos");
                 check_dtype(sin, dtype_code::Float, 32, "sin");
                 MOERUN_CHECK(pos >= 0 && (size_t)pos + T_ <= l.cache_len, "position outside the cache");
-                l.at.cos = (const float*)cos.data();
-                l.at.sin = (const float*)sin.data();
-                l.at.pos = pos;
+                c.at.cos = (const float*)cos.data();
+                c.at.sin = (const float*)sin.data();
+                c.at.pos = pos;
             } else {
-                moerun::DeltaArgs& d = l.dn.d;
+                c.dn = l.dn;
+                moerun::DeltaArgs& d = c.dn.d;
                 d.conv_every = d.S_every = nullptr;
                 if (!conv_every.empty()) {
                     check_dtype(conv_every[j], dtype_code::Float, 32, "conv_every");
@@ -1085,18 +1093,18 @@ class NativeStack {
                 }
                 ++j;
             }
-            moerun::MoeBlockArgs& m = l.moe->a;
-            m.seen = nullptr;
+            c.moe_args = l.moe->a;
+            c.moe_args.seen = nullptr;
             if (seen[i].size() > 0) {
                 MOERUN_CHECK(seen[i].dtype() == nb::dtype<uint8_t>(), "seen: must be uint8");
-                check_shape(seen[i], {(size_t)m.E + 1}, "seen");
-                m.seen = (uint8_t*)seen[i].data();
+                check_shape(seen[i], {(size_t)c.moe_args.E + 1}, "seen");
+                c.moe_args.seen = (uint8_t*)seen[i].data();
             }
         }
         nb::gil_scoped_release release;
         std::lock_guard<std::mutex> lk(g_op_mutex);
         const Array* cur = &x;
-        for (Layer& l : layers_) {
+        for (Layer& l : pass) {
             {
                 ActIn xin(*cur, "x");
                 ActOut o(a, "out");
@@ -1111,9 +1119,9 @@ class NativeStack {
             }
             ActIn xin(a, "x");
             ActOut o(b, "out");
-            l.moe->a.x = xin.p;
-            l.moe->a.y = o.p;
-            moerun::moe_block_decode(l.moe->a);
+            l.moe_args.x = xin.p;
+            l.moe_args.y = o.p;
+            moerun::moe_block_decode(l.moe_args);
             o.finish();
             cur = &b;
         }
@@ -1125,7 +1133,8 @@ class NativeStack {
         moerun::AttnBlockArgs at{};
         size_t cache_len = 0;
         moerun::DeltaBlockArgs dn{};
-        std::unique_ptr<MoeCall> moe;
+        std::unique_ptr<MoeCall> moe;  // the MoE half's weights (its arguments point into them)
+        moerun::MoeBlockArgs moe_args{};  // a pass's copy of moe->a, with its x, y and route mask
     };
     size_t T_, H_;
     bool bf16_;
