@@ -1052,7 +1052,10 @@ class NativeStack {
     void run(Array x, Array a, Array b, Array cos, Array sin, int pos, std::vector<Array> conv_every,
              std::vector<Array> S_every, std::vector<Array> seen) {
         for (const Array* t : {&x, &a, &b}) {
-            MOERUN_CHECK(is_bf16(*t) == bf16_, "x, a, b: the stack's dtype");
+            if (bf16_)
+                MOERUN_CHECK(is_bf16(*t), "x, a, b: the stack's dtype (bf16, as uint16)");
+            else
+                check_dtype(*t, dtype_code::Float, 32, "x, a, b");
             check_shape(*t, {1, T_, H_}, "x, a, b");
         }
         MOERUN_CHECK(conv_every.size() == S_every.size() && (conv_every.empty() || conv_every.size() == deltanets_),

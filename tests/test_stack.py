@@ -208,3 +208,39 @@ def test_a_bad_token_id_is_an_error_in_the_native_pass_too(qwen3_path):
             with pytest.raises(IndexError):
                 net(torch.tensor([[bad]]), cache, s, plans=plans)
             assert int(cache.lengths[0]) == 6
+
+
+def test_native_stack_refuses_bad_arguments(qwen3_path):
+    """`NativeStack.run` checks what a pass brings (activations, rope rows, position, kept
+    states, route masks): one clear ValueError each, nothing run."""
+    import numpy as np
+
+    import moerun
+    from moerun.engine.cache import Cache
+
+    net = moerun.load(qwen3_path(), dtype="float32", threads=1, quant="int4").net
+    cache, s, plans = Cache(net.cache_spec(), 1, 16, torch.float32), torch.tensor([0]), {}
+    with torch.inference_mode():
+        net(torch.tensor([[1, 2, 3]]), cache, s, plans=plans)
+        for t in range(2):  # the first one-token pass makes the plans, the second the stack
+            net(torch.tensor([[4 + t]]), cache, s, plans=plans)
+    native, experts, _ = next(v for k, v in plans.items() if isinstance(k, tuple) and k[0] == "stack" and type(v) is tuple)
+    H = CFG["hidden_size"]
+    x, a, b = (np.zeros((1, 1, H), dtype=np.float32) for _ in range(3))
+    rope = net.model.rope.float_rows(6, 1, torch.float32)
+    seen = [np.zeros(0, dtype=np.uint8)] * len(experts)
+    native.run(x, a, b, *rope, 6, [], [], seen)  # as a pass makes it: runs
+
+    def bad(match, **change):
+        args = dict(x=x, a=a, b=b, cos=rope[0], sin=rope[1], pos=6, conv_every=[], S_every=[], seen=seen)
+        args.update(change)
+        with pytest.raises(ValueError, match=match):
+            native.run(**args)
+
+    bad("x, a, b", x=np.zeros((1, 2, H), dtype=np.float32))
+    bad("x, a, b", b=np.zeros((1, 1, H), dtype=np.float64))
+    bad("cos, sin", cos=np.zeros((2, rope[0].shape[1]), dtype=np.float32))
+    bad("position outside the cache", pos=16)
+    bad("seen: one per layer", seen=seen[:1])
+    bad("seen", seen=[np.zeros(3, dtype=np.uint8)] * len(experts))
+    bad("conv_every, S_every", conv_every=[np.zeros(1, dtype=np.float32)])
