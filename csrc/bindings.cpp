@@ -648,6 +648,21 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
     moe_observed_finish(c);
 }
 
+// cos, sin [T, rd] float32 (rd 0: whatever cos has) for positions pos..pos+T-1 of a cache
+// of L positions, checked -> rd
+size_t check_rope_rows(const Array& cos, const Array& sin, size_t T, size_t rd, int pos, size_t L) {
+    check_dtype(cos, dtype_code::Float, 32, "cos");
+    check_dtype(sin, dtype_code::Float, 32, "sin");
+    MOERUN_CHECK(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == T && sin.shape(0) == T &&
+                     cos.shape(1) == sin.shape(1) && (rd == 0 || cos.shape(1) == rd),
+                 "cos, sin must be [T, rd]");
+    MOERUN_CHECK(pos >= 0 && (size_t)pos + T <= L, "position outside the cache");
+    return cos.shape(1);
+}
+
+// the positions of an attention block's cache slot (its c_sh: positions x head dim)
+size_t cache_positions(const moerun::AttnBlockArgs& a) { return (size_t)(a.c_sh / a.D); }
+
 // T tokens of H through a decoder layer's attention: q/k/v/o quantized [rows, bytes] + scales
 // (q: Hq * D rows, 2 * Hq * D when gated); qn, kn [D] or empty; cos, sin [T, rd]; kc, vc
 // [Hkv, max_len, D] (one slot of the cache: float32, or bf16 as uint16); token t sits at
@@ -665,7 +680,6 @@ moerun::AttnBlockArgs attn_block_args(size_t T, size_t H, Array qw, Array qs, in
     const size_t Hkv = kc.shape(0), L = kc.shape(1), D = kc.shape(2);
     check_shape(vc, {Hkv, L, D}, "v cache");
     MOERUN_CHECK(Hq > 0 && Hkv > 0 && Hq % Hkv == 0, "q heads must be a multiple of kv heads");
-    MOERUN_CHECK(pos >= 0 && (size_t)pos + T <= L, "position outside the cache");
     moerun::AttnBlockArgs a{};
     a.q = qweight_of(qw, qs, qf, Hq * D * (gated ? 2 : 1), H, "q_proj");
     a.k = qweight_of(kw, ks, kf, Hkv * D, H, "k_proj");
@@ -675,12 +689,7 @@ moerun::AttnBlockArgs attn_block_args(size_t T, size_t H, Array qw, Array qs, in
         check_dtype(*n, dtype_code::Float, 32, "q/k norm");
         MOERUN_CHECK(n->ndim() == 1 && (n->shape(0) == 0 || n->shape(0) == D), "q/k norm weight must be [D] or empty");
     }
-    check_dtype(cos, dtype_code::Float, 32, "cos");
-    check_dtype(sin, dtype_code::Float, 32, "sin");
-    MOERUN_CHECK(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == T && sin.shape(0) == T &&
-                     cos.shape(1) == sin.shape(1),
-                 "cos, sin must be [T, rd]");
-    const size_t rd = cos.shape(1);
+    const size_t rd = check_rope_rows(cos, sin, T, 0, pos, L);
     MOERUN_CHECK(rd % 2 == 0 && rd <= D, "rotary dims must be even and at most the head dim");
     if (in_norm) {
         check_dtype(*in_norm, dtype_code::Float, 32, "in_norm");
@@ -730,15 +739,14 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
     o.finish();
 }
 
-// One draft step of a one-layer MTP head (moerun::mtp_step_decode) over T tokens of one row:
-// embed [Ve, H] (the token embedding) and tokens [T] int64 (each < Ve): the rows read;
-// hidden [T, H]: the trunk's states; both in the model's dtype (float32, or bf16 as uint16),
-// which h [1, H] (the final norm's output) and logits [1, V] have too. pre_w [2, H] float32:
-// the two input norms' weights (offsets added); fc: H rows of 2H (weight, scales, fmt as
-// qlinear_multi takes them); the attention half as attn_block_decode takes it (without x and
-// out; in_norm required); the MoE half as moe_block takes it (without x and out, one token),
-// with its observed outputs; the final norm (norm_w [H] float32, eps, offset); the head: V
-// rows of H.
+// A one-layer MTP head's draft steps (moerun::mtp_step_decode) on one cache slot, its weights'
+// arguments checked once: embed [Ve, H] (the token embedding, the model's dtype: float32, or
+// bf16 as uint16); pre_w [2, H] float32: the two input norms' weights (offsets added); fc: H
+// rows of 2H (weight, scales, fmt as qlinear_multi takes them); the attention half as
+// attn_block_decode takes it (without x, out and position; in_norm required); the MoE half as
+// moe_block takes it (without x and out, one token); the final norm (norm_w [H] float32,
+// eps, offset); the head: V rows of H. Each `run` brings its tokens, hidden states, rope rows,
+// position, the MoE half's observed outputs and h and logits.
 class NativeMtp {
   public:
     // The head's weights, settings and cache slot, checked once (cos, sin: one row of rope,
@@ -762,7 +770,6 @@ class NativeMtp {
         a_.fc = qweight_of(fcw, fcs, fcf, H_, 2 * H_, "fc");
         a_.attn = attn_block_args(1, H_, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps, cos, sin, kc, vc, 0,
                                   Hq, scale, gated, in_norm, in_offset, in_eps, bf16_);
-        cache_len_ = kc.shape(1);
         moe_block_args(c_, 1, H_, bf16_, moe_norm_w, moe_eps, moe_norm_offset, router, K, renorm, efmt, gate, gs, up, us,
                        down, ds, shared, shared_s, shared_fmts, shared_gate);
         check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
@@ -800,12 +807,7 @@ class NativeMtp {
         const int64_t* tok = (const int64_t*)tokens.data();
         for (size_t t = 0; t < T; ++t) MOERUN_CHECK(tok[t] >= 0 && (size_t)tok[t] < embed_.shape(0),
                                                     "tokens: outside the embedding");
-        check_dtype(cos, dtype_code::Float, 32, "cos");
-        check_dtype(sin, dtype_code::Float, 32, "sin");
-        MOERUN_CHECK(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == T && sin.shape(0) == T &&
-                         cos.shape(1) == (size_t)a_.attn.rd && sin.shape(1) == (size_t)a_.attn.rd,
-                     "cos, sin must be [T, rd]");
-        MOERUN_CHECK(pos >= 0 && (size_t)pos + T <= cache_len_, "position outside the cache");
+        check_rope_rows(cos, sin, T, a_.attn.rd, pos, cache_positions(a_.attn));
         check_shape(h, {1, H}, "h");
         check_shape(logits, {1, V_}, "logits");
         MoeCall c;  // this call's observed outputs and route mask on the head's MoE half
@@ -849,7 +851,7 @@ class NativeMtp {
   private:
     Array embed_;
     bool bf16_ = false;
-    size_t H_ = 0, V_ = 0, cache_len_ = 0;
+    size_t H_ = 0, V_ = 0;
     moerun::MtpStepArgs a_{};
     MoeCall c_;  // the MoE half's weights (a_.moe is copied from it at each call)
     std::vector<Array> keep_;  // every array the arguments point into
@@ -1014,7 +1016,6 @@ class NativeStack {
         l.attn = true;
         l.at = attn_block_args(T_, H_, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps, cos, sin, kc, vc,
                                pos, Hq, scale, gated, in_norm, in_offset, in_eps, bf16_);
-        l.cache_len = kc.shape(1);
         keep_.insert(keep_.end(), {qw, qs, kw, ks, vw, vs, ow, os, qn, kn, kc, vc, in_norm});
         layers_.push_back(std::move(l));
     }
@@ -1073,12 +1074,7 @@ class NativeStack {
             c.attn = l.attn;
             if (l.attn) {
                 c.at = l.at;
-                MOERUN_CHECK(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) == T_ && sin.shape(0) == T_ &&
-                                 cos.shape(1) == (size_t)l.at.rd && sin.shape(1) == (size_t)l.at.rd,
-                             "cos, sin must be [T, rd]");
-                check_dtype(cos, dtype_code::Float, 32, "cos");
-                check_dtype(sin, dtype_code::Float, 32, "sin");
-                MOERUN_CHECK(pos >= 0 && (size_t)pos + T_ <= l.cache_len, "position outside the cache");
+                check_rope_rows(cos, sin, T_, l.at.rd, pos, cache_positions(l.at));
                 c.at.cos = (const float*)cos.data();
                 c.at.sin = (const float*)sin.data();
                 c.at.pos = pos;
@@ -1134,7 +1130,6 @@ class NativeStack {
     struct Layer {
         bool attn = false;
         moerun::AttnBlockArgs at{};
-        size_t cache_len = 0;
         moerun::DeltaBlockArgs dn{};
         std::unique_ptr<MoeCall> moe;  // the MoE half's weights (its arguments point into them)
         moerun::MoeBlockArgs moe_args{};  // a pass's copy of moe->a, with its x, y and route mask
