@@ -1049,7 +1049,7 @@ class NativeStack {
     // x, a, b [1, T, H] in the stack's dtype; cos, sin [T, rd]: the pass's rope rows; pos its
     // first position; conv_every, S_every: one each per DeltaNet layer (every token's states,
     // kept for a rollback; T > 1) or none (in place); seen: per layer its experts' route mask
-    // [E + 1] uint8, or empty.
+    // [E + 1] uint8 or empty, or none at all (no layer has one).
     void run(Array x, Array a, Array b, Array cos, Array sin, int pos, std::vector<Array> conv_every,
              std::vector<Array> S_every, std::vector<Array> seen) {
         for (const Array* t : {&x, &a, &b}) {
@@ -1061,7 +1061,7 @@ class NativeStack {
         }
         MOERUN_CHECK(conv_every.size() == S_every.size() && (conv_every.empty() || conv_every.size() == deltanets_),
                      "conv_every, S_every: one each per DeltaNet layer, or none");
-        MOERUN_CHECK(seen.size() == layers_.size(), "seen: one per layer");
+        MOERUN_CHECK(seen.empty() || seen.size() == layers_.size(), "seen: one per layer, or none");
         // this pass's arguments, checked, into copies of each layer's (the stack is not changed:
         // another thread's pass on it would see none of this one's)
         thread_local std::vector<Layer> pass;
@@ -1094,7 +1094,7 @@ class NativeStack {
             }
             c.moe_args = l.moe->a;
             c.moe_args.seen = nullptr;
-            if (seen[i].size() > 0) {
+            if (!seen.empty() && seen[i].size() > 0) {
                 MOERUN_CHECK(seen[i].dtype() == nb::dtype<uint8_t>(), "seen: must be uint8");
                 check_shape(seen[i], {(size_t)c.moe_args.E + 1}, "seen");
                 c.moe_args.seen = (uint8_t*)seen[i].data();

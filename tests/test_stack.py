@@ -230,6 +230,7 @@ def test_native_stack_refuses_bad_arguments(qwen3_path):
     rope = net.model.rope.float_rows(6, 1, torch.float32)
     seen = [np.zeros(0, dtype=np.uint8)] * len(experts)
     native.run(x, a, b, *rope, 6, [], [], seen)  # as a pass makes it: runs
+    native.run(x, a, b, *rope, 6, [], [], [])  # (no route masks at all: the same)
 
     def bad(match, **change):
         args = dict(x=x, a=a, b=b, cos=rope[0], sin=rope[1], pos=6, conv_every=[], S_every=[], seen=seen)

@@ -76,8 +76,8 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
             conv_every.append(kernels._np(conv_all))
             S_every.append(kernels._np(S_all))
             kept.append((state, conv_all, S_all))
-    empty = kernels._EMPTY_U8_NP
-    seen = [empty if m is None else m for m in map(routes_seen, experts)]
+    seen = list(map(routes_seen, experts))  # route masks (an expert tracker's), where there are any
+    seen = [kernels._EMPTY_U8_NP if m is None else m for m in seen] if any(m is not None for m in seen) else []
     native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope, p, conv_every,
                S_every, seen)
     for state, conv_all, S_all in kept:
