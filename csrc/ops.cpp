@@ -38,8 +38,8 @@ struct Tile {
 // Rows per tile: enough tiles to balance the pool; where a tile has more tokens than the
 // 256-bit kernels take in one pass over its rows (4; the 512-bit ones take 8, and their
 // tiles of 5-8 tokens are cut too), few enough rows that they stay in L1/L2 while the
-// tokens stream past them. With at most 4 tokens each row is read once, so a tile is one
-// long stream: what its start costs (the first rows, before the prefetches ahead of the
+// tokens stream past them. With at most 4 tokens each row is read once, so a tile is a few
+// long streams (the kernels' for_rows_in_streams): what their start costs (the first rows, before the prefetches ahead of the
 // rows pay off) is paid once per tile, not once per 64 rows.
 int row_tile(int rows, int n_groups, int threads, int max_tok) {
     int want = std::max(1, 8 * threads / std::max(1, n_groups));
