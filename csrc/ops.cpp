@@ -562,7 +562,7 @@ void norm_rope_heads(int T, int H, int D, const float* x, const float* w, float 
 void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWeight& q, const QWeight& k,
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
-                       float scale, float* out, int kv_type, bool gated, int T, const AttnHalf* half) {
+                       float scale, float* out, int kv_type, bool gated, int T, const AttnHalf* half, int first_out) {
     Workspace& W = ws();
     const float* x_in = x;
     if (half) {
@@ -582,14 +582,15 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
     for (int t = 0; t < T; ++t) {  // token t at position pos + t sees positions 0..pos + t
         float* qt = W.qkv.data() + (size_t)t * ld;
         const float *ct = cos + (size_t)t * rd, *st = sin + (size_t)t * rd;
-        if (gated) {  // head h's rows are its query then its output gate: set the gates aside, close up the queries
+        const bool wanted = t >= first_out;
+        if (gated && wanted) {  // head h's rows are its query then its output gate: set the gates aside, close up the queries
             float* gt = W.gate.data() + (size_t)t * nq;
             for (int h = 0; h < Hq; ++h) {
                 std::copy(qt + (size_t)(2 * h + 1) * D, qt + (size_t)(2 * h + 2) * D, gt + (size_t)h * D);
                 std::copy(qt + (size_t)(2 * h) * D, qt + (size_t)(2 * h + 1) * D, qt + (size_t)h * D);
             }
         }
-        for (int h = 0; h < Hq; ++h) {
+        for (int h = 0; wanted && h < Hq; ++h) {
             if (qn) rms_norm(1, D, qt + (size_t)h * D, qn, 0.f, eps, qt + (size_t)h * D);
             head_rope(qt + (size_t)h * D, ct, st, rd);
         }
@@ -607,6 +608,7 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
                 std::copy(vj, vj + D, (float*)vc + at);
             }
         }
+        if (!wanted) continue;
         float* at = W.att.data() + (size_t)t * nq;
         attn_decode(Hq, Hkv, pos + t + 1, D, D, qt, kc, c_sh, D, vc, c_sh, D, scale, at, kv_type);
         if (gated) {
@@ -614,8 +616,9 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
             for (int i = 0; i < nq; ++i) at[i] *= sigmoid(gt[i]);
         }
     }
-    qlinear(o.fmt, T, Hq * D, H, W.att.data(), o.w, o.s, out);
-    if (half) half_output(half->round_bf16, x_in, out, out, (size_t)T * H);
+    const size_t f = (size_t)first_out;
+    qlinear(o.fmt, T - first_out, Hq * D, H, W.att.data() + f * nq, o.w, o.s, out + f * H);
+    if (half) half_output(half->round_bf16, x_in + f * H, out + f * H, out + f * H, (T - f) * H);
 }
 
 void mtp_step_decode(MtpStepArgs& a) {
@@ -631,6 +634,7 @@ void mtp_step_decode(MtpStepArgs& a) {
     round_bf16_if(a.round_bf16, normed, 2 * n);
     qlinear_multi(T, 2 * H, 1, &a.fc, &H, normed, f);
     round_bf16_if(a.round_bf16, f, n);
+    a.attn.first_out = T - 1;  // only the last token goes on: the others' keys and values are cached
     attn_block_decode(a.attn, f, x);
     a.moe.x = x + (size_t)(T - 1) * H;
     a.moe.y = y;

@@ -121,7 +121,8 @@ void swiglu_mlp(int M, int H, int I, const QWeight& gate, const QWeight& up, con
 // its output gate g, and the attention output is multiplied by sigmoid(g) before o_proj.
 // With `half` the block is a decoder layer's first half: out = x + block(RMSNorm(x)) (weight
 // norm_w + offset, eps), the normed x, the block's output and out each rounded to bf16 with
-// round_bf16 (a bf16 model), where the separate ops hand them on in bf16.
+// round_bf16 (a bf16 model), where the separate ops hand them on in bf16. Tokens before
+// first_out only write their keys and values: their rows of out are left as they were.
 struct AttnHalf {
     const float* norm_w;
     float offset, eps;
@@ -131,7 +132,7 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
                        float scale, float* out, int kv_type = KV_F32, bool gated = false, int T = 1,
-                       const AttnHalf* half = nullptr);
+                       const AttnHalf* half = nullptr, int first_out = 0);
 
 // attn_block_decode's arguments but x and out, for an op that runs it inside (mtp_step_decode)
 struct AttnBlockArgs {
@@ -150,10 +151,11 @@ struct AttnBlockArgs {
     int T;
     AttnHalf half;
     bool has_half;
+    int first_out = 0;  // the first token whose output is wanted (those before only write the cache)
 };
 inline void attn_block_decode(const AttnBlockArgs& a, const float* x, float* out) {
     attn_block_decode(a.H, a.Hq, a.Hkv, a.D, x, a.q, a.k, a.v, a.o, a.qn, a.kn, a.eps, a.cos, a.sin, a.rd, a.kc, a.vc,
-                      a.c_sh, a.pos, a.scale, out, a.kv_type, a.gated, a.T, a.has_half ? &a.half : nullptr);
+                      a.c_sh, a.pos, a.scale, out, a.kv_type, a.gated, a.T, a.has_half ? &a.half : nullptr, a.first_out);
 }
 
 // The MoE half of a decoder layer for T tokens (decode-sized), in one call: y = x + moe(h)

@@ -13,6 +13,7 @@ import moerun
 from moerun import kernels
 from moerun.engine.cache import Cache
 from moerun.engine.speculative import ExpertTracker, draft_head
+from moerun.layers import mtp as mtp_layers
 from moerun.models import qwen3_5_moe
 
 pytestmark = pytest.mark.skipif(not kernels.native(), reason="native extension not built")
@@ -28,15 +29,14 @@ def mtp_path(tmp_path_factory):
 def draft_calls(net, head=None, kv_dtype=None):
     """MTP calls as a speculative run makes them, on 2 slots of one cache (slot 1 at its own
     positions): a catch-up over 3 pending pairs, chained drafts, a catch-up over 2, one over
-    6 (more than a fused pass takes) -> every call's logits and hidden state, and the cache's
-    keys and values."""
+    5 -> every call's logits and hidden state, and the cache's keys and values."""
     g = torch.Generator().manual_seed(3)
     H, V = net.args.hidden_size, net.args.vocab_size
     dtype = net.model.embed_tokens.weight.dtype
     cache = Cache(net.mtp_cache_spec(), 2, 24, dtype, kv_dtype)
     cache.lengths[0] = 4  # the head's cache starts where the trunk's pending states do
     out = []
-    for slot, T in ((1, 3), (1, 1), (1, 1), (0, 2), (1, 1), (0, 6), (0, 1)):
+    for slot, T in ((1, 3), (1, 1), (1, 1), (0, 2), (1, 1), (0, 5), (0, 1)):
         hidden = torch.randn(1, T, H, generator=g).to(dtype)
         tokens = torch.randint(0, V, (1, T), generator=g)
         logits, h = net.mtp_logits(hidden, tokens, cache, torch.tensor([slot]), return_hidden=True, head=head,
@@ -76,9 +76,48 @@ def test_native_step_is_bit_identical(mtp_path, dtype, quant, draft_vocab, monke
     net = moerun.load(mtp_path, dtype=dtype, threads=2, quant=quant).net
     head = None if draft_vocab is None else draft_head(net.lm_head, draft_vocab)
     got, want, native = run_both(net, monkeypatch, head)
-    assert native == 6  # every call but the catch-up over 6 tokens
+    assert native == 7
     assert got[0][0].shape == (1, 1, draft_vocab or net.args.vocab_size)
     assert_same(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_long_catch_up_is_one_call(mtp_path, dtype, monkeypatch):
+    """A catch-up over more pairs than a fused trunk pass takes (9) is one native call, equal
+    bit for bit to calls over 5 and then 4 (each position computed as a draft step computes
+    it), and close to the modules (which run it as a prefill: torch's attention); past
+    `mtp.MAX_TOKENS` the modules run it."""
+    net = moerun.load(mtp_path, dtype=dtype, threads=2).net
+    g = torch.Generator().manual_seed(5)
+    H, V = net.args.hidden_size, net.args.vocab_size
+    wdtype = net.model.embed_tokens.weight.dtype
+    hidden = torch.randn(1, 9, H, generator=g).to(wdtype)
+    tokens = torch.randint(0, V, (1, 9), generator=g)
+
+    def catch_up(splits):
+        cache = Cache(net.mtp_cache_spec(), 1, 16, wdtype)
+        cache.lengths[0] = 3
+        for a, b in splits:
+            logits, h = net.mtp_logits(hidden[:, a:b], tokens[:, a:b], cache, torch.tensor([0]), return_hidden=True,
+                                       last_only=True)
+        return [logits, h, cache.layers[0].k.clone(), cache.layers[0].v.clone()]
+
+    taken = []
+    real = qwen3_5_moe.native_step
+    with torch.inference_mode():
+        monkeypatch.setattr(qwen3_5_moe, "native_step", lambda *a: taken.append(r := real(*a)) or r)
+        one = catch_up([(0, 9)])
+        assert [r is not None for r in taken] == [True]
+        assert_same(one, catch_up([(0, 5), (5, 9)]))
+        monkeypatch.setattr(mtp_layers, "MAX_TOKENS", 8)
+        taken.clear()
+        past = catch_up([(0, 9)])
+        assert [r is not None for r in taken] == [False]
+        monkeypatch.setattr(qwen3_5_moe, "native_step", lambda *a: None)
+        assert_same(past, catch_up([(0, 9)]))
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    for a, b in zip(one, past):
+        assert float((a.float() - b.float()).abs().max()) <= tol * float(b.float().abs().max())
 
 
 def test_experts_watchers_see_the_native_step(mtp_path, monkeypatch):
@@ -101,7 +140,7 @@ def test_experts_watchers_see_the_native_step(mtp_path, monkeypatch):
     (got, got_args), (want, want_args), native = run_both(net, monkeypatch, calls=lambda n, h: tracked(n, h))
     handle.remove()
     tracker.close()
-    assert native == 6 and bytes_seen[0] > 0 and bytes_seen[1] == 2 * bytes_seen[0]
+    assert native == 7 and bytes_seen[0] > 0 and bytes_seen[1] == 2 * bytes_seen[0]
     assert len(got_args) == len(want_args) == 7
     for a, b in zip(got_args, want_args):
         assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
@@ -133,11 +172,11 @@ def test_hooks_and_unfusable_parts_run_the_modules(mtp_path, monkeypatch):
     assert native == 0
     assert_same(got, want)
     before, _, native = run_both(net, monkeypatch)
-    assert native == 6
+    assert native == 7
     with torch.no_grad():
         mtp.fc.weight.data = mtp.fc.weight.data * -1  # new memory: the plan kept on the head follows it
     got, want, native = run_both(net, monkeypatch)
-    assert native == 6 and not torch.equal(got[0][0], before[0][0])
+    assert native == 7 and not torch.equal(got[0][0], before[0][0])
     assert_same(got, want)
 
 
@@ -214,7 +253,7 @@ def test_drafter_gives_the_calls_of_mtp_logits(mtp_path):
             pos += T
         assert int(caches[1].lengths[1]) == pos
         assert_same([caches[0].layers[0].k, caches[0].layers[0].v], [caches[1].layers[0].k, caches[1].layers[0].v])
-        too_many = kernels.FUSED_MAX_TOKENS + 1
+        too_many = mtp_layers.MAX_TOKENS + 1
         assert drafter.run(torch.zeros(1, too_many, H, dtype=dtype), torch.zeros(1, too_many, dtype=torch.long),
                            pos) is None
 

@@ -670,10 +670,11 @@ def _moe_observed(T: int, H: int, k: int, dtype: torch.dtype) -> tuple:
 
 
 class MtpStep:
-    """A one-layer MTP head (`layers.mtp.native_step`) over T <= FUSED_MAX_TOKENS tokens of one
-    row (a draft step, or a catch-up over the tokens accepted since the last) in one native
-    call (`NativeMtp.run`): the two input RMSNorms, fc, the layer's attention half over the T
-    tokens, its MoE half on the last token, the final norm and the head, each as its own
+    """A one-layer MTP head (`layers.mtp.native_step`) over T tokens of one row (a draft step,
+    or a catch-up over the tokens accepted since the last) in one native call
+    (`NativeMtp.run`): the two input RMSNorms, fc, the layer's attention half over the T
+    tokens (all T write their keys and values; only the last goes on to the attention and
+    o_proj), its MoE half on the last token, the final norm and the head, each as its own
     decode op computes it (in a bf16 model rounded to bf16 where those hand on a bf16 tensor):
     bit-identical to the modules one by one. The weights' arguments are made once (a draft
     step's module calls, wrappers and conversions otherwise cost several times its

@@ -22,6 +22,10 @@ from .linear import native_call_views
 from .moe import call_observers, moe_fusable, routes_seen
 from .norm import RMSNorm, stacked_norm_weights
 
+# tokens per native call at most: a catch-up over a long prompt's pairs goes in calls of this
+# many (its workspace grows with them: ~5 KB a token at Qwen3.6-35B-A3B's widths)
+MAX_TOKENS = 2048
+
 
 class MtpParts(NamedTuple):
     """The modules of a one-layer MTP head, in the order they run."""
@@ -42,7 +46,7 @@ def native_step(owner: nn.Module, parts: MtpParts, hidden: torch.Tensor, tokens:
                 pos: int, rope) -> tuple | None:
     """(logits [1, 1, V], the final norm's output h [1, 1, H]) of the head's last position for
     one row of T tokens (hidden [1, T, H], the token after each [1, T]; T at most
-    `kernels.FUSED_MAX_TOKENS`), every position's keys and values cached in the layer's KV
+    `MAX_TOKENS`), every position's keys and values cached in the layer's KV
     cache `kv` (slot, positions pos..); the model's `Rope`. None (nothing run) unless every
     module would run natively without hooks: then the caller runs them. The experts'
     pre-hooks (expert trackers) are called as `moe_residual` calls them. What the calls
@@ -64,9 +68,9 @@ class Drafter:
 
     def run(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int) -> tuple | None:
         """`native_step`'s result for hidden [1, T, H] and tokens [1, T] at positions pos..; None
-        (nothing run) for more than `kernels.FUSED_MAX_TOKENS` tokens."""
+        (nothing run) for more than `MAX_TOKENS` tokens."""
         _, T, H = hidden.shape
-        if T > kernels.FUSED_MAX_TOKENS:
+        if T > MAX_TOKENS:
             return None
         x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
         step = self.step
