@@ -353,13 +353,14 @@ def test_deepseek_v3_greedy_identical(tmp_path, monkeypatch):
     assert llm.last_stats.acceptance_rate > 0.4
 
 
+@pytest.mark.parametrize("rows", [3, 1])
 @pytest.mark.parametrize("every", [32, 6])
-def test_plain_steps_feed_the_head_in_backlogs_settled_before_drafting(qwen, monkeypatch, every):
+def test_plain_steps_feed_the_head_in_backlogs_settled_before_drafting(qwen, monkeypatch, every, rows):
     """A run of plain steps ("auto" choosing N=0) feeds the MTP head its pending pairs every
     PLAIN_CATCH_UP_PAIRS steps; before the next drafting step the backlog (and the prompt's)
     is fed apart (`_settle`), all but its last pair, so the drafting step's own catch-up is
-    one pair, one native call. The output stays plain greedy's."""
-    from moerun import kernels
+    one pair, one native call. The output stays plain greedy's. (One row runs its plain steps
+    in stretches, `_plain_steps`; several rows step by step.)"""
     from moerun.engine import speculative
     from moerun.engine.speculative import DraftLength
 
@@ -387,17 +388,44 @@ def test_plain_steps_feed_the_head_in_backlogs_settled_before_drafting(qwen, mon
 
     monkeypatch.setattr(SpeculativeDecoder, "_catch_up", _catch_up)
     monkeypatch.setattr(SpeculativeDecoder, "_settle", _settle)
-    prompts = random_prompts(3, 300, seed=3, max_len=4)
+    prompts = random_prompts(rows, 300, seed=3, max_len=4)
     plain = [Sequence(p, SamplingParams(max_tokens=24, temperature=0.0)) for p in prompts]
     list(run(qwen.net, plain, set(), qwen.dtype))  # no EOS: every row runs all 24 steps
     seqs = [Sequence(p, SamplingParams(max_tokens=24, temperature=0.0)) for p in prompts]
     list(run_speculative(qwen.net, seqs, set(), qwen.dtype, draft_tokens="auto", chooser=PlainThenTwo()))
     assert [s.out_ids for s in seqs] == [s.out_ids for s in plain]
     unsettled = [c for c, settle in calls if not settle]
-    assert unsettled and all(c <= kernels.FUSED_MAX_TOKENS for c in unsettled if c != every)
+    most = speculative.MAX_DRAFT_TOKENS + 1  # what a drafting step leaves pending
+    assert unsettled and all(c <= most for c in unsettled if c != every)
     assert (every in unsettled) == (every < 12)  # fed during the plain run only when it is that long
     if every >= 12:  # the whole plain run's backlog, fed apart
-        assert any(settle and c > kernels.FUSED_MAX_TOKENS for c, settle in calls)
+        assert any(settle and c > most for c, settle in calls)
+
+
+def test_a_rows_plain_steps_count_its_experts_and_steps(qwen):
+    """One row's plain steps in stretches (`_plain_steps`): each counted as a step of its
+    own, one token's expert bytes each (without the pass's masks once those are known), and
+    the chooser's step count as if it had chosen every one."""
+    from moerun.engine.speculative import DraftLength
+
+    class Plain(DraftLength):
+        def choose(self):
+            self.steps += 1
+            self.forced = False
+            return 0
+
+    prompt = random_prompts(1, 300, seed=4, max_len=4)
+    plain = [Sequence(prompt[0], SamplingParams(max_tokens=40, temperature=0.0))]
+    list(run(qwen.net, plain, set(), qwen.dtype))
+    seq = Sequence(prompt[0], SamplingParams(max_tokens=40, temperature=0.0))
+    stats, chooser = SpeculativeStats(), Plain()
+    list(run_speculative(qwen.net, [seq], set(), qwen.dtype, stats, draft_tokens="auto", chooser=chooser))
+    assert seq.out_ids == plain[0].out_ids
+    steps = 40 - 1  # the first token comes from the prompt's pass
+    assert stats.draft_hist == {0: steps} and stats.decode_steps == steps and chooser.steps == steps
+    assert stats.single_token_expert_bytes > 0
+    assert stats.verify_expert_bytes == steps * stats.single_token_expert_bytes
+    assert 0 in chooser.step_s  # priced by its own steps
 
 
 def test_auto_draft_length_shrugs_off_a_preempted_step():

@@ -96,6 +96,7 @@ import torch
 from .. import kernels
 from ..errors import MoerunError
 from ..layers.moe import Experts
+from ..layers.mtp import MAX_TOKENS as MTP_CALL_TOKENS
 from .cache import Cache, RecurrentState
 from .generate import GenerationStats, Sequence, long_ids, run_plans
 from .sampling import distribution, draw, greedy_token, greedy_token_probability, greedy_tokens, sample
@@ -105,6 +106,8 @@ from .sampling import distribution, draw, greedy_token, greedy_token_probability
 MAX_DRAFT_TOKENS = 4
 # a run of plain steps ("auto" choosing N=0) feeds the MTP head its pending pairs this often
 PLAIN_CATCH_UP_PAIRS = 32
+# plain steps of one row in one go at most, before "auto" chooses again (`_plain_steps`)
+PLAIN_STRETCH = 16
 
 
 @dataclass
@@ -296,6 +299,7 @@ class ExpertTracker:
             self.union_weights[starts[i] : starts[i] + self.num_experts_of[i]] = self.per_expert[i]
             self.k_weights[starts[i] + self.num_experts_of[i]] = self.per_expert[i]
         self.counts = {phase: np.zeros(len(self.flat), dtype=np.int64) for phase in ("verify", "draft")}
+        self.token_passes = 0  # `token_pass`
 
     def start_pass(self, phase: str) -> None:
         self.phase = phase
@@ -317,12 +321,19 @@ class ExpertTracker:
                 i = len(k) - 1 - int(k[::-1].argmax())
                 self.top_k, self.num_experts = int(k[i]), int(self.num_experts_of[i])
 
+    def token_pass(self) -> None:
+        """Count a one-row, one-token verification pass without its masks: it reads one
+        token's experts, `token_bytes` (known from an earlier pass)."""
+        self.token_passes += 1
+
     @property
     def bytes(self) -> dict[str, int]:
         """Routed-expert bytes the passes of each phase read so far."""
         if not len(self.bounds):
             return {phase: 0 for phase in self.counts}
-        return {phase: int(np.add.reduceat(c, self.bounds)[0::2] @ self.per_expert) for phase, c in self.counts.items()}
+        spent = {phase: int(np.add.reduceat(c, self.bounds)[0::2] @ self.per_expert) for phase, c in self.counts.items()}
+        spent["verify"] += self.token_passes * self.token_bytes
+        return spent
 
     def close(self) -> None:
         for m, mask in self.masks.items():
@@ -475,6 +486,11 @@ class DraftLength:
         self.forced = False
         return n
 
+    def plain_run(self, most: int) -> int:
+        """After `choose` gave a plain step: how many plain steps to make in one go (at most
+        `most`), up to the next exploration; `steps` counts the first, the caller the rest."""
+        return max(1, min(most, self._next_explore - self.steps))
+
     def confidence_accept(self, confidence: float) -> float:
         """The measured acceptance of a draft with this probability under the head."""
         return self.calibration[self._bin(confidence)]
@@ -495,6 +511,8 @@ class DraftLength:
     def update(self, checked: int, accepted: int, confidences: list[float] | None = None) -> None:
         """A row's step: `accepted` of its first `checked` drafts accepted, their probabilities
         under the head `confidences` (if known)."""
+        if not checked:  # a plain step: nothing to learn
+            return
         self._priced = None
         for i in range(min(accepted + 1, checked)):  # drafts 1..accepted+1 were looked at
             hit = 1.0 if i < accepted else 0.0
@@ -513,15 +531,18 @@ class DraftLength:
     def observe_time(self, n: int, seconds: float, wait_s: float = 0.0, union_bytes: int = 0) -> None:
         """A step with n drafts took `seconds`, `wait_s` of them waiting for the expert store
         while reading `union_bytes` of routed experts in its verification pass."""
-        self._priced = None
         window = self._times.setdefault(n, collections.deque(maxlen=self.TIME_WINDOW))
         window.append(seconds - wait_s)
         # the median of the last few: on a shared machine one preempted step is several times
         # the others, and an average would carry it for many steps (it priced one draft at 2x
         # its real cost here, and auto chose too few)
-        self.step_s[n] = sorted(window)[len(window) // 2]
-        if union_bytes:
+        median = sorted(window)[len(window) // 2]
+        if self.step_s.get(n) != median:
+            self.step_s[n] = median
+            self._priced = None
+        if union_bytes and (wait_s or self.wait_s_per_byte):
             self.wait_s_per_byte = self.decay * self.wait_s_per_byte + (1 - self.decay) * wait_s / union_bytes
+            self._priced = None
 
 
 class SpeculativeDecoder:
@@ -566,12 +587,11 @@ class SpeculativeDecoder:
         position alone (they would read the experts of T tokens, and the head once per 4).
         One row (single-stream decoding) goes through the run's `drafter` when it takes the call."""
         if self.drafter is not None:
-            # more pairs than one native call takes (the prompt's, at a run's first step): calls
-            # of FUSED_MAX_TOKENS in turn, the last one's output kept (each caches its pairs'
-            # keys and values as the one call would; on the demo model's 8-10 token prompts the
-            # module path took 2.3-3.9 ms, these calls 0.8-0.9)
+            # more pairs than one native call takes (a long prompt's, at a run's first step):
+            # calls of mtp.MAX_TOKENS in turn, the last one's output kept (each caches its
+            # pairs' keys and values as the one call would)
             pos, T = int(self._mtp_len[0]), hidden.shape[1]
-            step = kernels.FUSED_MAX_TOKENS
+            step = MTP_CALL_TOKENS
             for t0 in range(0, T, step):
                 got = self.drafter.run(hidden[:, t0 : t0 + step], tokens[:, t0 : t0 + step], pos + t0)
                 if got is None:
@@ -737,12 +757,11 @@ class SpeculativeDecoder:
 
     def _settle(self, active, L, pend_h, pend_t, tracker):
         """Before a drafting step of "auto": feed the head all but the last of the pending
-        pairs of each row that has more than one native call takes (FUSED_MAX_TOKENS): the
-        backlog of a run of plain steps, or of the prompt. The step then catches up on one
+        pairs of each row that has more than a drafting step leaves (MAX_DRAFT_TOKENS + 1):
+        the backlog of a run of plain steps, or of the prompt. The step then catches up on one
         pair, as after a drafting step, and its time (what prices N) leaves out the backlog,
-        which is the plain steps' (a catch-up over more pairs runs the head's modules one by
-        one, ~3x the time of one call)."""
-        rows = [i for i, b in enumerate(active) if pend_h[b].shape[0] > kernels.FUSED_MAX_TOKENS]
+        which is the plain steps' (and a prompt's)."""
+        rows = [i for i, b in enumerate(active) if pend_h[b].shape[0] > MAX_DRAFT_TOKENS + 1]
         if not rows:
             return
         sub = [active[i] for i in rows]
@@ -761,6 +780,9 @@ class SpeculativeDecoder:
         if self._slots[0] != active:  # the same tensor while the rows stay (it keeps what `Cache` learnt of it)
             self._slots = (list(active), torch.tensor(active))
         slots = self._slots[1]
+        if n == 0 and len(active) == 1:
+            yield from self._plain_steps(seqs, active[0], slots, pend_h, pend_t, eos_ids, stats, tracker)
+            return
         L = self._len[active].tolist()
         if n > 0 and self.chooser is not None:
             self._settle(active, L, pend_h, pend_t, tracker)
@@ -850,6 +872,56 @@ class SpeculativeDecoder:
         if self.chooser is not None and self._passes[n] > 2:
             union = tracker.pass_bytes if figures else tracker.token_bytes
             self.chooser.observe_time(n, busy + time.perf_counter() - t1, wait, union // len(active))
+
+    def _plain_steps(self, seqs, b, slots, pend_h, pend_t, eos_ids, stats, tracker):
+        """"auto"'s plain steps on one row (the chooser's N = 0), one after another as plain
+        decoding makes them, until the chooser's next exploration (at most PLAIN_STRETCH) or
+        the row's end: each runs the row's next token through the trunk and samples the one
+        after, its (hidden state, token) pair joining the head's pending ones (fed to it every
+        PLAIN_CATCH_UP_PAIRS steps). What `_step` does for a plain step, without the work a
+        drafting step needs (per-step lists, the drafts' bookkeeping, the pass's expert masks
+        once one token's bytes are known: a one-row plain step reads exactly them); in a
+        `_step` each cost ~0.1 ms a token, 14% of the demo model's plain speed."""
+        net, cache, chooser, s = self.net, self.cache, self.chooser, seqs[b]
+        steps = chooser.plain_run(PLAIN_STRETCH)
+        for i in range(steps):
+            t0 = time.perf_counter()
+            wait0 = store_figures(self.store)[1] if self.store is not None else 0.0
+            first = pend_t[b][-1]  # t_L, the sampled token the trunk runs
+            if len(pend_t[b]) >= PLAIN_CATCH_UP_PAIRS:  # (as `_step` does)
+                tracker.start_pass("draft")
+                self._catch_up([b], slots, [int(self._len[b])], pend_h, pend_t)
+                tracker.end_pass()
+                pend_h[b], pend_t[b] = pend_h[b][:0], []
+            counted = tracker.token_bytes > 0  # else this pass's masks tell them
+            if not counted:
+                tracker.start_pass("verify")
+            logits, hidden = net(long_ids([[first]]), cache, slots, last_only=True, return_hidden=True, **self.plans)
+            if counted:
+                tracker.token_pass()
+            else:
+                tracker.end_pass(False)
+            stats.draft_hist[0] = stats.draft_hist.get(0, 0) + 1
+            stats.verify_steps += 1
+            stats.decode_steps += 1
+            stats.row_steps += 1
+            stats.single_token_expert_bytes = max(stats.single_token_expert_bytes, tracker.token_bytes)
+            (tok,), _ = self._accept(s, [], [], logits[0])
+            busy = time.perf_counter() - t0
+            pend_h[b] = torch.cat([pend_h[b], hidden[0]])
+            pend_t[b].append(tok)
+            self._passes[0] += 1
+            if self._passes[0] > 2:
+                wait = store_figures(self.store)[1] - wait0 if self.store is not None else 0.0
+                chooser.observe_time(0, busy, wait, tracker.token_bytes)
+            stats.generated_tokens += 1
+            stats.emitted += 1
+            piece = s.accept(tok, eos_ids)
+            if piece:
+                yield b, piece
+            if s.finished:
+                break
+        chooser.steps += i  # choose() counted the first
 
     @staticmethod
     def _accept(s: Sequence, drafts: list[int], qs: list, logits: torch.Tensor) -> tuple[list[int], int]:
