@@ -41,9 +41,14 @@ struct Tile {
 // tokens stream past them. With at most 4 tokens each row is read once, so a tile is a few
 // long streams (the kernels' for_rows_in_streams): what their start costs (the first rows, before the prefetches ahead of the
 // rows pay off) is paid once per tile, not once per 64 rows.
-int row_tile(int rows, int n_groups, int threads, int max_tok) {
+// A tile is also at least kTileMacs multiply-adds a token (rows x inputs), where the rows
+// allow: a task costs ~0.1 us to hand out and set up, as much as 16 rows of 128 inputs take
+// (the demo model's experts: 64 x 128, cut into 4 tiles each).
+constexpr int kTileMacs = 16384;
+int row_tile(int rows, int inputs, int n_groups, int threads, int max_tok) {
     int want = std::max(1, 8 * threads / std::max(1, n_groups));
     int rt = (rows + want - 1) / want;
+    rt = std::max(rt, kTileMacs / std::max(1, inputs));
     rt = (rt + 3) / 4 * 4;
     return std::max(4, max_tok <= 4 ? rt : std::min(rt, 64));
 }
@@ -124,7 +129,7 @@ void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const
     for (int p = 0; p < P; ++p) off[p + 1] = off[p] + rows[p];
     const int N = off[P];
     const int n_tt = (M + kTokTile - 1) / kTokTile;
-    const int rt = row_tile(N, n_tt, pool().size(), M);
+    const int rt = row_tile(N, K, n_tt, pool().size(), M);
     std::vector<Tile> tiles;  // e: which weight
     for (int p = 0; p < P; ++p)
         for (int r0 = 0; r0 < rows[p]; r0 += rt)
@@ -322,13 +327,13 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
     if (!fl) quantize_rows(x, H, T, H, nbH, W.x);
 
     // tiles over (expert, weight rows, tokens of that expert)
-    auto make_tiles = [&](int rows, std::vector<Tile>& tiles) {
+    auto make_tiles = [&](int rows, int inputs, std::vector<Tile>& tiles) {
         int active = 0, most = 0;
         for (int e = 0; e < E; ++e) {
             active += W.count[e] > 0;
             most = std::max(most, W.count[e]);
         }
-        int rt = row_tile(rows, active, pool().size(), most);
+        int rt = row_tile(rows, inputs, active, pool().size(), most);
         tiles.clear();
         for (int e = 0; e < E; ++e)
             for (int t0 = 0; t0 < W.count[e]; t0 += kTokTile)
@@ -340,7 +345,7 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
     // gate and up: G, U [P, I]
     W.g.resize((size_t)P * I);
     W.u.resize((size_t)P * I);
-    make_tiles(I, tiles);
+    make_tiles(I, H, tiles);
     pool().parallel_for((int)tiles.size(), [&](int i) {
         const Tile& t = tiles[i];
         const ExpertW& ew = experts[t.e];
@@ -392,7 +397,7 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
 
     // down: Y [P, H]
     W.y.resize((size_t)P * H);
-    make_tiles(H, tiles);
+    make_tiles(H, I, tiles);
     pool().parallel_for((int)tiles.size(), [&](int i) {
         const Tile& t = tiles[i];
         const ExpertW& ew = experts[t.e];
