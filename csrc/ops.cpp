@@ -434,8 +434,8 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
             for (int j = j0; j < j1; ++j) o[j] += wk * yk[j];
         }
     };
-    if (T == 1) {
-        combine(0, 0, H);
+    if ((size_t)T * H * K <= (size_t)kTileMacs) {  // a few tokens of a small model: less than handing it out
+        for (int t = 0; t < T; ++t) combine(t, 0, H);
     } else {
         pool().parallel_for(T, [&](int t) { combine(t, 0, H); });
     }
