@@ -30,6 +30,7 @@ const KernelTable& kern() {
 namespace {
 
 constexpr int kTokTile = 64;  // activation rows per tile: 64 x 2 KiB stays in L2
+constexpr int kChainedPairs = 64;  // moe_experts: up to this many (token, expert) pairs in one pool job
 
 struct Tile {
     int e, r0, nr, t0, nt;
@@ -93,7 +94,7 @@ struct Workspace {
     ActQ x, h;
     std::vector<float> g, u, y, qkv, att, gate;
     std::vector<int32_t> pair_tok, slot;
-    std::vector<int> count, offset;
+    std::vector<int> count, offset, count_left, ready;
     // the layer halves': the normed input, the routing weights and ids, the experts' sum and
     // the shared expert's output
     std::vector<float> normed, route_w, moe_out, shared_out;
@@ -340,14 +341,16 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
                 for (int r0 = 0; r0 < rows; r0 += rt)
                     tiles.push_back({e, r0, std::min(rt, rows - r0), t0, std::min(kTokTile, W.count[e] - t0)});
     };
-    std::vector<Tile> tiles;
-
-    // gate and up: G, U [P, I]
+    std::vector<Tile> gu_tiles, down_tiles;
+    make_tiles(I, H, gu_tiles);
+    make_tiles(H, I, down_tiles);
     W.g.resize((size_t)P * I);
     W.u.resize((size_t)P * I);
-    make_tiles(I, H, tiles);
-    pool().parallel_for((int)tiles.size(), [&](int i) {
-        const Tile& t = tiles[i];
+    W.y.resize((size_t)P * H);
+    if (!fl) W.h.resize(P, nbI);
+
+    // gate and up of a tile: G, U [P, I]
+    auto gate_up = [&](const Tile& t) {
         const ExpertW& ew = experts[t.e];
         GemmArgs a;
         a.nrows = t.nr;
@@ -372,34 +375,27 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
         a.ws = fl ? nullptr : ew.up_s + (size_t)t.r0 * nbH;
         a.y = W.u.data() + (size_t)(W.offset[t.e] + t.t0) * I + t.r0;
         gemm(fmt, a);
-    });
-
-    // h = silu(g) * u, quantized once per pair for the down projection (float weights: kept
-    // in float, in place of u)
-    if (fl) {
-        for (size_t j = 0; j < (size_t)P * I; ++j) W.u[j] = silu(W.g[j]) * W.u[j];
-    } else {
-        W.h.resize(P, nbI);
+    };
+    // h = silu(g) * u of pairs [p0, p1), quantized once per pair for the down projection (float
+    // weights: kept in float, in place of u)
+    auto activate = [&](int p0, int p1) {
+        if (fl) {
+            for (size_t j = (size_t)p0 * I; j < (size_t)p1 * I; ++j) W.u[j] = silu(W.g[j]) * W.u[j];
+            return;
+        }
+        thread_local std::vector<float> hrow;
+        hrow.resize(I);
         auto& k = kern();
-        int nt = std::min(P, pool().size());
-        int per = (P + nt - 1) / nt;
-        pool().parallel_for(nt, [&](int ti) {
-            std::vector<float> hrow(I);
-            for (int p = ti * per; p < std::min(P, (ti + 1) * per); ++p) {
-                const float* g = W.g.data() + (size_t)p * I;
-                const float* u = W.u.data() + (size_t)p * I;
-                for (int j = 0; j < I; ++j) hrow[j] = silu(g[j]) * u[j];
-                k.quantize_row(hrow.data(), I, nbI, W.h.q.data() + (size_t)p * nbI * QK,
-                               W.h.d.data() + (size_t)p * nbI, W.h.s.data() + (size_t)p * nbI);
-            }
-        });
-    }
-
-    // down: Y [P, H]
-    W.y.resize((size_t)P * H);
-    make_tiles(H, I, tiles);
-    pool().parallel_for((int)tiles.size(), [&](int i) {
-        const Tile& t = tiles[i];
+        for (int p = p0; p < p1; ++p) {
+            const float* g = W.g.data() + (size_t)p * I;
+            const float* u = W.u.data() + (size_t)p * I;
+            for (int j = 0; j < I; ++j) hrow[j] = silu(g[j]) * u[j];
+            k.quantize_row(hrow.data(), I, nbI, W.h.q.data() + (size_t)p * nbI * QK, W.h.d.data() + (size_t)p * nbI,
+                           W.h.s.data() + (size_t)p * nbI);
+        }
+    };
+    // down of a tile: Y [P, H]
+    auto down = [&](const Tile& t) {
         const ExpertW& ew = experts[t.e];
         size_t p0 = W.offset[t.e] + t.t0;
         GemmArgs a;
@@ -422,7 +418,43 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
         a.y = W.y.data() + p0 * H + t.r0;
         a.y_row = H;
         gemm(fmt, a);
-    });
+    };
+
+    const int n_gu = (int)gu_tiles.size(), n_down = (int)down_tiles.size();
+    if (P <= kChainedPairs) {
+        // A few tokens (decode, a verification pass): one pool job, each expert's down tiles
+        // after its own gate/up tiles, where three jobs (gate/up, activation, down) each ended
+        // on every thread waiting for the slowest and the next started its weights' streams
+        // cold. Tiles are handed out in order, gate/up ones first, so a thread that takes a down
+        // tile waits only on gate/up tiles already taken; the last of an expert's gate/up tiles
+        // activates its pairs. The same tiles and arithmetic as the phases: the same bits.
+        W.count_left.assign(E, 0);  // per expert: its gate/up tiles not done yet
+        for (const Tile& t : gu_tiles) W.count_left[t.e]++;
+        W.ready.assign(E, 0);
+        pool().parallel_for(n_gu + n_down, [&](int i) {
+            if (i < n_gu) {
+                const Tile& t = gu_tiles[i];
+                gate_up(t);
+                if (__atomic_sub_fetch(&W.count_left[t.e], 1, __ATOMIC_ACQ_REL) == 0) {
+                    activate(W.offset[t.e], W.offset[t.e + 1]);
+                    __atomic_store_n(&W.ready[t.e], 1, __ATOMIC_RELEASE);
+                }
+                return;
+            }
+            const Tile& t = down_tiles[i - n_gu];
+            while (!__atomic_load_n(&W.ready[t.e], __ATOMIC_ACQUIRE)) __builtin_ia32_pause();
+            down(t);
+        });
+    } else {
+        pool().parallel_for(n_gu, [&](int i) { gate_up(gu_tiles[i]); });
+        if (fl) {
+            activate(0, P);
+        } else {
+            const int nt = std::min(P, pool().size()), per = (P + nt - 1) / nt;
+            pool().parallel_for(nt, [&](int ti) { activate(ti * per, std::min(P, (ti + 1) * per)); });
+        }
+        pool().parallel_for(n_down, [&](int i) { down(down_tiles[i]); });
+    }
 
     // weighted sum over each token's experts, in k order (deterministic)
     auto combine = [&](int t, int j0, int j1) {

@@ -223,7 +223,8 @@ def test_moe_experts_bf16_in_out(isa):
 
 @pytest.mark.parametrize("isa", NATIVE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,H,I,E,K", [(1, 64, 32, 4, 2), (1, 100, 70, 9, 3), (5, 7, 45, 6, 6), (16, 256, 96, 16, 4)])
+@pytest.mark.parametrize("T,H,I,E,K", [(1, 64, 32, 4, 2), (1, 100, 70, 9, 3), (5, 7, 45, 6, 6), (16, 256, 96, 16, 4),
+                                       (24, 64, 48, 8, 4)])  # 96 pairs: past one pool job's (kChainedPairs)
 def test_moe_experts_float(isa, dtype, T, H, I, E, K):
     g = torch.Generator().manual_seed(T + H + I + E + K)
     ex = _experts(E, H, I, seed=T + E).to(dtype)
