@@ -796,7 +796,7 @@ class SpeculativeDecoder:
         if n > 0:
             drafts, qs, confidences = self._draft(seqs, active, slots, L, n, pend_h, pend_t, tracker)
             n = len(drafts[0])
-        else:  # a plain step ("auto" only): the head catches up before the next drafting step
+        else:  # a plain step of several rows ("auto" only; one row's: `_plain_steps`): the head catches up later
             drafts, qs, confidences = [[] for _ in active], [[] for _ in active], [[] for _ in active]
             if max(pend_h[b].shape[0] for b in active) >= PLAIN_CATCH_UP_PAIRS:
                 # ... or here, every PLAIN_CATCH_UP_PAIRS steps of a long run of plain ones.
