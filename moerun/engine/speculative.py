@@ -755,6 +755,15 @@ class SpeculativeDecoder:
                 logits_now[i], h_last[i] = logits[j, -1], h[j, -1:]
         return logits_now, h_last
 
+    def _feed_pending(self, active, slots, L, pend_h, pend_t, tracker):
+        """A plain step's catch-up (every PLAIN_CATCH_UP_PAIRS of them): the head takes every
+        pending pair of the rows, and none is left pending."""
+        tracker.start_pass("draft")
+        self._catch_up(active, slots, L, pend_h, pend_t)
+        tracker.end_pass()
+        for b in active:
+            pend_h[b], pend_t[b] = pend_h[b][:0], []
+
     def _settle(self, active, L, pend_h, pend_t, tracker):
         """Before a drafting step of "auto": feed the head all but the last of the pending
         pairs of each row that has more than a drafting step leaves (MAX_DRAFT_TOKENS + 1):
@@ -803,11 +812,7 @@ class SpeculativeDecoder:
                 # Not every FUSED_MAX_TOKENS, in one native call each: each call runs the head's
                 # MoE and reads its experts (from disk, with half the demo's experts in RAM:
                 # plain steps in the speculative loop were then 0.84x plain decoding's speed)
-                tracker.start_pass("draft")
-                self._catch_up(active, slots, L, pend_h, pend_t)
-                tracker.end_pass()
-                for b in active:
-                    pend_h[b], pend_t[b] = pend_h[b][:0], []
+                self._feed_pending(active, slots, L, pend_h, pend_t, tracker)
         ids = long_ids([[t] + drafts[i] for i, t in enumerate(first)])
         if n > 0:  # (a one-token pass keeps no per-token states)
             for layer in recurrent:
@@ -889,10 +894,7 @@ class SpeculativeDecoder:
             wait0 = store_figures(self.store)[1] if self.store is not None else 0.0
             first = pend_t[b][-1]  # t_L, the sampled token the trunk runs
             if len(pend_t[b]) >= PLAIN_CATCH_UP_PAIRS:  # (as `_step` does)
-                tracker.start_pass("draft")
-                self._catch_up([b], slots, [int(self._len[b])], pend_h, pend_t)
-                tracker.end_pass()
-                pend_h[b], pend_t[b] = pend_h[b][:0], []
+                self._feed_pending([b], slots, [int(self._len[b])], pend_h, pend_t, tracker)
             counted = tracker.token_bytes > 0  # else this pass's masks tell them
             if not counted:
                 tracker.start_pass("verify")
