@@ -11,7 +11,10 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -20,6 +23,7 @@
 
 #include "kernels.h"
 #include "ops.h"
+#include "thread_pool.h"
 
 namespace nb = nanobind;
 using Array = nb::ndarray<nb::device::cpu, nb::c_contig>;
@@ -1050,8 +1054,10 @@ class NativeStack {
     // first position; conv_every, S_every: one each per DeltaNet layer (every token's states,
     // kept for a rollback; T > 1) or none (in place); seen: per layer its experts' route mask
     // [E + 1] uint8 or empty, or none at all (no layer has one).
+    // lanes (T > 1, a pool of two threads or more): the pass split by tokens instead of each
+    // op's rows (`run_lanes`).
     void run(Array x, Array a, Array b, Array cos, Array sin, int pos, std::vector<Array> conv_every,
-             std::vector<Array> S_every, std::vector<Array> seen) {
+             std::vector<Array> S_every, std::vector<Array> seen, bool lanes) {
         for (const Array* t : {&x, &a, &b}) {
             if (bf16_)
                 MOERUN_CHECK(is_bf16(*t), "x, a, b: the stack's dtype (bf16, as uint16)");
@@ -1102,6 +1108,10 @@ class NativeStack {
         }
         nb::gil_scoped_release release;
         std::lock_guard<std::mutex> lk(g_op_mutex);
+        if (lanes && T_ > 1 && moerun::pool().size() >= moerun::kLanes) {
+            run_lanes(pass, x, b);
+            return;
+        }
         const Array* cur = &x;
         for (Layer& l : pass) {
             {
@@ -1127,6 +1137,109 @@ class NativeStack {
     }
 
   private:
+    struct Layer;
+
+    // The pass split by tokens: token t on lane t % 2, each lane one thread of the pool whose
+    // ops run their tasks themselves (t_pool_inline) with workspaces of their own (op_lane).
+    // Token t's first half of layer l waits for token t - 1's (the keys and values, or the
+    // DeltaNet state after it, that it reads); its MoE half reads nothing of the others'.
+    // Each token goes through every half as a one-token call, which computes exactly what its
+    // row of the T-token call does (each op runs a pass's tokens one after another through
+    // the same per-token arithmetic: tests/test_stack.py compares the two), so the bits are
+    // the same; what changes is that a pass of a small model, whose ops are too small to
+    // split well over threads, keeps both cores busy (demo model, 2 threads: a 2-token pass
+    // ~1.5x a one-token one split by rows).
+    void run_lanes(std::vector<Layer>& pass, const Array& x, Array& b) {
+        const size_t T = T_, H = H_, L = pass.size();
+        // per token: its input row, then the halves' outputs taking turns (float32)
+        thread_local std::vector<float> rows_buf;  // (named apart: a lambda on another thread
+        std::vector<float>& rows = rows_buf;        // would see its own thread's thread_local)
+        rows.resize(T * 3 * H);
+        for (size_t t = 0; t < T; ++t)
+            if (bf16_)
+                widen_bf16((const uint16_t*)x.data() + t * H, rows.data() + t * 3 * H, H);
+            else
+                std::memcpy(rows.data() + t * 3 * H, (const float*)x.data() + t * H, H * sizeof(float));
+        // lane 1's route masks, ORed into the pass's after (both lanes mark experts)
+        thread_local std::vector<uint8_t> seen1_buf;
+        std::vector<uint8_t>& seen1 = seen1_buf;
+        size_t seen_n = 0;
+        for (const Layer& l : pass)
+            if (l.moe_args.seen) seen_n = std::max(seen_n, (size_t)l.moe_args.E + 1);
+        seen1.assign(L * seen_n, 0);
+        std::unique_ptr<std::atomic<int>[]> done(new std::atomic<int>[T]);  // first halves done per token
+        for (size_t t = 0; t < T; ++t) done[t].store(0, std::memory_order_relaxed);
+        std::atomic<bool> failed{false};
+        std::exception_ptr error[moerun::kLanes];
+        // one task per lane on a pool of two or more threads: each lane runs on a thread of its
+        // own (a thread takes a task at a time and keeps it to the end), so lane 0 may wait on
+        // lane 1 (its token 2 on token 1) without the two ever sharing a thread
+        moerun::pool().parallel_for(moerun::kLanes, [&](int lane) {
+            const bool was_inline = moerun::t_pool_inline;
+            const int was_lane = moerun::op_lane();
+            moerun::t_pool_inline = true;
+            moerun::op_lane() = lane;
+            try {
+                for (size_t i = 0; i < L && !failed.load(std::memory_order_relaxed); ++i) {
+                    const Layer& l = pass[i];
+                    for (size_t t = lane; t < T; t += moerun::kLanes) {
+                        float* in = rows.data() + t * 3 * H;
+                        float *x_t = i == 0 ? in : in + 2 * H, *mid = in + H, *out = in + 2 * H;
+                        while (t > 0 && done[t - 1].load(std::memory_order_acquire) <= (int)i)
+                            if (failed.load(std::memory_order_relaxed)) return;
+                            else __builtin_ia32_pause();
+                        if (l.attn) {
+                            moerun::AttnBlockArgs at = l.at;
+                            at.T = 1;
+                            at.cos += t * at.rd;
+                            at.sin += t * at.rd;
+                            at.pos += (int)t;
+                            moerun::attn_block_decode(at, x_t, mid);
+                        } else {
+                            moerun::DeltaBlockArgs dn = l.dn;
+                            moerun::DeltaArgs& d = dn.d;
+                            d.T = 1;
+                            if (d.conv_every) d.conv_every += t * d.C * (d.K - 1);
+                            if (d.S_every) d.S_every += t * d.Hv * d.Dk * d.Dv;
+                            dn.x = x_t;
+                            dn.y = mid;
+                            moerun::deltanet_block_decode(dn);
+                        }
+                        done[t].store((int)i + 1, std::memory_order_release);
+                        moerun::MoeBlockArgs m = l.moe_args;
+                        m.T = 1;
+                        m.x = mid;
+                        m.y = out;
+                        if (m.h_out) m.h_out += t * H;
+                        if (m.ids_out) m.ids_out += t * m.K;
+                        if (m.w_out) m.w_out += t * m.K;
+                        if (m.seen && lane > 0) m.seen = seen1.data() + i * seen_n;
+                        moerun::moe_block_decode(m);
+                    }
+                }
+            } catch (...) {
+                error[lane] = std::current_exception();
+                failed.store(true);
+            }
+            moerun::t_pool_inline = was_inline;
+            moerun::op_lane() = was_lane;
+        });
+        for (auto& e : error)
+            if (e) std::rethrow_exception(e);
+        for (size_t i = 0; i < L; ++i)
+            if (uint8_t* sm = pass[i].moe_args.seen)
+                for (size_t e = 0; e < seen_n; ++e) sm[e] |= seen1[i * seen_n + e];
+        for (size_t t = 0; t < T; ++t) {
+            const float* o = rows.data() + t * 3 * H + 2 * H;
+            if (bf16_) {
+                uint16_t* d = (uint16_t*)b.data() + t * H;
+                for (size_t j = 0; j < H; ++j) d[j] = moerun::bf16_bits(o[j]);
+            } else {
+                std::memcpy((float*)b.data() + t * H, o, H * sizeof(float));
+            }
+        }
+    }
+
     struct Layer {
         bool attn = false;
         moerun::AttnBlockArgs at{};
@@ -1232,7 +1345,7 @@ NB_MODULE(_native, m) {
         .def("add_deltanet", &NativeStack::add_deltanet)
         .def("add_moe", &NativeStack::add_moe)
         .def("run", &NativeStack::run, nb::arg("x"), nb::arg("a"), nb::arg("b"), nb::arg("cos"), nb::arg("sin"),
-             nb::arg("pos"), nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"));
+             nb::arg("pos"), nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"), nb::arg("lanes") = false);
     nb::class_<NativeMtp>(m, "NativeMtp", "a one-layer MTP head's calls on one cache slot: its arguments checked once")
         .def(nb::init<Array, Array, float, Array, Array, int, Array, Array, int, Array, Array, int, Array, Array, int,
                       Array, Array, int, Array, Array, float, Array, Array, Array, Array, int, float, bool, Array, float,

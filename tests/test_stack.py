@@ -4,6 +4,7 @@ must run (the first pass of a run, a batch, hooks, a layer without both fused ha
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -224,7 +225,7 @@ def test_native_stack_refuses_bad_arguments(qwen3_path):
         net(torch.tensor([[1, 2, 3]]), cache, s, plans=plans)
         for t in range(2):  # the first one-token pass makes the plans, the second the stack
             net(torch.tensor([[4 + t]]), cache, s, plans=plans)
-    native, experts, _ = next(v for k, v in plans.items() if isinstance(k, tuple) and k[0] == "stack" and type(v) is tuple)
+    native, experts, _, _ = next(v for k, v in plans.items() if isinstance(k, tuple) and k[0] == "stack" and type(v) is tuple)
     H = CFG["hidden_size"]
     x, a, b = (np.zeros((1, 1, H), dtype=np.float32) for _ in range(3))
     rope = net.model.rope.float_rows(6, 1, torch.float32)
@@ -245,3 +246,58 @@ def test_native_stack_refuses_bad_arguments(qwen3_path):
     bad("seen: one per layer", seen=seen[:1])
     bad("seen", seen=[np.zeros(3, dtype=np.uint8)] * len(experts))
     bad("conv_every, S_every", conv_every=[np.zeros(1, dtype=np.float32)])
+
+
+@pytest.mark.parametrize("dtype,quant", [("float32", None), ("bfloat16", None), ("float32", "int4")])
+def test_lanes_are_bit_identical_to_the_modules(qwen3_5_path, dtype, quant, monkeypatch):
+    """On two threads, a pass of an even number of tokens through small layers runs token by
+    token in two lanes (`NativeStack.run(lanes=True)`): the same logits, hidden states,
+    recurrent states, per-token states kept for a rollback and route masks as the modules,
+    and as the stack split by rows (lanes off)."""
+    import moerun
+    from moerun.engine.cache import Cache, RecurrentState
+
+    net = moerun.load(qwen3_5_path, dtype=dtype, threads=2, quant=quant).net
+    torch.set_num_threads(2)
+    kv = net.model.embed_tokens.weight.dtype
+    experts = [layer.mlp.experts for layer in net.model.layers]
+    chose = []
+    real = stack._lanes
+    monkeypatch.setattr(stack, "_lanes", lambda small, T: chose.append((T, real(small, T))) or chose[-1][1])
+
+    def run(plans):
+        ids = torch.randint(0, 97, (1, 32), generator=torch.Generator().manual_seed(5))
+        cache = Cache(net.cache_spec(), 2, 40, kv)
+        rec = [layer for layer in cache.layers if isinstance(layer, RecurrentState)]
+        for layer in rec:
+            layer.positions = {}
+        s = torch.tensor([1])
+        kw = {} if plans is None else {"plans": plans}
+        out, kept, masks = [net(ids[:, :8], cache, s, **kw)], [], []
+        for i, T in ((8, 1), (9, 2), (11, 4), (15, 2), (17, 4), (21, 3), (24, 2), (26, 1), (27, 4)):
+            for e in experts:
+                e.routes_seen = np.zeros(e.num_experts + 1, dtype=np.uint8)
+            out += list(net(ids[:, i : i + T], cache, s, return_hidden=True, **kw))
+            kept += [t.clone() for layer in rec for t in layer.positions.values()]
+            masks += [e.__dict__.pop("routes_seen").copy() for e in experts]
+        states = [layer.tensors[n][1].clone() for layer in rec for n in ("conv", "recurrent")]
+        return out, kept, masks, states
+
+    try:
+        with torch.inference_mode():
+            want = run(None)
+            monkeypatch.setattr(stack, "LANES_LAYER_BYTES", -1)  # the stack split by rows
+            rows = run({})
+            assert chose and not any(lanes for _, lanes in chose)
+            chose.clear()
+            monkeypatch.undo()
+            monkeypatch.setattr(stack, "_lanes", lambda small, T: chose.append((T, real(small, T))) or chose[-1][1])
+            got = run({})
+    finally:
+        torch.set_num_threads(1)
+    # every later pass of 2 or 4 tokens ran in lanes; those of 1 and 3 split by rows
+    assert {T for T, lanes in chose if lanes} == {2, 4} and not any(lanes for T, lanes in chose if T % 2)
+    for a, b, c in zip(got, rows, want, strict=True):
+        assert len(a) == len(b) == len(c)
+        assert all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) for x, y in zip(a, c))
+        assert all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) for x, y in zip(b, c))
