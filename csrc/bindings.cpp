@@ -852,7 +852,127 @@ class NativeMtp {
         moe_observed_finish(c);
     }
 
+    // A draft step that a stack's 2-token pass makes itself (NativeStack.run(..., draft=)):
+    // `run`'s call on these pending pairs, staged (checked, inputs widened) here and made by
+    // the pass's lane 1 while lane 0 takes the pass's first token through the trunk; then the
+    // greedy pick of the head's logits with the repetition penalty on `history`
+    // (greedy_picks, on the logits as `logits` holds them: a bf16 model's rounded to bf16),
+    // into pick [1] int64 and prob [1] float32 (its softmax probability), and the pick's row
+    // of `trunk_embed` (the trunk's embedding, [V', H] in the model's dtype) as the pass's
+    // second token. `seen` is the head's experts' route mask or empty.
+    void stage(Array tokens, Array hidden, Array cos, Array sin, int pos, Array seen, Array h, Array logits,
+               Array history, float penalty, Array pick, Array prob, Array trunk_embed) {
+        MOERUN_CHECK(hidden.ndim() == 2 && hidden.shape(0) >= 1, "hidden must be [T, H]");
+        const size_t T = hidden.shape(0), H = H_;
+        for (const Array* t : {&hidden, &h, &logits, &trunk_embed})
+            MOERUN_CHECK(t->dtype() == embed_.dtype(), "embed, hidden, h, logits, trunk_embed: all in the model's dtype");
+        check_shape(hidden, {T, H}, "hidden");
+        check_dtype(tokens, dtype_code::Int, 64, "tokens");
+        check_shape(tokens, {T}, "tokens");
+        const int64_t* tok = (const int64_t*)tokens.data();
+        for (size_t t = 0; t < T; ++t) MOERUN_CHECK(tok[t] >= 0 && (size_t)tok[t] < embed_.shape(0),
+                                                    "tokens: outside the embedding");
+        check_rope_rows(cos, sin, T, a_.attn.rd, pos, cache_positions(a_.attn));
+        check_shape(h, {1, H}, "h");
+        check_shape(logits, {1, V_}, "logits");
+        check_dtype(history, dtype_code::Int, 64, "history");
+        MOERUN_CHECK(history.ndim() == 1, "history must be 1-D");
+        check_dtype(pick, dtype_code::Int, 64, "pick");
+        check_shape(pick, {1}, "pick");
+        check_dtype(prob, dtype_code::Float, 32, "prob");
+        check_shape(prob, {1}, "prob");
+        MOERUN_CHECK(trunk_embed.ndim() == 2 && trunk_embed.shape(1) == H && trunk_embed.shape(0) >= V_,
+                     "trunk_embed must be [V, H] with a row for every logit");
+        Staged& st = staged_;
+        st.c.a = c_.a;
+        st.c.a.seen = nullptr;
+        if (seen.size() > 0) {
+            MOERUN_CHECK(seen.dtype() == nb::dtype<uint8_t>(), "seen: must be uint8");
+            check_shape(seen, {(size_t)c_.a.E + 1}, "seen");
+            st.c.a.seen = (uint8_t*)seen.data();
+        }
+        st.u.resize(2 * T * H);
+        for (size_t t = 0; t < T; ++t) {
+            const size_t e = (size_t)tok[t] * H;
+            float *ue = st.u.data() + 2 * t * H, *uh = ue + H;
+            if (bf16_) {
+                widen_bf16((const uint16_t*)embed_.data() + e, ue, H);
+                widen_bf16((const uint16_t*)hidden.data() + t * H, uh, H);
+            } else {
+                std::memcpy(ue, (const float*)embed_.data() + e, H * 4);
+                std::memcpy(uh, (const float*)hidden.data() + t * H, H * 4);
+            }
+        }
+        st.hf.resize(H);
+        st.lf.resize(V_);
+        moerun::MtpStepArgs& a = st.a;
+        a = a_;
+        a.T = (int)T;
+        a.attn.T = (int)T;
+        a.attn.cos = (const float*)cos.data();
+        a.attn.sin = (const float*)sin.data();
+        a.attn.pos = pos;
+        a.u = st.u.data();
+        a.moe = st.c.a;
+        a.h = st.hf.data();
+        a.logits = st.lf.data();
+        st.h = h.data();
+        st.logits = logits.data();
+        st.history = (const int64_t*)history.data();
+        st.n_history = history.shape(0);
+        st.penalty = penalty;
+        st.pick = (int64_t*)pick.data();
+        st.prob = (float*)prob.data();
+        st.trunk_embed = trunk_embed.data();
+        st.keep = {tokens, hidden, cos, sin, seen, h, logits, history, pick, prob, trunk_embed};
+        st.ready = true;
+    }
+
+    // The staged draft step (`stage`), on the calling thread (a stack pass's lane, under the
+    // op mutex): the pick's trunk embedding row into row [H] (float32). Once per staging.
+    void draft_staged(float* row) {
+        Staged& st = staged_;
+        MOERUN_CHECK(st.ready, "draft: nothing staged (NativeMtp.stage)");
+        st.ready = false;
+        const size_t H = H_, V = V_;
+        moerun::mtp_step_decode(st.a);
+        if (bf16_) {  // h and logits as the bf16 arrays hold them, the pick made on those
+            for (size_t j = 0; j < H; ++j) ((uint16_t*)st.h)[j] = moerun::bf16_bits(st.hf[j]);
+            for (size_t j = 0; j < V; ++j) {
+                const uint16_t b = moerun::bf16_bits(st.lf[j]);
+                ((uint16_t*)st.logits)[j] = b;
+                const uint32_t u = (uint32_t)b << 16;
+                std::memcpy(&st.lf[j], &u, 4);
+            }
+        } else {
+            std::memcpy(st.h, st.hf.data(), H * 4);
+            std::memcpy(st.logits, st.lf.data(), V * 4);
+        }
+        moerun::greedy_picks(st.lf.data(), 1, V, st.history, st.n_history, nullptr, 0, st.penalty, false, st.pick,
+                             st.prob);
+        const size_t e = (size_t)st.pick[0] * H;
+        if (bf16_)
+            widen_bf16((const uint16_t*)st.trunk_embed + e, row, H);
+        else
+            std::memcpy(row, (const float*)st.trunk_embed + e, H * 4);
+    }
+
   private:
+    struct Staged {
+        bool ready = false;
+        moerun::MtpStepArgs a{};
+        MoeCall c;
+        std::vector<float> u, hf, lf;
+        void *h = nullptr, *logits = nullptr;
+        const void* trunk_embed = nullptr;
+        const int64_t* history = nullptr;
+        size_t n_history = 0;
+        float penalty = 1.f;
+        int64_t* pick = nullptr;
+        float* prob = nullptr;
+        std::vector<Array> keep;  // the staged call's arrays, alive until the next staging
+    };
+    Staged staged_;
     Array embed_;
     bool bf16_ = false;
     size_t H_ = 0, V_ = 0;
@@ -1056,8 +1176,11 @@ class NativeStack {
     // [E + 1] uint8 or empty, or none at all (no layer has one).
     // lanes (T > 1, a pool of two threads or more): the pass split by tokens instead of each
     // op's rows (`run_lanes`).
+    // draft (a NativeMtp with a staged draft step, `NativeMtp.stage`; a 2-token pass in lanes
+    // only): lane 1 makes the draft step first and takes its pick through the trunk as the
+    // pass's second token (x's second row is not read).
     void run(Array x, Array a, Array b, Array cos, Array sin, int pos, std::vector<Array> conv_every,
-             std::vector<Array> S_every, std::vector<Array> seen, bool lanes) {
+             std::vector<Array> S_every, std::vector<Array> seen, bool lanes, NativeMtp* draft) {
         for (const Array* t : {&x, &a, &b}) {
             if (bf16_)
                 MOERUN_CHECK(is_bf16(*t), "x, a, b: the stack's dtype (bf16, as uint16)");
@@ -1106,10 +1229,12 @@ class NativeStack {
                 c.moe_args.seen = (uint8_t*)seen[i].data();
             }
         }
+        const bool in_lanes = lanes && T_ > 1 && moerun::pool().size() >= moerun::kLanes;
+        MOERUN_CHECK(!draft || (in_lanes && T_ == 2), "draft: a pass of 2 tokens in lanes (on two threads or more) only");
         nb::gil_scoped_release release;
         std::lock_guard<std::mutex> lk(g_op_mutex);
-        if (lanes && T_ > 1 && moerun::pool().size() >= moerun::kLanes) {
-            run_lanes(pass, x, b);
+        if (in_lanes) {
+            run_lanes(pass, x, b, draft);
             return;
         }
         const Array* cur = &x;
@@ -1149,7 +1274,7 @@ class NativeStack {
     // the same; what changes is that a pass of a small model, whose ops are too small to
     // split well over threads, keeps both cores busy (demo model, 2 threads: a 2-token pass
     // ~1.5x a one-token one split by rows).
-    void run_lanes(std::vector<Layer>& pass, const Array& x, Array& b) {
+    void run_lanes(std::vector<Layer>& pass, const Array& x, Array& b, NativeMtp* draft) {
         const size_t T = T_, H = H_, L = pass.size();
         // per token: its input row, then the halves' outputs taking turns (float32)
         thread_local std::vector<float> rows_buf;  // (named apart: a lambda on another thread
@@ -1180,6 +1305,7 @@ class NativeStack {
             moerun::t_pool_inline = true;
             moerun::op_lane() = lane;
             try {
+                if (draft && lane == 1) draft->draft_staged(rows.data() + 3 * H);  // token 1's input row
                 for (size_t i = 0; i < L && !failed.load(std::memory_order_relaxed); ++i) {
                     const Layer& l = pass[i];
                     for (size_t t = lane; t < T; t += moerun::kLanes) {
@@ -1345,7 +1471,8 @@ NB_MODULE(_native, m) {
         .def("add_deltanet", &NativeStack::add_deltanet)
         .def("add_moe", &NativeStack::add_moe)
         .def("run", &NativeStack::run, nb::arg("x"), nb::arg("a"), nb::arg("b"), nb::arg("cos"), nb::arg("sin"),
-             nb::arg("pos"), nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"), nb::arg("lanes") = false);
+             nb::arg("pos"), nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"), nb::arg("lanes") = false,
+             nb::arg("draft").none() = nb::none());
     nb::class_<NativeMtp>(m, "NativeMtp", "a one-layer MTP head's calls on one cache slot: its arguments checked once")
         .def(nb::init<Array, Array, float, Array, Array, int, Array, Array, int, Array, Array, int, Array, Array, int,
                       Array, Array, int, Array, Array, float, Array, Array, Array, Array, int, float, bool, Array, float,
@@ -1355,7 +1482,11 @@ NB_MODULE(_native, m) {
                       Array, int>())
         .def("run", &NativeMtp::run, nb::arg("tokens"), nb::arg("hidden"), nb::arg("cos"), nb::arg("sin"),
              nb::arg("pos"), nb::arg("h_out"), nb::arg("ids_out"), nb::arg("w_out"), nb::arg("seen"), nb::arg("h"),
-             nb::arg("logits"), "one draft step over T tokens (moerun::mtp_step_decode)");
+             nb::arg("logits"), "one draft step over T tokens (moerun::mtp_step_decode)")
+        .def("stage", &NativeMtp::stage, nb::arg("tokens"), nb::arg("hidden"), nb::arg("cos"), nb::arg("sin"),
+             nb::arg("pos"), nb::arg("seen"), nb::arg("h"), nb::arg("logits"), nb::arg("history"), nb::arg("penalty"),
+             nb::arg("pick"), nb::arg("prob"), nb::arg("trunk_embed"),
+             "a draft step and its greedy pick for a stack's 2-token pass to make (NativeStack.run(draft=))");
     m.def("moe_experts_float", &moe_experts_float, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("up"), nb::arg("down"), nb::arg("out"), "fused routed experts with float32 or bf16 weights");
     m.def("moe_experts", &moe_experts, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),

@@ -697,3 +697,46 @@ def test_roll_back_restores_the_kept_state_of_a_slot():
         assert torch.equal(t[2], every[n][1, 2])
         assert torch.equal(t[:2], before[n][:2])
         assert torch.equal(st.positions[n], every[n])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_draft_made_inside_its_verification_pass(dtype, monkeypatch):
+    """On two threads, one draft on one greedy row is made inside its verification pass
+    (`SpeculativeDecoder._draft_in_pass`: the head's call in the pass's lane 1, the draft
+    following t_L through the trunk): the same tokens, acceptance, expert bytes, trunk caches
+    (keys, values, DeltaNet states) and head cache as drafting first, with the demo model's
+    repetition penalty; `auto` (which takes that path where it picks one draft) gives the
+    plain greedy text too."""
+    from moerun import kernels
+
+    if not kernels.native():
+        pytest.skip("needs the native extension")
+    llm = moerun.load(None, dtype=dtype, threads=2)  # the demo model
+    torch.set_num_threads(2)
+    try:
+        prompts = [llm.encode_prompt(p) for p in ("def fibonacci(n):", "The river", "import numpy as np\n")]
+        made = []
+        real = SpeculativeDecoder._draft_in_pass
+
+        def run_one(ids, fused):
+            monkeypatch.setattr(SpeculativeDecoder, "_draft_in_pass",
+                                (lambda self, *a: made.append(real(self, *a)) or made[-1]) if fused else (lambda self, *a: None))
+            seq = Sequence(list(ids), llm.sampling_params(max_tokens=24, temperature=0.0))
+            dec = SpeculativeDecoder(llm.net, llm.dtype, draft_tokens=1)
+            stats = SpeculativeStats()
+            list(dec.run([seq], llm.eos_ids(), stats))
+            caches = [t.clone() for c in (dec.cache, dec.mtp_cache) for layer in c.layers
+                      for t in (layer.tensors.values() if isinstance(layer, RecurrentState) else (layer.k, layer.v))]
+            caches += [dec.cache.lengths.clone(), dec.mtp_cache.lengths.clone()]
+            return seq.out_ids, (stats.drafted, stats.accepted, stats.verify_expert_bytes, stats.draft_expert_bytes), caches
+
+        for ids in prompts:
+            got, want = run_one(ids, True), run_one(ids, False)
+            assert got[0] == want[0] and got[1] == want[1] and want[1][1] > 0
+            assert len(got[2]) == len(want[2]) and all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+        assert sum(m is not None for m in made) > 20  # (a run's first passes of a width go through the modules)
+        monkeypatch.undo()
+        plain = llm.generate_ids(prompts, max_tokens=24, temperature=0.0)
+        assert llm.generate_ids(prompts, max_tokens=24, temperature=0.0, speculative="mtp", draft_tokens="auto") == plain
+    finally:
+        torch.set_num_threads(1)

@@ -99,7 +99,8 @@ from ..layers.moe import Experts
 from ..layers.mtp import MAX_TOKENS as MTP_CALL_TOKENS
 from .cache import Cache, RecurrentState
 from .generate import GenerationStats, Sequence, long_ids, run_plans
-from .sampling import distribution, draw, greedy_token, greedy_token_probability, greedy_tokens, sample
+from ..layers.stack import model_pass
+from .sampling import _id_array, distribution, draw, greedy_token, greedy_token_probability, greedy_tokens, sample
 
 # B batch (active rows), N draft tokens, T tokens per pass, H hidden, V vocab
 
@@ -292,6 +293,7 @@ class ExpertTracker:
         # per expert, at its experts' places (the union) or at its top-k's (one token)
         self.union_weights = np.zeros(len(self.flat), dtype=np.int64)
         self.k_weights = np.zeros(len(self.flat), dtype=np.int64)
+        self.offset = {m: int(starts[i]) for i, m in enumerate(mods)}  # module -> its mask's place in flat
         for i, m in enumerate(mods):
             # its own mask, installed on the module: a tracker left behind by an earlier run
             # (a generator dropped unfinished) neither shares it nor takes it away (close)
@@ -320,6 +322,17 @@ class ExpertTracker:
                 k = self.flat[self.bounds[1::2]]
                 i = len(k) - 1 - int(k[::-1].argmax())
                 self.top_k, self.num_experts = int(k[i]), int(self.num_experts_of[i])
+
+    def end_pass_with_draft(self, draft_experts, figures: bool = True) -> None:
+        """`end_pass` for a verification pass that made the head's draft step too (in its lane
+        1, `SpeculativeDecoder._draft_in_pass`): the head's experts count as a draft's, the
+        rest as the verification pass's."""
+        mask = self.masks.get(draft_experts)
+        if mask is not None:
+            at = self.offset[draft_experts]
+            self.counts["draft"][at : at + len(mask)] += mask
+            mask[:] = 0
+        self.end_pass(figures)
 
     def token_pass(self) -> None:
         """Count a one-row, one-token verification pass without its masks: it reads one
@@ -578,6 +591,7 @@ class SpeculativeDecoder:
         self._len = None  # the trunk's cache lengths (a numpy view)
         self._slots = (None, None)  # (rows, their slots tensor): a step's, kept while the rows stay the same
         self.plans: dict = {}  # the trunk forwards' keyword arguments for a run (`generate.run_plans`)
+        self._trunk_embed = None  # the trunk's embedding (numpy), for drafts made in a pass (`_draft_in_pass`)
 
     # -- the MTP head ----------------------------------------------------------
     def _mtp(self, hidden, tokens, slots):
@@ -631,6 +645,10 @@ class SpeculativeDecoder:
                 mtp_drafter = getattr(net, "mtp_drafter", None)
                 self.drafter = mtp_drafter(self.mtp_cache, 0, self.draft_head) if B == 1 and mtp_drafter else None
                 self.plans = run_plans(net)  # the trunk's layer checks, made once for the run
+                # the trunk's embedding as its native passes read it, for drafts made in a pass
+                embed = getattr(getattr(net, "model", None), "embed_tokens", None)
+                self._trunk_embed = kernels._np(embed.weight.detach()) if self.drafter is not None and \
+                    type(embed) is torch.nn.Embedding and kernels.native() else None
                 # trunk passes run so far per width: a run's first pass of a width runs the
                 # modules (making the plans), its second builds the native stack, so neither
                 # prices its N for "auto" (a plain step's first pass took several times a later
@@ -734,6 +752,45 @@ class SpeculativeDecoder:
         tracker.end_pass()
         return drafts, qs, confidences
 
+    def _draft_in_pass(self, seqs, active, slots, L, pend_h, pend_t, first, tracker, recurrent):
+        """One draft on one greedy row, made inside its verification pass: the head's catch-up
+        and draft step (and the draft's greedy pick, as `_draft` makes it) run in the trunk
+        pass's lane 1 while lane 0 takes t_L through the trunk, and the draft follows it as
+        the pass's second token (`layers.stack.stack_run`'s draft; two threads, a model whose
+        2-token pass runs in lanes). The same tokens, logits and states as `_draft` then the
+        pass (tested), with the head's call off the step's critical path: it ran before the
+        pass, ~0.1 ms of a demo model step of ~0.6. -> (drafts, qs, confidences, logits
+        [1, 2, V], hidden [1, 2, H]), or None with nothing run where that does not apply."""
+        if len(active) != 1 or self.drafter is None or self.draft_vocab is not None or self.prefetcher is not None:
+            return None
+        b, s = active[0], seqs[active[0]]
+        net = self.net
+        # the pass goes to `model_pass` as the model's forward would, past its call: only
+        # where the one hook on it is split_threads' (called here as the call would)
+        threads = getattr(net, "_split_threads", None)
+        pre = net._forward_pre_hooks
+        if (not s.params.greedy or self._trunk_embed is None or net._forward_hooks or kernels.has_hooks()
+                or (pre and (threads is None or list(pre) != [threads.id]))):
+            return None
+        staged = self.drafter.stage(pend_h[b][None], long_ids([pend_t[b]]), L[0] - pend_h[b].shape[0],
+                                    _id_array(s.history()), s.params.repetition_penalty, self._trunk_embed)
+        if staged is None:
+            return None
+        native, _, _, pick, prob = staged
+        for layer in recurrent:
+            layer.positions.clear()
+        ids = long_ids([[first[0], first[0]]])
+        if pre:
+            pre[threads.id](net, (ids,), {})
+        tracker.start_pass("verify")  # (none ran if the pass does not apply: the next start clears it)
+        out = model_pass(net, ids, self.cache, slots, False, self.plans.get("plans"), draft=native)
+        if out is None:
+            return None
+        tracker.end_pass_with_draft(self.drafter.experts)
+        self._mtp_len[b] = L[0]  # the head's cache took every pending pair
+        conf = [float(prob[0])] if self.chooser is not None else []
+        return [[int(pick[0])]], [[None]], [conf], *out
+
     def _catch_up(self, active, slots, L, pend_h, pend_t) -> tuple[list, list]:
         """Feed the head every pending (hidden, next token) pair of the rows, rows with as many
         pairs together (all rows, in single-stream decoding): its KV cache then reaches the
@@ -802,28 +859,32 @@ class SpeculativeDecoder:
             # experts in RAM, hints on "auto"'s plain steps cost ~10% of their speed)
             self.prefetcher.tokens([pend_t[b][-1] for b in active])
         first = [pend_t[b][-1] for b in active]  # t_L, the sampled token the trunk runs first
-        if n > 0:
-            drafts, qs, confidences = self._draft(seqs, active, slots, L, n, pend_h, pend_t, tracker)
-            n = len(drafts[0])
-        else:  # a plain step of several rows ("auto" only; one row's: `_plain_steps`): the head catches up later
-            drafts, qs, confidences = [[] for _ in active], [[] for _ in active], [[] for _ in active]
-            if max(pend_h[b].shape[0] for b in active) >= PLAIN_CATCH_UP_PAIRS:
-                # ... or here, every PLAIN_CATCH_UP_PAIRS steps of a long run of plain ones.
-                # Not every FUSED_MAX_TOKENS, in one native call each: each call runs the head's
-                # MoE and reads its experts (from disk, with half the demo's experts in RAM:
-                # plain steps in the speculative loop were then 0.84x plain decoding's speed)
-                self._feed_pending(active, slots, L, pend_h, pend_t, tracker)
-        ids = long_ids([[t] + drafts[i] for i, t in enumerate(first)])
-        if n > 0:  # (a one-token pass keeps no per-token states)
-            for layer in recurrent:
-                layer.positions.clear()
         # one row's plain step reads one token's experts: its union figures are known (ratio 1)
         figures = n > 0 or len(active) > 1
-        tracker.start_pass("verify")
-        try:
-            logits, hidden = net(ids, cache, slots, return_hidden=True, **self.plans)  # [B, n+1, V], [B, n+1, H]
-        finally:
-            tracker.end_pass(figures)
+        fused = self._draft_in_pass(seqs, active, slots, L, pend_h, pend_t, first, tracker, recurrent) if n == 1 else None
+        if fused is not None:
+            drafts, qs, confidences, logits, hidden = fused
+        else:
+            if n > 0:
+                drafts, qs, confidences = self._draft(seqs, active, slots, L, n, pend_h, pend_t, tracker)
+                n = len(drafts[0])
+            else:  # a plain step of several rows ("auto" only; one row's: `_plain_steps`): the head catches up later
+                drafts, qs, confidences = [[] for _ in active], [[] for _ in active], [[] for _ in active]
+                if max(pend_h[b].shape[0] for b in active) >= PLAIN_CATCH_UP_PAIRS:
+                    # ... or here, every PLAIN_CATCH_UP_PAIRS steps of a long run of plain ones.
+                    # Not every FUSED_MAX_TOKENS, in one native call each: each call runs the head's
+                    # MoE and reads its experts (from disk, with half the demo's experts in RAM:
+                    # plain steps in the speculative loop were then 0.84x plain decoding's speed)
+                    self._feed_pending(active, slots, L, pend_h, pend_t, tracker)
+            ids = long_ids([[t] + drafts[i] for i, t in enumerate(first)])
+            if n > 0:  # (a one-token pass keeps no per-token states)
+                for layer in recurrent:
+                    layer.positions.clear()
+            tracker.start_pass("verify")
+            try:
+                logits, hidden = net(ids, cache, slots, return_hidden=True, **self.plans)  # [B, n+1, V], [B, n+1, H]
+            finally:
+                tracker.end_pass(figures)
         stats.draft_hist[n] = stats.draft_hist.get(n, 0) + 1
         if n > 0 and not all(layer.positions for layer in recurrent):
             raise MoerunError("speculative decoding cannot roll back this model's recurrent state (no per-token states)")

@@ -714,6 +714,20 @@ class MtpStep:
         native.run(_np(tokens), _np(hidden), *rope, pos, *obs, seen, _np(h), _np(logits))
         return logits, h, observed
 
+    def stage(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: tuple, pos: int, bound: tuple,
+              history: np.ndarray, penalty: float, trunk_embed: np.ndarray) -> tuple:
+        """`run`'s call (unobserved) and the greedy pick of its logits (the repetition penalty
+        on history) staged on the bound `NativeMtp` for a stack pass to make
+        (`NativeMtp.stage`) -> (that NativeMtp, logits [1, 1, V], h [1, 1, H], pick [1] int64,
+        prob [1] float32), which the pass fills."""
+        _sync_threads(_native())
+        native, seen, _ = bound
+        h, logits = torch.empty(1, 1, self.H, dtype=self.dtype), torch.empty(1, 1, self.V, dtype=self.dtype)
+        pick, prob = np.empty(1, dtype=np.int64), np.empty(1, dtype=np.float32)
+        native.stage(_np(tokens), _np(hidden), *rope, pos, seen, _np(h[0]), _np(logits[0]), history, float(penalty),
+                     pick, prob, trunk_embed)
+        return native, logits, h, pick, prob
+
 
 def float_expert_views(*weights) -> tuple:
     """gate, up, down (stacks or per-expert lists) as `moe_experts_float` takes them."""

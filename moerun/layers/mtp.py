@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -79,6 +80,22 @@ class Drafter:
         if self.observe:
             call_observers(self.experts, observed)
         return logits.view(1, 1, -1), h.view(1, 1, H)
+
+    def stage(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int, history: np.ndarray, penalty: float,
+              trunk_embed: np.ndarray) -> tuple | None:
+        """`run`'s call, and the greedy pick of its logits with the repetition penalty on
+        history (int64 ids), staged for a 2-token trunk pass to make in its lane 1 and take
+        through the trunk as its second token (`layers.stack.stack_run`'s draft; trunk_embed:
+        the trunk's embedding as `model_pass` reads it) -> (the `NativeMtp` to hand the pass,
+        logits [1, 1, V], h [1, 1, H], pick [1] int64, prob [1] float32), filled by the pass;
+        None (nothing staged) where `run` would not run: more than `MAX_TOKENS` tokens, or
+        the experts' hooks to call."""
+        _, T, H = hidden.shape
+        if T > MAX_TOKENS or self.observe:
+            return None
+        x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
+        return self.step.stage(tokens.reshape(T).contiguous(), x.reshape(T, H).contiguous(),
+                               self.rope.float_rows(pos, T, self.dtype), pos, self.bound, history, penalty, trunk_embed)
 
 
 def prepare(owner: nn.Module, parts: MtpParts, kv, slot: int, rope) -> Drafter | None:

@@ -39,19 +39,24 @@ def run_layers(layers, x: torch.Tensor, cos_sin: tuple, cache, slots, pos0, plan
 
 
 def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torch.Tensor, pos0: torch.Tensor | None,
-              plans: dict | None, rope: tuple | None = None, pos: int | None = None) -> torch.Tensor | None:
+              plans: dict | None, rope: tuple | None = None, pos: int | None = None, draft=None) -> torch.Tensor | None:
     """x [1, T, H] (the embeddings) through `layers` at positions pos0.. of cache slot
     slots[0] -> [1, T, H]; None where the stack does not apply, and the caller runs the
     modules. A layer is input_layernorm, self_attn or linear_attn, post_attention_layernorm
     and mlp. The first pass of each shape in a run returns None: its modules make the plans
     that the next one reads. `rope` and `pos` (`model_pass`): the rope rows as the native
-    calls take them and the first position, in place of cos_sin and pos0."""
+    calls take them and the first position, in place of cos_sin and pos0. `draft` (a
+    `NativeMtp` with a draft step staged, `NativeMtp.stage`): the pass is of 2 tokens, the
+    second the draft that the pass's lane 1 makes (x's second row unread); None, with nothing
+    run or made, unless the stack for it is built and runs in lanes."""
     if plans is None or cache is None or x.shape[0] != 1:
         return None
     T, H = x.shape[1], x.shape[2]
     s = int(slots[0])
     key = _stack_key(x.shape, x.dtype, s, cache)
     stack = plans.get(key, _UNSET)
+    if draft is not None and (type(stack) is not tuple or T != 2 or not _lanes(stack[3], T)):
+        return None
     if stack is _UNSET:
         plans[key] = _SEEN
         return None
@@ -80,7 +85,7 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
     seen = list(map(routes_seen, experts))  # route masks (an expert tracker's), where there are any
     seen = [kernels._EMPTY_U8_NP if m is None else m for m in seen] if any(m is not None for m in seen) else []
     native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope, p, conv_every,
-               S_every, seen, lanes)
+               S_every, seen, lanes, draft)
     for state, conv_all, S_all in kept:
         state.keep_every(conv=conv_all, recurrent=S_all)
     return b
@@ -101,13 +106,15 @@ _ATTN, _DELTA = "attention", "deltanet"
 
 # A pass of an even number of tokens on a pool of two threads runs token by token in two
 # lanes, one per thread (`NativeStack.run(lanes=True)`), where every layer's weights that a
-# token reads come to at most this many bytes: a small model's ops are too small to split
-# their rows well over two threads (the demo model: a 2-token pass 0.47 against 0.54 ms,
-# 4 tokens 0.72 against 0.77; 3 tokens, two on one lane, 0.69 against 0.66, so odd passes
-# stay split by rows), while a large model's pass reads each weight once for all its tokens
-# and two lanes would read it twice (8 Qwen3-30B-shaped int4 layers, 2 tokens: 38 against
-# 29 ms). The bits are the same either way.
-LANES_LAYER_BYTES = 1 << 20
+# token reads come to at most this many bytes (about a core's L2): a small model's ops are
+# too small to split their rows well over two threads (the demo model in bf16, at most 0.6
+# MB a layer: a 2-token pass 0.47 against 0.54 ms, 4 tokens 0.72 against 0.77; 3 tokens,
+# two on one lane, 0.69 against 0.66, so odd passes stay split by rows; in float32, 1.2 MB,
+# speculation with one draft 1.04x plain decoding against 0.91x), while a large model's pass
+# reads each weight once for all its tokens and two lanes would read it twice (8
+# Qwen3-30B-shaped int4 layers, ~30 MB each, 2 tokens: 38 against 29 ms). The bits are the
+# same either way.
+LANES_LAYER_BYTES = 2 << 20
 LANES_THREADS = 2
 
 
@@ -183,7 +190,7 @@ def _deltanet(dn, x, state, s: int, plans: dict) -> tuple | None:
 
 
 def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None, last_only: bool,
-               plans: dict | None) -> tuple | None:
+               plans: dict | None, draft=None) -> tuple | None:
     """(logits, the final normed hidden state) of one decode pass of `model`, a causal LM
     whose `model` holds embed_tokens, rope, layers and norm and whose lm_head gives the
     logits, with the embedding rows, the stack (`stack_run`), the final norm and the LM head
@@ -191,7 +198,8 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     stack's loop, a demo-model decode pass spent ~0.5 of ~1.8 ms in the modules' own calls
     (embedding, rope rows, cache positions, norm, LM head). None (nothing run, the cache
     untouched) until the run's modules have made the stack for this shape, or where a part
-    would not run natively: the caller runs the modules."""
+    would not run natively: the caller runs the modules. `draft`: `stack_run`'s (the pass's
+    second token the draft its lane 1 makes; input_ids' second id unread)."""
     if plans is None or cache is None or input_ids.shape[0] != 1:
         return None
     s = 0 if slots is None else int(slots[0])
@@ -214,7 +222,8 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     rows = emb[ids]  # the embedding's rows, as nn.Embedding copies them (an id past the end raises)
     x = torch.from_numpy(rows).view(dtype).view(1, T, H)
     rope = m.rope.float_rows(p, T, dtype)
-    y = stack_run(m.layers, x, None, cache, torch.tensor([s]) if slots is None else slots, None, plans, rope=rope, pos=p)
+    y = stack_run(m.layers, x, None, cache, torch.tensor([s]) if slots is None else slots, None, plans, rope=rope, pos=p,
+                  draft=draft)
     if y is None:
         return None
     lengths[s] += T  # cache.advance
