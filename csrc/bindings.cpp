@@ -852,20 +852,74 @@ class NativeMtp {
         moe_observed_finish(c);
     }
 
-    // A draft step that a stack's 2-token pass makes itself (NativeStack.run(..., draft=)):
-    // `run`'s call on these pending pairs, staged (checked, inputs widened) here and made by
-    // the pass's lane 1 while lane 0 takes the pass's first token through the trunk; then the
-    // greedy pick of the head's logits with the repetition penalty on `history`
-    // (greedy_picks, on the logits as `logits` holds them: a bf16 model's rounded to bf16),
-    // into pick [1] int64 and prob [1] float32 (its softmax probability), and the pick's row
-    // of `trunk_embed` (the trunk's embedding, [V', H] in the model's dtype) as the pass's
-    // second token. `seen` is the head's experts' route mask or empty.
-    void stage(Array tokens, Array hidden, Array cos, Array sin, int pos, Array seen, Array h, Array logits,
-               Array history, float penalty, Array pick, Array prob, Array trunk_embed) {
+    // Drafts made inside a stack's 2-token verification pass (NativeStack.run(..., draft=)):
+    // `stage` readies `run`'s call on the pending pairs (checked, inputs widened); the pass's
+    // lane 1 makes it while lane 0 takes the pass's first token through the trunk, picks the
+    // draft greedily from the head's logits (the repetition penalty on `history`, as
+    // greedy_picks picks from the logits as a bf16 model's array holds them) into pick [1]
+    // int64 and prob [1] float32 (its softmax probability), and takes the pick's row of the
+    // trunk's embedding through the trunk as the pass's second token; after the pass, both
+    // positions' final norm, LM head and greedy picks (the second's penalty on the draft too)
+    // are what model_pass and greedy_picks would give: hidden_out [2, H] and logits_out
+    // [2, V] in the model's dtype, picks_out [2] int64. `bind_draft` takes what stays the same
+    // from step to step (seen: the head's experts' route mask, or empty; the trunk's
+    // embedding [V, H], final norm and LM head).
+    void bind_draft(Array seen, Array trunk_embed, Array norm_w, float norm_eps, float norm_offset, Array lm_w,
+                    Array lm_s, int lm_fmt, Array hidden_out, Array logits_out, Array picks_out, Array pick, Array prob) {
+        const size_t H = H_;
+        draft_ = std::make_unique<Draft>();
+        Draft& d = *draft_;
+        d.c.a = c_.a;
+        d.c.a.seen = nullptr;
+        if (seen.size() > 0) {
+            MOERUN_CHECK(seen.dtype() == nb::dtype<uint8_t>(), "seen: must be uint8");
+            check_shape(seen, {(size_t)c_.a.E + 1}, "seen");
+            d.c.a.seen = (uint8_t*)seen.data();
+        }
+        for (const Array* t : {&trunk_embed, &hidden_out, &logits_out})
+            MOERUN_CHECK(t->dtype() == embed_.dtype(), "trunk_embed, hidden_out, logits_out: in the model's dtype");
+        check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
+        check_shape(norm_w, {H}, "norm_w");
+        MOERUN_CHECK(lm_w.ndim() == 2, "lm_w must be [rows, bytes per row]");
+        const size_t V = lm_w.shape(0);
+        d.lm = qweight_of(lm_w, lm_s, lm_fmt, V, H, "lm_w");
+        MOERUN_CHECK(V >= V_, "lm_w: a row for every logit of the head");
+        MOERUN_CHECK(trunk_embed.ndim() == 2 && trunk_embed.shape(1) == H && trunk_embed.shape(0) >= V_,
+                     "trunk_embed must be [V, H] with a row for every logit of the head");
+        check_shape(hidden_out, {2, H}, "hidden_out");
+        check_shape(logits_out, {2, V}, "logits_out");
+        check_dtype(picks_out, dtype_code::Int, 64, "picks_out");
+        check_shape(picks_out, {2}, "picks_out");
+        check_dtype(pick, dtype_code::Int, 64, "pick");
+        check_shape(pick, {1}, "pick");
+        check_dtype(prob, dtype_code::Float, 32, "prob");
+        check_shape(prob, {1}, "prob");
+        d.V = V;
+        d.norm_w = (const float*)norm_w.data();
+        d.norm_eps = norm_eps;
+        d.norm_offset = norm_offset;
+        d.trunk_embed = trunk_embed.data();
+        d.hidden_out = hidden_out.data();
+        d.logits_out = logits_out.data();
+        d.picks_out = (int64_t*)picks_out.data();
+        d.pick = (int64_t*)pick.data();
+        d.prob = (float*)prob.data();
+        d.hf.resize(H);
+        d.lf.resize(V_);
+        d.yf.resize(2 * H);
+        d.vf.resize(2 * V);
+        d.keep = {seen, trunk_embed, norm_w, lm_w, lm_s, hidden_out, logits_out, picks_out, pick, prob};
+    }
+
+    // The next draft (`bind_draft`): the head's call on tokens [T] and hidden [T, H] (the
+    // pending pairs) at positions pos.. (cos, sin [T, rd]), its pick penalised on history
+    // (int64 ids).
+    void stage(Array tokens, Array hidden, Array cos, Array sin, int pos, Array history, float penalty) {
+        MOERUN_CHECK(draft_, "stage: no draft bound (NativeMtp.bind_draft)");
+        Draft& d = *draft_;
         MOERUN_CHECK(hidden.ndim() == 2 && hidden.shape(0) >= 1, "hidden must be [T, H]");
         const size_t T = hidden.shape(0), H = H_;
-        for (const Array* t : {&hidden, &h, &logits, &trunk_embed})
-            MOERUN_CHECK(t->dtype() == embed_.dtype(), "embed, hidden, h, logits, trunk_embed: all in the model's dtype");
+        MOERUN_CHECK(hidden.dtype() == embed_.dtype(), "hidden: in the model's dtype");
         check_shape(hidden, {T, H}, "hidden");
         check_dtype(tokens, dtype_code::Int, 64, "tokens");
         check_shape(tokens, {T}, "tokens");
@@ -873,28 +927,12 @@ class NativeMtp {
         for (size_t t = 0; t < T; ++t) MOERUN_CHECK(tok[t] >= 0 && (size_t)tok[t] < embed_.shape(0),
                                                     "tokens: outside the embedding");
         check_rope_rows(cos, sin, T, a_.attn.rd, pos, cache_positions(a_.attn));
-        check_shape(h, {1, H}, "h");
-        check_shape(logits, {1, V_}, "logits");
         check_dtype(history, dtype_code::Int, 64, "history");
         MOERUN_CHECK(history.ndim() == 1, "history must be 1-D");
-        check_dtype(pick, dtype_code::Int, 64, "pick");
-        check_shape(pick, {1}, "pick");
-        check_dtype(prob, dtype_code::Float, 32, "prob");
-        check_shape(prob, {1}, "prob");
-        MOERUN_CHECK(trunk_embed.ndim() == 2 && trunk_embed.shape(1) == H && trunk_embed.shape(0) >= V_,
-                     "trunk_embed must be [V, H] with a row for every logit");
-        Staged& st = staged_;
-        st.c.a = c_.a;
-        st.c.a.seen = nullptr;
-        if (seen.size() > 0) {
-            MOERUN_CHECK(seen.dtype() == nb::dtype<uint8_t>(), "seen: must be uint8");
-            check_shape(seen, {(size_t)c_.a.E + 1}, "seen");
-            st.c.a.seen = (uint8_t*)seen.data();
-        }
-        st.u.resize(2 * T * H);
+        d.u.resize(2 * T * H);
         for (size_t t = 0; t < T; ++t) {
             const size_t e = (size_t)tok[t] * H;
-            float *ue = st.u.data() + 2 * t * H, *uh = ue + H;
+            float *ue = d.u.data() + 2 * t * H, *uh = ue + H;
             if (bf16_) {
                 widen_bf16((const uint16_t*)embed_.data() + e, ue, H);
                 widen_bf16((const uint16_t*)hidden.data() + t * H, uh, H);
@@ -903,76 +941,98 @@ class NativeMtp {
                 std::memcpy(uh, (const float*)hidden.data() + t * H, H * 4);
             }
         }
-        st.hf.resize(H);
-        st.lf.resize(V_);
-        moerun::MtpStepArgs& a = st.a;
+        moerun::MtpStepArgs& a = d.a;
         a = a_;
         a.T = (int)T;
         a.attn.T = (int)T;
         a.attn.cos = (const float*)cos.data();
         a.attn.sin = (const float*)sin.data();
         a.attn.pos = pos;
-        a.u = st.u.data();
-        a.moe = st.c.a;
-        a.h = st.hf.data();
-        a.logits = st.lf.data();
-        st.h = h.data();
-        st.logits = logits.data();
-        st.history = (const int64_t*)history.data();
-        st.n_history = history.shape(0);
-        st.penalty = penalty;
-        st.pick = (int64_t*)pick.data();
-        st.prob = (float*)prob.data();
-        st.trunk_embed = trunk_embed.data();
-        st.keep = {tokens, hidden, cos, sin, seen, h, logits, history, pick, prob, trunk_embed};
-        st.ready = true;
+        a.u = d.u.data();
+        a.moe = d.c.a;
+        a.h = d.hf.data();
+        a.logits = d.lf.data();
+        d.history = (const int64_t*)history.data();
+        d.n_history = history.shape(0);
+        d.penalty = penalty;
+        d.step_keep = {cos, sin, history};
+        d.staged = true;
     }
 
-    // The staged draft step (`stage`), on the calling thread (a stack pass's lane, under the
-    // op mutex): the pick's trunk embedding row into row [H] (float32). Once per staging.
+    bool staged() const { return draft_ && draft_->staged; }
+
+    // The staged draft (`stage`), on the calling thread (a stack pass's lane 1, under the op
+    // mutex): the head's call and pick, and the pick's trunk embedding row into row [H].
     void draft_staged(float* row) {
-        Staged& st = staged_;
-        MOERUN_CHECK(st.ready, "draft: nothing staged (NativeMtp.stage)");
-        st.ready = false;
+        Draft& d = *draft_;
+        d.staged = false;
         const size_t H = H_, V = V_;
-        moerun::mtp_step_decode(st.a);
-        if (bf16_) {  // h and logits as the bf16 arrays hold them, the pick made on those
-            for (size_t j = 0; j < H; ++j) ((uint16_t*)st.h)[j] = moerun::bf16_bits(st.hf[j]);
-            for (size_t j = 0; j < V; ++j) {
-                const uint16_t b = moerun::bf16_bits(st.lf[j]);
-                ((uint16_t*)st.logits)[j] = b;
-                const uint32_t u = (uint32_t)b << 16;
-                std::memcpy(&st.lf[j], &u, 4);
+        moerun::mtp_step_decode(d.a);
+        if (bf16_)  // the logits as a bf16 array holds them
+            for (size_t j = 0; j < V; ++j) d.lf[j] = moerun::bf16_round(d.lf[j]);
+        moerun::greedy_picks(d.lf.data(), 1, V, d.history, d.n_history, nullptr, 0, d.penalty, false, d.pick, d.prob);
+        d.draft = d.pick[0];
+        const size_t e = (size_t)d.draft * H;
+        if (bf16_)
+            widen_bf16((const uint16_t*)d.trunk_embed + e, row, H);
+        else
+            std::memcpy(row, (const float*)d.trunk_embed + e, H * 4);
+    }
+
+    // After the pass: its two positions' outputs y[t] (float32, row t at y + t * stride)
+    // through the final norm and the LM head, as model_pass computes them (a bf16 model's
+    // normed state and logits rounded where its bf16 arrays hold them), and the greedy
+    // picks at both (the second penalised on the draft too, greedy_picks' extra per row).
+    void finish_staged(const float* y, size_t stride) {
+        Draft& d = *draft_;
+        const size_t H = H_, V = d.V;
+        for (size_t t = 0; t < 2; ++t) std::memcpy(d.yf.data() + t * H, y + t * stride, H * 4);
+        moerun::rms_norm(2, (int)H, d.yf.data(), d.norm_w, d.norm_offset, d.norm_eps, d.yf.data());
+        if (bf16_) {
+            for (size_t j = 0; j < 2 * H; ++j) {
+                const uint16_t b = moerun::bf16_bits(d.yf[j]);
+                ((uint16_t*)d.hidden_out)[j] = b;
+                d.yf[j] = moerun::bf16_round(d.yf[j]);
             }
         } else {
-            std::memcpy(st.h, st.hf.data(), H * 4);
-            std::memcpy(st.logits, st.lf.data(), V * 4);
+            std::memcpy(d.hidden_out, d.yf.data(), 2 * H * 4);
         }
-        moerun::greedy_picks(st.lf.data(), 1, V, st.history, st.n_history, nullptr, 0, st.penalty, false, st.pick,
-                             st.prob);
-        const size_t e = (size_t)st.pick[0] * H;
-        if (bf16_)
-            widen_bf16((const uint16_t*)st.trunk_embed + e, row, H);
-        else
-            std::memcpy(row, (const float*)st.trunk_embed + e, H * 4);
+        const int rows = (int)V;
+        moerun::qlinear_multi(2, (int)H, 1, &d.lm, &rows, d.yf.data(), d.vf.data());
+        if (bf16_) {
+            for (size_t j = 0; j < 2 * V; ++j) {
+                ((uint16_t*)d.logits_out)[j] = moerun::bf16_bits(d.vf[j]);
+                d.vf[j] = moerun::bf16_round(d.vf[j]);
+            }
+        } else {
+            std::memcpy(d.logits_out, d.vf.data(), 2 * V * 4);
+        }
+        moerun::greedy_picks(d.vf.data(), 2, V, d.history, d.n_history, &d.draft, 1, d.penalty, true, d.picks_out,
+                             nullptr);
     }
 
   private:
-    struct Staged {
-        bool ready = false;
+    struct Draft {
+        bool staged = false;
         moerun::MtpStepArgs a{};
         MoeCall c;
-        std::vector<float> u, hf, lf;
-        void *h = nullptr, *logits = nullptr;
+        std::vector<float> u, hf, lf, yf, vf;
+        moerun::QWeight lm{};
+        size_t V = 0;
+        const float* norm_w = nullptr;
+        float norm_eps = 0.f, norm_offset = 0.f;
         const void* trunk_embed = nullptr;
+        void *hidden_out = nullptr, *logits_out = nullptr;
+        int64_t* picks_out = nullptr;
         const int64_t* history = nullptr;
         size_t n_history = 0;
         float penalty = 1.f;
+        int64_t draft = 0;
         int64_t* pick = nullptr;
         float* prob = nullptr;
-        std::vector<Array> keep;  // the staged call's arrays, alive until the next staging
+        std::vector<Array> keep, step_keep;  // the bound arrays; the staged step's
     };
-    Staged staged_;
+    std::unique_ptr<Draft> draft_;
     Array embed_;
     bool bf16_ = false;
     size_t H_ = 0, V_ = 0;
@@ -1231,6 +1291,7 @@ class NativeStack {
         }
         const bool in_lanes = lanes && T_ > 1 && moerun::pool().size() >= moerun::kLanes;
         MOERUN_CHECK(!draft || (in_lanes && T_ == 2), "draft: a pass of 2 tokens in lanes (on two threads or more) only");
+        MOERUN_CHECK(!draft || draft->staged(), "draft: nothing staged (NativeMtp.stage)");
         nb::gil_scoped_release release;
         std::lock_guard<std::mutex> lk(g_op_mutex);
         if (in_lanes) {
@@ -1355,6 +1416,7 @@ class NativeStack {
         for (size_t i = 0; i < L; ++i)
             if (uint8_t* sm = pass[i].moe_args.seen)
                 for (size_t e = 0; e < seen_n; ++e) sm[e] |= seen1[i * seen_n + e];
+        if (draft) draft->finish_staged(rows.data() + 2 * H, 3 * H);
         for (size_t t = 0; t < T; ++t) {
             const float* o = rows.data() + t * 3 * H + 2 * H;
             if (bf16_) {
@@ -1483,10 +1545,13 @@ NB_MODULE(_native, m) {
         .def("run", &NativeMtp::run, nb::arg("tokens"), nb::arg("hidden"), nb::arg("cos"), nb::arg("sin"),
              nb::arg("pos"), nb::arg("h_out"), nb::arg("ids_out"), nb::arg("w_out"), nb::arg("seen"), nb::arg("h"),
              nb::arg("logits"), "one draft step over T tokens (moerun::mtp_step_decode)")
+        .def("bind_draft", &NativeMtp::bind_draft, nb::arg("seen"), nb::arg("trunk_embed"), nb::arg("norm_w"),
+             nb::arg("norm_eps"), nb::arg("norm_offset"), nb::arg("lm_w"), nb::arg("lm_s"), nb::arg("lm_fmt"),
+             nb::arg("hidden_out"), nb::arg("logits_out"), nb::arg("picks_out"), nb::arg("pick"), nb::arg("prob"),
+             "what a run's drafts made inside 2-token passes keep from step to step (NativeStack.run(draft=))")
         .def("stage", &NativeMtp::stage, nb::arg("tokens"), nb::arg("hidden"), nb::arg("cos"), nb::arg("sin"),
-             nb::arg("pos"), nb::arg("seen"), nb::arg("h"), nb::arg("logits"), nb::arg("history"), nb::arg("penalty"),
-             nb::arg("pick"), nb::arg("prob"), nb::arg("trunk_embed"),
-             "a draft step and its greedy pick for a stack's 2-token pass to make (NativeStack.run(draft=))");
+             nb::arg("pos"), nb::arg("history"), nb::arg("penalty"),
+             "the next draft step for a stack's 2-token pass to make (NativeStack.run(draft=))");
     m.def("moe_experts_float", &moe_experts_float, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("up"), nb::arg("down"), nb::arg("out"), "fused routed experts with float32 or bf16 weights");
     m.def("moe_experts", &moe_experts, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),

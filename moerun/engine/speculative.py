@@ -99,7 +99,7 @@ from ..layers.moe import Experts
 from ..layers.mtp import MAX_TOKENS as MTP_CALL_TOKENS
 from .cache import Cache, RecurrentState
 from .generate import GenerationStats, Sequence, long_ids, run_plans
-from ..layers.stack import model_pass
+from ..layers.stack import draft_head_args, draft_pass
 from .sampling import _id_array, distribution, draw, greedy_token, greedy_token_probability, greedy_tokens, sample
 
 # B batch (active rows), N draft tokens, T tokens per pass, H hidden, V vocab
@@ -109,6 +109,7 @@ MAX_DRAFT_TOKENS = 4
 PLAIN_CATCH_UP_PAIRS = 32
 # plain steps of one row in one go at most, before "auto" chooses again (`_plain_steps`)
 PLAIN_STRETCH = 16
+_TWO_IDS = torch.zeros(1, 2, dtype=torch.long)  # a 2-token pass's ids, as split_threads' hook reads them
 
 
 @dataclass
@@ -591,7 +592,7 @@ class SpeculativeDecoder:
         self._len = None  # the trunk's cache lengths (a numpy view)
         self._slots = (None, None)  # (rows, their slots tensor): a step's, kept while the rows stay the same
         self.plans: dict = {}  # the trunk forwards' keyword arguments for a run (`generate.run_plans`)
-        self._trunk_embed = None  # the trunk's embedding (numpy), for drafts made in a pass (`_draft_in_pass`)
+        self._fused = None  # a run's `Drafter.bind_draft`, for drafts made in a pass (`_draft_in_pass`)
 
     # -- the MTP head ----------------------------------------------------------
     def _mtp(self, hidden, tokens, slots):
@@ -645,10 +646,10 @@ class SpeculativeDecoder:
                 mtp_drafter = getattr(net, "mtp_drafter", None)
                 self.drafter = mtp_drafter(self.mtp_cache, 0, self.draft_head) if B == 1 and mtp_drafter else None
                 self.plans = run_plans(net)  # the trunk's layer checks, made once for the run
-                # the trunk's embedding as its native passes read it, for drafts made in a pass
-                embed = getattr(getattr(net, "model", None), "embed_tokens", None)
-                self._trunk_embed = kernels._np(embed.weight.detach()) if self.drafter is not None and \
-                    type(embed) is torch.nn.Embedding and kernels.native() else None
+                # drafts made inside 2-token passes (`_draft_in_pass`): the drafter takes the
+                # trunk's embedding, final norm and LM head once
+                head = draft_head_args(net, cache) if self.drafter is not None else None
+                self._fused = self.drafter.bind_draft(*head) if head is not None else None
                 # trunk passes run so far per width: a run's first pass of a width runs the
                 # modules (making the plans), its second builds the native stack, so neither
                 # prices its N for "auto" (a plain step's first pass took several times a later
@@ -754,42 +755,43 @@ class SpeculativeDecoder:
 
     def _draft_in_pass(self, seqs, active, slots, L, pend_h, pend_t, first, tracker, recurrent):
         """One draft on one greedy row, made inside its verification pass: the head's catch-up
-        and draft step (and the draft's greedy pick, as `_draft` makes it) run in the trunk
+        and draft step and the draft's greedy pick (as `_draft` makes them) run in the trunk
         pass's lane 1 while lane 0 takes t_L through the trunk, and the draft follows it as
-        the pass's second token (`layers.stack.stack_run`'s draft; two threads, a model whose
-        2-token pass runs in lanes). The same tokens, logits and states as `_draft` then the
-        pass (tested), with the head's call off the step's critical path: it ran before the
-        pass, ~0.1 ms of a demo model step of ~0.6. -> (drafts, qs, confidences, logits
-        [1, 2, V], hidden [1, 2, H]), or None with nothing run where that does not apply."""
-        if len(active) != 1 or self.drafter is None or self.draft_vocab is not None or self.prefetcher is not None:
+        the pass's second token; both positions' final norm, LM head and greedy picks are
+        native too (`layers.stack.draft_pass`; two threads, a model whose 2-token pass runs
+        in lanes). The same tokens, logits and states as `_draft` then the pass (tested),
+        with the head's call off the step's critical path and none of their Python: on the
+        demo model, drafting first then verifying was 0.87-0.91x plain decoding's speed, this
+        1.02-1.06x. -> (drafts, qs, confidences, logits [1, 2, V], hidden [1, 2, H], picks
+        [2]), or None with nothing run where it does not apply."""
+        fused = self._fused
+        if fused is None or len(active) != 1:
             return None
         b, s = active[0], seqs[active[0]]
         net = self.net
-        # the pass goes to `model_pass` as the model's forward would, past its call: only
-        # where the one hook on it is split_threads' (called here as the call would)
+        # the pass goes to `draft_pass` as the model's forward would go to `model_pass`, past
+        # its call: only where the one hook on it is split_threads' (called here as the call would)
         threads = getattr(net, "_split_threads", None)
         pre = net._forward_pre_hooks
-        if (not s.params.greedy or self._trunk_embed is None or net._forward_hooks or kernels.has_hooks()
+        if (not s.params.greedy or net._forward_hooks or kernels.has_hooks()
                 or (pre and (threads is None or list(pre) != [threads.id]))):
             return None
-        staged = self.drafter.stage(pend_h[b][None], long_ids([pend_t[b]]), L[0] - pend_h[b].shape[0],
-                                    _id_array(s.history()), s.params.repetition_penalty, self._trunk_embed)
-        if staged is None:
+        native, hidden, logits, picks, pick, prob = fused
+        ph = pend_h[b]
+        if not self.drafter.stage(native, ph, np.array(pend_t[b], dtype=np.int64), L[0] - ph.shape[0],
+                                  _id_array(s.history()), s.params.repetition_penalty):
             return None
-        native, _, _, pick, prob = staged
         for layer in recurrent:
             layer.positions.clear()
-        ids = long_ids([[first[0], first[0]]])
         if pre:
-            pre[threads.id](net, (ids,), {})
+            pre[threads.id](net, (_TWO_IDS,), {})
         tracker.start_pass("verify")  # (none ran if the pass does not apply: the next start clears it)
-        out = model_pass(net, ids, self.cache, slots, False, self.plans.get("plans"), draft=native)
-        if out is None:
+        if not draft_pass(net, first[0], self.cache, slots, self.plans.get("plans"), native):
             return None
         tracker.end_pass_with_draft(self.drafter.experts)
         self._mtp_len[b] = L[0]  # the head's cache took every pending pair
         conf = [float(prob[0])] if self.chooser is not None else []
-        return [[int(pick[0])]], [[None]], [conf], *out
+        return [[int(pick[0])]], [[None]], [conf], logits, hidden.clone(), picks.tolist()
 
     def _catch_up(self, active, slots, L, pend_h, pend_t) -> tuple[list, list]:
         """Feed the head every pending (hidden, next token) pair of the rows, rows with as many
@@ -862,8 +864,9 @@ class SpeculativeDecoder:
         # one row's plain step reads one token's experts: its union figures are known (ratio 1)
         figures = n > 0 or len(active) > 1
         fused = self._draft_in_pass(seqs, active, slots, L, pend_h, pend_t, first, tracker, recurrent) if n == 1 else None
+        picks = None  # the trunk's greedy picks at each position, where the pass made them
         if fused is not None:
-            drafts, qs, confidences, logits, hidden = fused
+            drafts, qs, confidences, logits, hidden, picks = fused
         else:
             if n > 0:
                 drafts, qs, confidences = self._draft(seqs, active, slots, L, n, pend_h, pend_t, tracker)
@@ -901,7 +904,8 @@ class SpeculativeDecoder:
         for i, b in enumerate(active):
             s = seqs[b]
             cap = min(n, s.params.max_tokens - len(s.out_ids))  # drafts worth checking
-            tokens, k = self._accept(s, drafts[i][:cap], qs[i][:cap], logits[i])
+            tokens, k = (self._accept(s, drafts[i][:cap], qs[i][:cap], logits[i]) if picks is None
+                         else _greedy_accept(drafts[i][:cap], picks))
             stats.drafted += cap
             stats.accepted += k
             if self.chooser is not None:
@@ -993,10 +997,7 @@ class SpeculativeDecoder:
         n = len(drafts)
         if p_.greedy:  # the trunk's pick at each position (history ending with drafts[:j]) up to the first miss
             # every position's pick at once
-            picks = greedy_tokens(logits, s.history(), p_.repetition_penalty, drafts)
-            for j in range(n + 1):
-                if j == n or picks[j] != drafts[j]:
-                    return drafts[:j] + [picks[j]], j
+            return _greedy_accept(drafts, greedy_tokens(logits, s.history(), p_.repetition_penalty, drafts))
         out: list[int] = []
         for j, d in enumerate(drafts):
             p = distribution(logits[j], p_, s.history(), out)
@@ -1010,6 +1011,16 @@ class SpeculativeDecoder:
                 residual = p
             return out + [int(torch.multinomial(residual, 1, generator=s.generator)[0])], j
         return out + [draw(logits[n], p_, s.history(), s.uniforms, out)], n
+
+
+def _greedy_accept(drafts: list[int], picks: list[int]) -> tuple[list[int], int]:
+    """Greedy acceptance: drafts up to the first that is not the trunk's pick at its position
+    (picks [n+1]: each position's, the history ending with the drafts before it), then the
+    trunk's pick there -> (tokens to emit, drafts accepted)."""
+    for j, d in enumerate(drafts):
+        if picks[j] != d:
+            return drafts[:j] + [picks[j]], j
+    return drafts + [picks[len(drafts)]], len(drafts)
 
 
 def new_draft_length(net, expert_cost: float = 1.0) -> DraftLength:

@@ -714,19 +714,20 @@ class MtpStep:
         native.run(_np(tokens), _np(hidden), *rope, pos, *obs, seen, _np(h), _np(logits))
         return logits, h, observed
 
-    def stage(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: tuple, pos: int, bound: tuple,
-              history: np.ndarray, penalty: float, trunk_embed: np.ndarray) -> tuple:
-        """`run`'s call (unobserved) and the greedy pick of its logits (the repetition penalty
-        on history) staged on the bound `NativeMtp` for a stack pass to make
-        (`NativeMtp.stage`) -> (that NativeMtp, logits [1, 1, V], h [1, 1, H], pick [1] int64,
-        prob [1] float32), which the pass fills."""
-        _sync_threads(_native())
+    def bind_draft(self, bound: tuple, trunk_embed: np.ndarray, final: tuple, lm: Packed) -> tuple:
+        """For drafts made inside 2-token trunk passes (`NativeMtp.bind_draft`): the bound
+        `NativeMtp` (`bind`'s) takes the trunk's embedding (as `layers.stack.model_pass` reads
+        it), final norm (`norm_args`) and LM head, and the arrays each such pass fills ->
+        (native, hidden [1, 2, H], logits [1, 2, V] in the model's dtype, picks [2] int64,
+        pick [1] int64, prob [1] float32)."""
         native, seen, _ = bound
-        h, logits = torch.empty(1, 1, self.H, dtype=self.dtype), torch.empty(1, 1, self.V, dtype=self.dtype)
-        pick, prob = np.empty(1, dtype=np.int64), np.empty(1, dtype=np.float32)
-        native.stage(_np(tokens), _np(hidden), *rope, pos, seen, _np(h[0]), _np(logits[0]), history, float(penalty),
-                     pick, prob, trunk_embed)
-        return native, logits, h, pick, prob
+        norm_w, eps, offset = final
+        V = lm.w.shape[0]
+        hidden, logits = torch.empty(1, 2, self.H, dtype=self.dtype), torch.empty(1, 2, V, dtype=self.dtype)
+        picks, pick, prob = np.empty(2, dtype=np.int64), np.empty(1, dtype=np.int64), np.empty(1, dtype=np.float32)
+        native.bind_draft(seen, trunk_embed, norm_w, float(eps), float(offset), lm.w, lm.s, lm.code, _np(hidden[0]),
+                          _np(logits[0]), picks, pick, prob)
+        return native, hidden, logits, picks, pick, prob
 
 
 def float_expert_views(*weights) -> tuple:

@@ -81,21 +81,27 @@ class Drafter:
             call_observers(self.experts, observed)
         return logits.view(1, 1, -1), h.view(1, 1, H)
 
-    def stage(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int, history: np.ndarray, penalty: float,
-              trunk_embed: np.ndarray) -> tuple | None:
-        """`run`'s call, and the greedy pick of its logits with the repetition penalty on
-        history (int64 ids), staged for a 2-token trunk pass to make in its lane 1 and take
-        through the trunk as its second token (`layers.stack.stack_run`'s draft; trunk_embed:
-        the trunk's embedding as `model_pass` reads it) -> (the `NativeMtp` to hand the pass,
-        logits [1, 1, V], h [1, 1, H], pick [1] int64, prob [1] float32), filled by the pass;
-        None (nothing staged) where `run` would not run: more than `MAX_TOKENS` tokens, or
-        the experts' hooks to call."""
-        _, T, H = hidden.shape
-        if T > MAX_TOKENS or self.observe:
+    def bind_draft(self, trunk_embed: np.ndarray, final: tuple, lm: kernels.Packed) -> tuple | None:
+        """Ready this drafter for drafts made inside 2-token trunk passes (`stage`,
+        `layers.stack.draft_pass`): `kernels.MtpStep.bind_draft`'s (native, hidden, logits,
+        picks, pick, prob), or None where its calls would call the experts' hooks."""
+        if self.observe:
             return None
+        return self.step.bind_draft(self.bound, trunk_embed, final, lm)
+
+    def stage(self, native, hidden: torch.Tensor, tokens: np.ndarray, pos: int, history: np.ndarray,
+              penalty: float) -> bool:
+        """`run`'s call on hidden [T, H] and tokens [T] (int64) at positions pos.., and the
+        greedy pick of its logits with the repetition penalty on history (int64 ids), staged
+        on `bind_draft`'s native for the next `draft_pass` to make in its lane 1; False
+        (nothing staged) for more than `MAX_TOKENS` tokens."""
+        T = hidden.shape[0]
+        if T > MAX_TOKENS:
+            return False
         x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
-        return self.step.stage(tokens.reshape(T).contiguous(), x.reshape(T, H).contiguous(),
-                               self.rope.float_rows(pos, T, self.dtype), pos, self.bound, history, penalty, trunk_embed)
+        native.stage(tokens, kernels._np(x.contiguous()), *self.rope.float_rows(pos, T, self.dtype), pos, history,
+                     float(penalty))
+        return True
 
 
 def prepare(owner: nn.Module, parts: MtpParts, kv, slot: int, rope) -> Drafter | None:

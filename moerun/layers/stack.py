@@ -242,6 +242,43 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     return logits, hidden
 
 
+def draft_pass(model, first: int, cache, slots: torch.Tensor, plans: dict | None, native) -> bool:
+    """A 2-token verification pass of `model` (as `model_pass` runs it) whose second token is
+    the draft that `native` (a `NativeMtp` with a draft staged: `layers.mtp.Drafter.stage`)
+    makes in the pass's lane 1, the first `first`; the final norm, LM head and greedy picks of
+    both positions made natively too, into the arrays `Drafter.bind_draft` gave. True when
+    run; False, with nothing run, where the pass would not be one native call in lanes (its
+    stack not built yet, hooks, a batch)."""
+    if plans is None or cache is None:
+        return False
+    s = int(slots[0])
+    m = model.model
+    head = plans.get(("head", 2, s, cache), _UNSET)
+    if head is _UNSET or head is None or kernels.has_hooks(m.embed_tokens, m.norm, model.lm_head):
+        return False
+    emb, dtype, lengths, _, _ = head
+    p = int(lengths[s])
+    x = torch.from_numpy(emb[[first, first]]).view(dtype).view(1, 2, emb.shape[1])  # (the second row unread)
+    y = stack_run(m.layers, x, None, cache, slots, None, plans, rope=m.rope.float_rows(p, 2, dtype), pos=p, draft=native)
+    if y is None:
+        return False
+    lengths[s] += 2  # cache.advance
+    return True
+
+
+def draft_head_args(model, cache) -> tuple | None:
+    """What `layers.mtp.Drafter.bind_draft` takes of the trunk for `draft_pass`: its
+    embedding as `model_pass` reads it, its final norm's arguments and its LM head's
+    `kernels.Packed`; None where `model_pass` would not run natively."""
+    if not hasattr(model, "model") or not hasattr(model.model, "embed_tokens"):
+        return None
+    head = _head(model, 2, cache)
+    if head is None:
+        return None
+    emb, _, _, final, lm = head
+    return emb, final, lm
+
+
 def _head(model, T: int, cache) -> tuple | None:
     """What `model_pass` reads besides the stack: the embedding as a numpy array (bf16 as its
     bits), the dtype, the cache's lengths as a numpy view, the final norm's native arguments
