@@ -225,7 +225,7 @@ def test_native_stack_refuses_bad_arguments(qwen3_path):
         net(torch.tensor([[1, 2, 3]]), cache, s, plans=plans)
         for t in range(2):  # the first one-token pass makes the plans, the second the stack
             net(torch.tensor([[4 + t]]), cache, s, plans=plans)
-    native, experts, _, _ = next(v for k, v in plans.items() if isinstance(k, tuple) and k[0] == "stack" and type(v) is tuple)
+    native, experts, *_ = next(v for k, v in plans.items() if isinstance(k, tuple) and k[0] == "stack" and type(v) is tuple)
     H = CFG["hidden_size"]
     x, a, b = (np.zeros((1, 1, H), dtype=np.float32) for _ in range(3))
     rope = net.model.rope.float_rows(6, 1, torch.float32)

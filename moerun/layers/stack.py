@@ -67,7 +67,7 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
         stack = plans[key] = _build(layers, x, cache, s, plans, rope, p)
     if stack is None:
         return None
-    native, experts, deltanets, small = stack
+    native, experts, deltanets, small, kept_views = stack
     if _hooked(experts):
         return None
     kernels._sync_threads(nat)
@@ -76,12 +76,18 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
     a, b = kernels._out((1, T, H), x.dtype), kernels._out((1, T, H), x.dtype)
     conv_every, S_every, kept = [], [], []
     if T > 1:  # a verification pass: every token's states kept, for a rollback
-        for state in deltanets:
-            conv_all = state.scratch("conv", (1, T, *state.tensors["conv"].shape[1:]))
-            S_all = state.scratch("recurrent", (1, T, *state.tensors["recurrent"].shape[1:]))
-            conv_every.append(kernels._np(conv_all))
-            S_every.append(kernels._np(S_all))
-            kept.append((state, conv_all, S_all))
+        # (the states' scratch views, and their numpy views, kept until a buffer moves)
+        epochs = [state.__dict__.get("scratch_epoch", 0) for state in deltanets]
+        if kept_views and kept_views[0] == epochs:
+            conv_every, S_every, kept = kept_views[1:]
+        else:
+            for state in deltanets:
+                conv_all = state.scratch("conv", (1, T, *state.tensors["conv"].shape[1:]))
+                S_all = state.scratch("recurrent", (1, T, *state.tensors["recurrent"].shape[1:]))
+                conv_every.append(kernels._np(conv_all))
+                S_every.append(kernels._np(S_all))
+                kept.append((state, conv_all, S_all))
+            kept_views[:] = [[state.__dict__.get("scratch_epoch", 0) for state in deltanets], conv_every, S_every, kept]
     seen = list(map(routes_seen, experts))  # route masks (an expert tracker's), where there are any
     seen = [kernels._EMPTY_U8_NP if m is None else m for m in seen] if any(m is not None for m in seen) else []
     native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope, p, conv_every,
@@ -148,7 +154,7 @@ def _build(layers, x: torch.Tensor, cache, s: int, plans: dict, rope: tuple, pos
         native.add_moe(*moe_args)
         experts.append(e)
         small = small and _token_bytes(layer, e, moe_args[4]) <= LANES_LAYER_BYTES
-    return native, experts, deltanets, small
+    return native, experts, deltanets, small, []  # (the last: `stack_run`'s kept-state views)
 
 
 def _lanes(small: bool, T: int) -> bool:
@@ -258,7 +264,7 @@ def draft_pass(model, first: int, cache, slots: torch.Tensor, plans: dict | None
         return False
     emb, dtype, lengths, _, _ = head
     p = int(lengths[s])
-    x = torch.from_numpy(emb[[first, first]]).view(dtype).view(1, 2, emb.shape[1])  # (the second row unread)
+    x = torch.from_numpy(emb[first : first + 1].repeat(2, 0)).view(dtype).view(1, 2, emb.shape[1])  # (row 2 unread)
     y = stack_run(m.layers, x, None, cache, slots, None, plans, rope=m.rope.float_rows(p, 2, dtype), pos=p, draft=native)
     if y is None:
         return False
