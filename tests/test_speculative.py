@@ -455,16 +455,16 @@ def test_auto_draft_length_follows_acceptance_and_cost():
         chosen.append(d.choose())
         d.observe_time(chosen[-1], 1.0 + 0.1 * chosen[-1])
     assert chosen == [0, 1, 2, 3, 4]
-    for _ in range(60):
+    for _ in range(200):  # (the acceptance EMAs average ~30 drafts: accept_decay)
         d.update(4, 4)
     assert d.choose() == 4
-    for _ in range(60):
+    for _ in range(200):
         d.update(4, 0)
     assert d.choose() == 0  # drafts never accepted: plain steps
     d = DraftLength(explore_every=10**9)
     for n in range(5):
         d.observe_time(n, 1.0 + 0.1 * n)
-    for _ in range(60):
+    for _ in range(200):
         d.update(4, 2)  # drafts 1 and 2 accepted, 3 rejected
     assert d.choose() == 2
     for _ in range(20):  # experts far away: a long pass now costs more than it returns
@@ -526,7 +526,7 @@ def test_auto_drafts_while_the_heads_confidence_pays():
     d = DraftLength(explore_every=10**9)
     for n in range(5):
         d.observe_time(n, 1.0 + 0.2 * n)  # each draft costs a fifth of a plain step
-    for _ in range(40):  # confident drafts are accepted, unsure ones not
+    for _ in range(200):  # confident drafts are accepted, unsure ones not (the EMAs: ~30 drafts)
         d.update(2, 2, [0.95, 0.95])
         d.update(2, 1, [0.95, 0.05])
     assert d.confidence_accept(0.95) > 0.99 and d.confidence_accept(0.05) < 0.01
@@ -740,3 +740,45 @@ def test_a_draft_made_inside_its_verification_pass(dtype, monkeypatch):
         assert llm.generate_ids(prompts, max_tokens=24, temperature=0.0, speculative="mtp", draft_tokens="auto") == plain
     finally:
         torch.set_num_threads(1)
+
+
+def test_runs_keep_their_caches_and_plans(qwen):
+    """`generate.kept_run`: a run's caches and plans serve the next run of its kind, reset
+    (lengths and recurrent states zero), while it is not taken, holds the batch, dtypes and
+    length asked and the modules' hooks are as they were; and the output is the same as
+    with fresh ones."""
+    from moerun.engine.generate import kept_run
+
+    net = qwen.net
+    specs = [net.cache_spec()]
+    (c1,), p1, release1 = kept_run(net, "test", specs, 1, 40, torch.float32, None)
+    (other,), _, release_other = kept_run(net, "test", specs, 1, 40, torch.float32, None)
+    assert other is not c1  # taken: a run at the same time makes its own
+    release_other()
+    release1()  # (the last run given back is the one kept)
+    c1.lengths[0] = 7
+    state = next(layer for layer in c1.layers if isinstance(layer, RecurrentState))
+    for t in state.tensors.values():
+        t.fill_(1.0)
+    (c2,), p2, release2 = kept_run(net, "test", specs, 1, 30, torch.float32, None)
+    assert c2 is c1 and p2 is p1 and int(c2.lengths[0]) == 0
+    assert all(not t.any() for t in state.tensors.values())
+    release2()
+    assert kept_run(net, "test", specs, 1, 4000, torch.float32, None)[0][0] is not c1  # too short
+    assert kept_run(net, "test", specs, 2, 30, torch.float32, None)[0][0] is not c1  # another batch
+    (c3,), _, release3 = kept_run(net, "test", specs, 1, 30, torch.float32, torch.int8)
+    assert c3 is not c1  # another KV cache type
+    release3()
+    handle = net.model.layers[0].register_forward_hook(lambda *a: None)
+    try:
+        assert kept_run(net, "test", specs, 1, 30, torch.float32, torch.int8)[0][0] is not c3  # a hook since
+    finally:
+        handle.remove()
+    prompts = random_prompts(3, 300, seed=21)
+    first = [qwen.generate_ids([p], max_tokens=10, temperature=0.0)[0] for p in prompts]
+    net.__dict__.pop("_kept_runs")  # fresh caches and plans for every run
+    again = []
+    for p in prompts:
+        again.append(qwen.generate_ids([p], max_tokens=10, temperature=0.0)[0])
+        net.__dict__.pop("_kept_runs")
+    assert again == first

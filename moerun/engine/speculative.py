@@ -98,7 +98,7 @@ from ..errors import MoerunError
 from ..layers.moe import Experts
 from ..layers.mtp import MAX_TOKENS as MTP_CALL_TOKENS
 from .cache import Cache, RecurrentState
-from .generate import GenerationStats, Sequence, long_ids, run_plans
+from .generate import GenerationStats, Sequence, kept_run, long_ids
 from ..layers.stack import draft_head_args, draft_pass
 from .sampling import _id_array, distribution, draw, greedy_token, greedy_token_probability, greedy_tokens, sample
 
@@ -407,13 +407,18 @@ class DraftLength:
     TIME_WINDOW = 15  # step times per N whose median prices that N
 
     def __init__(self, max_n: int = MAX_DRAFT_TOKENS, prior: float = 0.6, expert_cost: float = 1.0,
-                 draft_cost: float = 0.1, decay: float = 0.9, explore_every: int = 8):
+                 draft_cost: float = 0.1, decay: float = 0.9, explore_every: int = 8, accept_decay: float = 0.97):
         self.max_n = max_n
         self.accept = [prior] * max_n  # a_i: P(draft i accepted | drafts < i accepted)
         # P(a draft accepted | drafts before it accepted) per bin of its probability under the head
         self.calibration = [prior] * (len(self.CONFIDENCE_EDGES) + 1)
         self.forced = False  # the last choice measures or explores an N: draft exactly that many
         self.expert_cost, self.draft_cost, self.decay = expert_cost, draft_cost, decay
+        # the acceptance EMAs' (a_i, the bins'): over ~30 drafts, where ~10 (0.9) swung by
+        # +-0.13 around the demo model's 0.76, a streak of misses priced one draft below a
+        # plain step, and the rare tries of it after that were slow to price it back
+        # (interleaved runs: auto 0.99x plain decoding with 0.9, 1.05x with 0.97; one draft 1.09-1.13x)
+        self.accept_decay = accept_decay
         self.union: dict[int, float] = {}  # N -> EMA of verify-pass bytes / one token's bytes
         self.step_s: dict[int, float] = {}  # N -> a step's seconds, waits for experts excluded (`observe_time`)
         self._times: dict[int, collections.deque] = {}  # N -> the last TIME_WINDOW of them
@@ -530,10 +535,11 @@ class DraftLength:
         self._priced = None
         for i in range(min(accepted + 1, checked)):  # drafts 1..accepted+1 were looked at
             hit = 1.0 if i < accepted else 0.0
-            self.accept[i] = self.decay * self.accept[i] + (1 - self.decay) * hit
+            d = self.accept_decay
+            self.accept[i] = d * self.accept[i] + (1 - d) * hit
             if confidences is not None:
                 b = self._bin(confidences[i])
-                self.calibration[b] = self.decay * self.calibration[b] + (1 - self.decay) * hit
+                self.calibration[b] = d * self.calibration[b] + (1 - d) * hit
 
     def observe_union(self, n: int, ratio: float, k_over_e: float, token_bytes: int = 0) -> None:
         self._priced = None
@@ -629,8 +635,10 @@ class SpeculativeDecoder:
         n_max = MAX_DRAFT_TOKENS if self.draft_tokens == "auto" else self.draft_tokens
         # slack: a verification pass may write up to n_max positions past the last useful one
         max_len = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs) + n_max + 2
-        self.cache = cache = Cache(net.cache_spec(), B, max_len, self.dtype, self.kv_dtype)
-        self.mtp_cache = Cache(net.mtp_cache_spec(), B, max_len, self.dtype, self.kv_dtype)
+        # the caches and the trunk's plans, kept from one run to the next (`generate.kept_run`)
+        (cache, self.mtp_cache), self.plans, release = kept_run(
+            net, "speculative", [net.cache_spec(), net.mtp_cache_spec()], B, max_len, self.dtype, self.kv_dtype)
+        self.cache = cache
         recurrent = [layer for layer in cache.layers if isinstance(layer, RecurrentState)]
         for layer in recurrent:  # verification passes leave every token's state here (keep_every)
             layer.positions = {}
@@ -645,16 +653,18 @@ class SpeculativeDecoder:
                 # and arguments `mtp_logits` makes again at every call)
                 mtp_drafter = getattr(net, "mtp_drafter", None)
                 self.drafter = mtp_drafter(self.mtp_cache, 0, self.draft_head) if B == 1 and mtp_drafter else None
-                self.plans = run_plans(net)  # the trunk's layer checks, made once for the run
                 # drafts made inside 2-token passes (`_draft_in_pass`): the drafter takes the
                 # trunk's embedding, final norm and LM head once
                 head = draft_head_args(net, cache) if self.drafter is not None else None
                 self._fused = self.drafter.bind_draft(*head) if head is not None else None
-                # trunk passes run so far per width: a run's first pass of a width runs the
-                # modules (making the plans), its second builds the native stack, so neither
-                # prices its N for "auto" (a plain step's first pass took several times a later
-                # one's, and "auto" then kept away from plain steps that were the fastest)
-                self._passes = collections.Counter()
+                # trunk passes run so far per width, since the plans were made: the first pass of
+                # a width runs the modules (making the plans), the second builds the native
+                # stack, so neither prices its N for "auto" (a plain step's first pass took
+                # several times a later one's, and "auto" then kept away from plain steps that
+                # were the fastest); kept with the plans
+                inner = self.plans.get("plans")
+                self._passes = collections.Counter() if inner is None else \
+                    inner.setdefault(("speculative", "passes"), collections.Counter())
                 self._mtp_len = self.mtp_cache.lengths.numpy()
                 self._len = cache.lengths.numpy()
                 t0 = time.perf_counter()
@@ -695,6 +705,7 @@ class SpeculativeDecoder:
                     stats.moved_expert_bytes += moved - store0[0]
                     stats.expert_stall_s += stall - store0[1]
         finally:
+            release()
             spent = tracker.bytes
             stats.verify_expert_bytes += spent["verify"]
             stats.draft_expert_bytes += spent["draft"]
