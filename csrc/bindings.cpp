@@ -865,7 +865,8 @@ class NativeMtp {
     // from step to step (seen: the head's experts' route mask, or empty; the trunk's
     // embedding [V, H], final norm and LM head).
     void bind_draft(Array seen, Array trunk_embed, Array norm_w, float norm_eps, float norm_offset, Array lm_w,
-                    Array lm_s, int lm_fmt, Array hidden_out, Array logits_out, Array picks_out, Array pick, Array prob) {
+                    Array lm_s, int lm_fmt, Array hidden_out, Array logits_out, Array picks_out, Array pick, Array prob,
+                    Array q) {
         const size_t H = H_;
         draft_ = std::make_unique<Draft>();
         Draft& d = *draft_;
@@ -894,6 +895,9 @@ class NativeMtp {
         check_shape(pick, {1}, "pick");
         check_dtype(prob, dtype_code::Float, 32, "prob");
         check_shape(prob, {1}, "prob");
+        check_dtype(q, dtype_code::Float, 32, "q");
+        check_shape(q, {V_}, "q");
+        d.q = (float*)q.data();
         d.V = V;
         d.norm_w = (const float*)norm_w.data();
         d.norm_eps = norm_eps;
@@ -908,13 +912,17 @@ class NativeMtp {
         d.lf.resize(V_);
         d.yf.resize(2 * H);
         d.vf.resize(2 * V);
-        d.keep = {seen, trunk_embed, norm_w, lm_w, lm_s, hidden_out, logits_out, picks_out, pick, prob};
+        d.keep = {seen, trunk_embed, norm_w, lm_w, lm_s, hidden_out, logits_out, picks_out, pick, prob, q};
     }
 
     // The next draft (`bind_draft`): the head's call on tokens [T] and hidden [T, H] (the
     // pending pairs) at positions pos.. (cos, sin [T, rd]), its pick penalised on history
-    // (int64 ids).
-    void stage(Array tokens, Array hidden, Array cos, Array sin, int pos, Array history, float penalty) {
+    // (int64 ids): greedy for u < 0, else sampled as sample_row samples with u, temperature,
+    // top-k, top-p and min-p, the head's distribution into q [V] float32 and the draft's
+    // probability under it into prob; the pass's picks are then not made (the trunk's
+    // distributions check a sampled draft).
+    void stage(Array tokens, Array hidden, Array cos, Array sin, int pos, Array history, float penalty, float u,
+               float temperature, int top_k, float top_p, float min_p) {
         MOERUN_CHECK(draft_, "stage: no draft bound (NativeMtp.bind_draft)");
         Draft& d = *draft_;
         MOERUN_CHECK(hidden.ndim() == 2 && hidden.shape(0) >= 1, "hidden must be [T, H]");
@@ -955,6 +963,11 @@ class NativeMtp {
         d.history = (const int64_t*)history.data();
         d.n_history = history.shape(0);
         d.penalty = penalty;
+        d.uniform = u;
+        d.temperature = temperature;
+        d.top_k = top_k;
+        d.top_p = top_p;
+        d.min_p = min_p;
         d.step_keep = {cos, sin, history};
         d.staged = true;
     }
@@ -970,7 +983,14 @@ class NativeMtp {
         moerun::mtp_step_decode(d.a);
         if (bf16_)  // the logits as a bf16 array holds them
             for (size_t j = 0; j < V; ++j) d.lf[j] = moerun::bf16_round(d.lf[j]);
-        moerun::greedy_picks(d.lf.data(), 1, V, d.history, d.n_history, nullptr, 0, d.penalty, false, d.pick, d.prob);
+        if (d.uniform < 0) {
+            moerun::greedy_picks(d.lf.data(), 1, V, d.history, d.n_history, nullptr, 0, d.penalty, false, d.pick,
+                                 d.prob);
+        } else {
+            d.pick[0] = moerun::sample_row(d.lf.data(), V, d.history, d.n_history, nullptr, 0, d.penalty,
+                                           d.temperature, d.top_k, d.top_p, d.min_p, d.uniform, d.q);
+            d.prob[0] = d.q[d.pick[0]];
+        }
         d.draft = d.pick[0];
         const size_t e = (size_t)d.draft * H;
         if (bf16_)
@@ -1007,8 +1027,9 @@ class NativeMtp {
         } else {
             std::memcpy(d.logits_out, d.vf.data(), 2 * V * 4);
         }
-        moerun::greedy_picks(d.vf.data(), 2, V, d.history, d.n_history, &d.draft, 1, d.penalty, true, d.picks_out,
-                             nullptr);
+        if (d.uniform < 0)
+            moerun::greedy_picks(d.vf.data(), 2, V, d.history, d.n_history, &d.draft, 1, d.penalty, true,
+                                 d.picks_out, nullptr);
     }
 
   private:
@@ -1026,7 +1047,9 @@ class NativeMtp {
         int64_t* picks_out = nullptr;
         const int64_t* history = nullptr;
         size_t n_history = 0;
-        float penalty = 1.f;
+        float penalty = 1.f, uniform = -1.f, temperature = 1.f, top_p = 1.f, min_p = 0.f;
+        int top_k = 0;
+        float* q = nullptr;
         int64_t draft = 0;
         int64_t* pick = nullptr;
         float* prob = nullptr;
@@ -1548,9 +1571,10 @@ NB_MODULE(_native, m) {
         .def("bind_draft", &NativeMtp::bind_draft, nb::arg("seen"), nb::arg("trunk_embed"), nb::arg("norm_w"),
              nb::arg("norm_eps"), nb::arg("norm_offset"), nb::arg("lm_w"), nb::arg("lm_s"), nb::arg("lm_fmt"),
              nb::arg("hidden_out"), nb::arg("logits_out"), nb::arg("picks_out"), nb::arg("pick"), nb::arg("prob"),
-             "what a run's drafts made inside 2-token passes keep from step to step (NativeStack.run(draft=))")
+             nb::arg("q"), "what a run's drafts made inside 2-token passes keep from step to step (NativeStack.run(draft=))")
         .def("stage", &NativeMtp::stage, nb::arg("tokens"), nb::arg("hidden"), nb::arg("cos"), nb::arg("sin"),
-             nb::arg("pos"), nb::arg("history"), nb::arg("penalty"),
+             nb::arg("pos"), nb::arg("history"), nb::arg("penalty"), nb::arg("u"), nb::arg("temperature"),
+             nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
              "the next draft step for a stack's 2-token pass to make (NativeStack.run(draft=))");
     m.def("moe_experts_float", &moe_experts_float, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("up"), nb::arg("down"), nb::arg("out"), "fused routed experts with float32 or bf16 weights");

@@ -699,14 +699,14 @@ def test_roll_back_restores_the_kept_state_of_a_slot():
         assert torch.equal(st.positions[n], every[n])
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_draft_made_inside_its_verification_pass(dtype, monkeypatch):
-    """On two threads, one draft on one greedy row is made inside its verification pass
+@pytest.mark.parametrize("dtype,sampled", [("bfloat16", False), ("float32", False), ("bfloat16", True)])
+def test_a_draft_made_inside_its_verification_pass(dtype, sampled, monkeypatch):
+    """On two threads, one draft on one row is made inside its verification pass
     (`SpeculativeDecoder._draft_in_pass`: the head's call in the pass's lane 1, the draft
     following t_L through the trunk): the same tokens, acceptance, expert bytes, trunk caches
     (keys, values, DeltaNet states) and head cache as drafting first, with the demo model's
-    repetition penalty; `auto` (which takes that path where it picks one draft) gives the
-    plain greedy text too."""
+    repetition penalty, greedy or sampled with its generation config (seeded); `auto` (which
+    takes that path where it picks one draft) gives the plain greedy text too."""
     from moerun import kernels
 
     if not kernels.native():
@@ -721,7 +721,9 @@ def test_a_draft_made_inside_its_verification_pass(dtype, monkeypatch):
         def run_one(ids, fused):
             monkeypatch.setattr(SpeculativeDecoder, "_draft_in_pass",
                                 (lambda self, *a: made.append(real(self, *a)) or made[-1]) if fused else (lambda self, *a: None))
-            seq = Sequence(list(ids), llm.sampling_params(max_tokens=24, temperature=0.0))
+            params = llm.sampling_params(max_tokens=24, seed=7) if sampled else \
+                llm.sampling_params(max_tokens=24, temperature=0.0)
+            seq = Sequence(list(ids), params)
             dec = SpeculativeDecoder(llm.net, llm.dtype, draft_tokens=1)
             stats = SpeculativeStats()
             list(dec.run([seq], llm.eos_ids(), stats))

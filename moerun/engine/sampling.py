@@ -241,6 +241,10 @@ class Uniforms:
             self._left = torch.rand(64, generator=self.generator, dtype=torch.float64).tolist()[::-1]
         return self._left.pop()
 
+    def put_back(self, u: float) -> None:
+        """Undo the last `next` (it gave u): the next call gives u again."""
+        self._left.append(u)
+
 
 def uniform(generator: torch.Generator | Uniforms | None) -> float:
     return generator.next() if isinstance(generator, Uniforms) else float(torch.rand((), generator=generator))

@@ -765,16 +765,17 @@ class SpeculativeDecoder:
         return drafts, qs, confidences
 
     def _draft_in_pass(self, seqs, active, slots, L, pend_h, pend_t, first, tracker, recurrent):
-        """One draft on one greedy row, made inside its verification pass: the head's catch-up
-        and draft step and the draft's greedy pick (as `_draft` makes them) run in the trunk
-        pass's lane 1 while lane 0 takes t_L through the trunk, and the draft follows it as
-        the pass's second token; both positions' final norm, LM head and greedy picks are
-        native too (`layers.stack.draft_pass`; two threads, a model whose 2-token pass runs
-        in lanes). The same tokens, logits and states as `_draft` then the pass (tested),
-        with the head's call off the step's critical path and none of their Python: on the
-        demo model, drafting first then verifying was 0.87-0.91x plain decoding's speed, this
-        1.02-1.06x. -> (drafts, qs, confidences, logits [1, 2, V], hidden [1, 2, H], picks
-        [2]), or None with nothing run where it does not apply."""
+        """One draft on one row, made inside its verification pass: the head's catch-up and
+        draft step and the draft's pick (greedy, or sampled with the row's next uniform, as
+        `_draft` makes them) run in the trunk pass's lane 1 while lane 0 takes t_L through the
+        trunk, and the draft follows it as the pass's second token; both positions' final
+        norm and LM head, and for a greedy row their picks, are native too
+        (`layers.stack.draft_pass`; two threads, a model whose 2-token pass runs in lanes).
+        The same tokens, logits and states as `_draft` then the pass (tested), with the head's
+        call off the step's critical path and none of their Python: on the demo model,
+        drafting first then verifying was 0.87-0.91x plain decoding's speed, this 1.1-1.2x
+        greedy. -> (drafts, qs, confidences, logits [1, 2, V], hidden [1, 2, H], picks [2] or
+        None for a sampled row), or None with nothing run where it does not apply."""
         fused = self._fused
         if fused is None or len(active) != 1:
             return None
@@ -784,13 +785,18 @@ class SpeculativeDecoder:
         # its call: only where the one hook on it is split_threads' (called here as the call would)
         threads = getattr(net, "_split_threads", None)
         pre = net._forward_pre_hooks
-        if (not s.params.greedy or net._forward_hooks or kernels.has_hooks()
-                or (pre and (threads is None or list(pre) != [threads.id]))):
+        if net._forward_hooks or kernels.has_hooks() or (pre and (threads is None or list(pre) != [threads.id])):
             return None
-        native, hidden, logits, picks, pick, prob = fused
+        native, hidden, logits, picks, pick, prob, q = fused
         ph = pend_h[b]
+        greedy = s.params.greedy
+        # a sampled draft takes its uniform now, where `_draft` draws it (before the pass's
+        # checks); given back if the pass does not run, so that `_draft` draws the same
+        u = -1.0 if greedy else s.uniforms.next()
         if not self.drafter.stage(native, ph, np.array(pend_t[b], dtype=np.int64), L[0] - ph.shape[0],
-                                  _id_array(s.history()), s.params.repetition_penalty):
+                                  _id_array(s.history()), s.params, u):
+            if not greedy:
+                s.uniforms.put_back(u)
             return None
         for layer in recurrent:
             layer.positions.clear()
@@ -798,11 +804,15 @@ class SpeculativeDecoder:
             pre[threads.id](net, (_TWO_IDS,), {})
         tracker.start_pass("verify")  # (none ran if the pass does not apply: the next start clears it)
         if not draft_pass(net, first[0], self.cache, slots, self.plans.get("plans"), native):
+            if not greedy:
+                s.uniforms.put_back(u)
             return None
         tracker.end_pass_with_draft(self.drafter.experts)
         self._mtp_len[b] = L[0]  # the head's cache took every pending pair
-        conf = [float(prob[0])] if self.chooser is not None else []
-        return [[int(pick[0])]], [[None]], [conf], logits, hidden.clone(), picks.tolist()
+        conf = [float(prob[0])] if self.chooser is not None or not greedy else []
+        if greedy:
+            return [[int(pick[0])]], [[None]], [conf], logits, hidden.clone(), picks.tolist()
+        return [[int(pick[0])]], [[torch.from_numpy(q.copy())]], [conf], logits.clone(), hidden.clone(), None
 
     def _catch_up(self, active, slots, L, pend_h, pend_t) -> tuple[list, list]:
         """Feed the head every pending (hidden, next token) pair of the rows, rows with as many

@@ -719,15 +719,16 @@ class MtpStep:
         `NativeMtp` (`bind`'s) takes the trunk's embedding (as `layers.stack.model_pass` reads
         it), final norm (`norm_args`) and LM head, and the arrays each such pass fills ->
         (native, hidden [1, 2, H], logits [1, 2, V] in the model's dtype, picks [2] int64,
-        pick [1] int64, prob [1] float32)."""
+        pick [1] int64, prob [1] float32, q [V] float32: a sampled draft's distribution)."""
         native, seen, _ = bound
         norm_w, eps, offset = final
         V = lm.w.shape[0]
         hidden, logits = torch.empty(1, 2, self.H, dtype=self.dtype), torch.empty(1, 2, V, dtype=self.dtype)
         picks, pick, prob = np.empty(2, dtype=np.int64), np.empty(1, dtype=np.int64), np.empty(1, dtype=np.float32)
+        q = np.empty(self.V, dtype=np.float32)
         native.bind_draft(seen, trunk_embed, norm_w, float(eps), float(offset), lm.w, lm.s, lm.code, _np(hidden[0]),
-                          _np(logits[0]), picks, pick, prob)
-        return native, hidden, logits, picks, pick, prob
+                          _np(logits[0]), picks, pick, prob, q)
+        return native, hidden, logits, picks, pick, prob, q
 
 
 def float_expert_views(*weights) -> tuple:
