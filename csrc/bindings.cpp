@@ -467,6 +467,16 @@ void greedy_picks(Array logits, Array seen, Array extra, float penalty, bool ext
                          extra.shape(0), penalty, extra_per_row, (int64_t*)out.data(), p);
 }
 
+// p, q [V] float32 -> a rejected draft's replacement (moerun::residual_draw)
+int64_t residual_draw(Array p, Array q, double u) {
+    check_dtype(p, dtype_code::Float, 32, "p");
+    check_dtype(q, dtype_code::Float, 32, "q");
+    MOERUN_CHECK(p.ndim() == 1 && p.shape(0) >= 1, "p must be [V]");
+    check_shape(q, {p.shape(0)}, "q");
+    MOERUN_CHECK(u >= 0.0 && u < 1.0, "u must be in [0, 1)");
+    return moerun::residual_draw((const float*)p.data(), (const float*)q.data(), p.shape(0), u);
+}
+
 // logits [V] float32 or bf16 -> the sampled token (moerun::sample_row), or -1 for u < 0;
 // probs [V] float32 (or empty) gets the distribution
 int64_t sample_row(Array logits, Array seen, Array extra, float penalty, float temperature, int top_k, float top_p,
@@ -921,8 +931,14 @@ class NativeMtp {
     // top-k, top-p and min-p, the head's distribution into q [V] float32 and the draft's
     // probability under it into prob; the pass's picks are then not made (the trunk's
     // distributions check a sampled draft).
+    // A sampled draft's check comes after the pass, as speculative sampling makes it with the
+    // row's next two uniforms: accepted when check_u * q[draft] < p[draft] (p the trunk's
+    // distribution at the first position, sample_row's), then the token after it sampled
+    // from the second position's distribution with next_u; else its replacement drawn from
+    // norm(max(0, p - q)) with next_u (residual_draw): picks_out = [drafts accepted (0 or
+    // 1), the token that follows].
     void stage(Array tokens, Array hidden, Array cos, Array sin, int pos, Array history, float penalty, float u,
-               float temperature, int top_k, float top_p, float min_p) {
+               float temperature, int top_k, float top_p, float min_p, double check_u, double next_u) {
         MOERUN_CHECK(draft_, "stage: no draft bound (NativeMtp.bind_draft)");
         Draft& d = *draft_;
         MOERUN_CHECK(hidden.ndim() == 2 && hidden.shape(0) >= 1, "hidden must be [T, H]");
@@ -963,7 +979,10 @@ class NativeMtp {
         d.history = (const int64_t*)history.data();
         d.n_history = history.shape(0);
         d.penalty = penalty;
+        MOERUN_CHECK(u < 0 || d.V == V_, "a sampled draft: the head's logits are the trunk's vocabulary");
         d.uniform = u;
+        d.check_u = check_u;
+        d.next_u = next_u;
         d.temperature = temperature;
         d.top_k = top_k;
         d.top_p = top_p;
@@ -1027,9 +1046,21 @@ class NativeMtp {
         } else {
             std::memcpy(d.logits_out, d.vf.data(), 2 * V * 4);
         }
-        if (d.uniform < 0)
+        if (d.uniform < 0) {
             moerun::greedy_picks(d.vf.data(), 2, V, d.history, d.n_history, &d.draft, 1, d.penalty, true,
                                  d.picks_out, nullptr);
+            return;
+        }
+        d.p.resize(V);
+        moerun::sample_row(d.vf.data(), V, d.history, d.n_history, nullptr, 0, d.penalty, d.temperature, d.top_k,
+                           d.top_p, d.min_p, -1.f, d.p.data());
+        const int64_t dr = d.draft;
+        const bool accepted = d.q[dr] > 0 && d.check_u * (double)d.q[dr] < (double)d.p[dr];
+        d.picks_out[0] = accepted;
+        d.picks_out[1] = accepted ? moerun::sample_row(d.vf.data() + V, V, d.history, d.n_history, &dr, 1, d.penalty,
+                                                       d.temperature, d.top_k, d.top_p, d.min_p, (float)d.next_u,
+                                                       nullptr)
+                                  : moerun::residual_draw(d.p.data(), d.q, V, d.next_u);
     }
 
   private:
@@ -1048,6 +1079,8 @@ class NativeMtp {
         const int64_t* history = nullptr;
         size_t n_history = 0;
         float penalty = 1.f, uniform = -1.f, temperature = 1.f, top_p = 1.f, min_p = 0.f;
+        double check_u = 0.0, next_u = 0.0;
+        std::vector<float> p;  // the trunk's distribution at a sampled draft's position
         int top_k = 0;
         float* q = nullptr;
         int64_t draft = 0;
@@ -1509,6 +1542,8 @@ NB_MODULE(_native, m) {
           nb::arg("extra_per_row"), nb::arg("out"), nb::arg("prob"),
           "each row's first maximum with the repetition penalty on seen (and extra[:j], or all of extra); "
           "prob (float32 [R] or empty) gets each pick's softmax probability under the raw row");
+    m.def("residual_draw", &residual_draw, nb::arg("p"), nb::arg("q"), nb::arg("u"),
+          "a rejected draft's replacement from norm(max(0, p - q)) (moerun::residual_draw)");
     m.def("sample_row", &sample_row, nb::arg("logits"), nb::arg("seen"), nb::arg("extra"), nb::arg("penalty"),
           nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"), nb::arg("u"), nb::arg("probs"),
           "a token drawn from one row of logits through the penalty, temperature, top-k, top-p and min-p");
@@ -1574,7 +1609,7 @@ NB_MODULE(_native, m) {
              nb::arg("q"), "what a run's drafts made inside 2-token passes keep from step to step (NativeStack.run(draft=))")
         .def("stage", &NativeMtp::stage, nb::arg("tokens"), nb::arg("hidden"), nb::arg("cos"), nb::arg("sin"),
              nb::arg("pos"), nb::arg("history"), nb::arg("penalty"), nb::arg("u"), nb::arg("temperature"),
-             nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
+             nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"), nb::arg("check_u") = 0.0, nb::arg("next_u") = 0.0,
              "the next draft step for a stack's 2-token pass to make (NativeStack.run(draft=))");
     m.def("moe_experts_float", &moe_experts_float, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("up"), nb::arg("down"), nb::arg("out"), "fused routed experts with float32 or bf16 weights");

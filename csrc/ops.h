@@ -280,6 +280,10 @@ void greedy_picks(const float* x, size_t R, size_t V, const int64_t* seen, size_
 // order: largest first with top-k, else id order), or -1 for u < 0.
 int64_t sample_row(const float* x, size_t V, const int64_t* seen, size_t ns, const int64_t* extra, size_t ne,
                    float penalty, float temperature, int top_k, float top_p, float min_p, float u, float* probs);
+// residual_draw: a rejected draft's replacement (speculative sampling) from norm(max(0, p - q))
+// over V ids (p, q distributions; p itself where that is all zero): the first id whose
+// cumulative sum, in id order and double precision, passes u * the total, u in [0, 1).
+int64_t residual_draw(const float* p, const float* q, size_t V, double u);
 
 // The ends of a layer half (moe_block_decode, deltanet_block_decode, attn_block_decode with
 // `half`), as the separate ops compute them: the input RMSNorm, and the residual add of the

@@ -209,4 +209,25 @@ int64_t sample_row(const float* x, size_t V, const int64_t* seen, size_t ns, con
     return keep[last];
 }
 
+int64_t residual_draw(const float* p, const float* q, size_t V, double u) {
+    double total = 0.0;
+    for (size_t i = 0; i < V; ++i) total += std::max(0.f, p[i] - q[i]);
+    const bool own = total <= 0.0;  // q covers p everywhere (rounding): p itself
+    if (own) {
+        total = 0.0;
+        for (size_t i = 0; i < V; ++i) total += p[i];
+    }
+    const double target = u * total;
+    double c = 0.0;
+    int64_t last = -1;
+    for (size_t i = 0; i < V; ++i) {
+        const double w = own ? p[i] : std::max(0.f, p[i] - q[i]);
+        if (w <= 0.0) continue;
+        c += w;
+        last = (int64_t)i;
+        if (c > target) return last;
+    }
+    return last;  // rounding: the last id with any weight
+}
+
 }  // namespace moerun

@@ -260,6 +260,23 @@ def draw(logits: torch.Tensor, p: SamplingParams, history, generator: torch.Gene
     return _row(logits, p, history, extra, uniform(generator), probs)
 
 
+def residual_draw(p: torch.Tensor, q: torch.Tensor, u: float) -> int:
+    """Speculative sampling's replacement for a rejected draft: an id from norm(max(0, p - q))
+    (p itself where that is all zero: q covers p, up to rounding) by inverse CDF with u in
+    [0, 1), in id order, the cumulative sum in double precision. Natively where the
+    extension runs (`kernels.residual_draw`, which a draft checked inside its pass uses too),
+    else the same in numpy."""
+    tok = kernels.residual_draw(p, q, u)
+    if tok is not None:
+        return tok
+    w = np.maximum(p.numpy() - q.numpy(), np.float32(0)).astype(np.float64)
+    if not w.sum() > 0:
+        w = p.numpy().astype(np.float64)
+    c = np.cumsum(w)
+    i = int(np.searchsorted(c, u * c[-1], side="right"))
+    return int(np.flatnonzero(w)[-1]) if i >= len(w) else i
+
+
 def distribution(logits: torch.Tensor, p: SamplingParams, history, extra: list[int] = ()) -> torch.Tensor:
     """The sampler's distribution over a row of logits [V] -> fp32 [V] (what `draw` draws from)."""
     probs = torch.empty(logits.shape[-1], dtype=torch.float32)

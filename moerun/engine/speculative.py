@@ -100,7 +100,8 @@ from ..layers.mtp import MAX_TOKENS as MTP_CALL_TOKENS
 from .cache import Cache, RecurrentState
 from .generate import GenerationStats, Sequence, kept_run, long_ids
 from ..layers.stack import draft_head_args, draft_pass
-from .sampling import _id_array, distribution, draw, greedy_token, greedy_token_probability, greedy_tokens, sample
+from .sampling import (_id_array, distribution, draw, greedy_token, greedy_token_probability, greedy_tokens,
+                       residual_draw, sample)
 
 # B batch (active rows), N draft tokens, T tokens per pass, H hidden, V vocab
 
@@ -405,6 +406,12 @@ class DraftLength:
 
     CONFIDENCE_EDGES = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # bins of a draft's probability under the head
     TIME_WINDOW = 15  # step times per N whose median prices that N
+    # a try of drafting while plain steps are the best is this many steps in a row, the first
+    # not priced (`cold`): the first drafting step after plain ones finds the head's weights
+    # out of cache and its backlog to feed, and priced one draft at ~1.4x its usual step on
+    # the demo model, so that "auto" kept to plain steps where one draft was 1.1x faster
+    # (tries from a drafting N find the head warm: one step each)
+    EXPLORE_BURST = 3
 
     def __init__(self, max_n: int = MAX_DRAFT_TOKENS, prior: float = 0.6, expert_cost: float = 1.0,
                  draft_cost: float = 0.1, decay: float = 0.9, explore_every: int = 8, accept_decay: float = 0.97):
@@ -435,6 +442,9 @@ class DraftLength:
         self._last_best: int | None = None
         self._explored = False
         self._priced: tuple | None = None  # `_prices`, until the next measurement
+        self._burst: list[int] = []  # the rest of a try's steps (EXPLORE_BURST)
+        self.cold = False  # the step `choose` gave is a try's first: its time does not price its N
+        self._plain_try = False
 
     def expected_tokens(self, n: int) -> float:
         total, run = 1.0, 1.0
@@ -486,9 +496,12 @@ class DraftLength:
         further by the drafts' confidence (`more`), unless `forced` (measuring or exploring N)."""
         self.steps += 1
         self.forced = True
+        self.cold = False
         unmeasured = [n for n in range(self.max_n + 1) if n not in self.step_s]
         if unmeasured:  # measure every N once first: cheaper than trusting the model for long
             return unmeasured[0]
+        if self._burst:  # the rest of a try
+            return self._burst.pop()
         n = self.best()
         if n != self._last_best:  # the figures moved: look around often again
             self._gap = self.explore_every
@@ -501,13 +514,22 @@ class DraftLength:
             self._explored = True
             self._flip = not self._flip
             step = 1 if self._flip or n == 0 else -1
-            return min(max(n + step, 0), self.max_n)
+            tried = min(max(n + step, 0), self.max_n)
+            if n == 0:  # drafting tried after plain steps
+                self._burst, self.cold = [tried] * (self.EXPLORE_BURST - 1), True
+            self._plain_try = tried == 0  # a plain step tried while drafting is the best: one (`plain_run`)
+            return tried
         self.forced = False
         return n
 
     def plain_run(self, most: int) -> int:
         """After `choose` gave a plain step: how many plain steps to make in one go (at most
-        `most`), up to the next exploration; `steps` counts the first, the caller the rest."""
+        `most`), up to the next exploration, or one where it is a try while drafting is the
+        best (a stretch of them cost ~16% of the demo model's steps); `steps` counts the
+        first, the caller the rest."""
+        if self._plain_try:
+            self._plain_try = False
+            return 1
         return max(1, min(most, self._next_explore - self.steps))
 
     def confidence_accept(self, confidence: float) -> float:
@@ -774,8 +796,10 @@ class SpeculativeDecoder:
         The same tokens, logits and states as `_draft` then the pass (tested), with the head's
         call off the step's critical path and none of their Python: on the demo model,
         drafting first then verifying was 0.87-0.91x plain decoding's speed, this 1.1-1.2x
-        greedy. -> (drafts, qs, confidences, logits [1, 2, V], hidden [1, 2, H], picks [2] or
-        None for a sampled row), or None with nothing run where it does not apply."""
+        greedy. A sampled row's draft is checked in the pass too (speculative sampling with the
+        row's next two uniforms, `NativeMtp.stage`). -> (drafts, qs, confidences, logits [1,
+        2, V], hidden [1, 2, H], a greedy row's picks [2], a sampled row's (tokens to emit,
+        drafts accepted)), or None with nothing run where it does not apply."""
         fused = self._fused
         if fused is None or len(active) != 1:
             return None
@@ -790,12 +814,15 @@ class SpeculativeDecoder:
         native, hidden, logits, picks, pick, prob, q = fused
         ph = pend_h[b]
         greedy = s.params.greedy
-        # a sampled draft takes its uniform now, where `_draft` draws it (before the pass's
-        # checks); given back if the pass does not run, so that `_draft` draws the same
-        u = -1.0 if greedy else s.uniforms.next()
+        if not greedy and s.params.max_tokens - len(s.out_ids) < 2:
+            return None  # (a last token checks no draft: `_accept` draws it alone)
+        # a sampled row's uniforms now, in the order `_draft` and `_accept` draw them: the
+        # draft's, its check's, and the next token's (the one after an accepted draft, or a
+        # rejected one's replacement); given back if the pass does not run
+        us = [] if greedy else [s.uniforms.next() for _ in range(3)]
         if not self.drafter.stage(native, ph, np.array(pend_t[b], dtype=np.int64), L[0] - ph.shape[0],
-                                  _id_array(s.history()), s.params, u):
-            if not greedy:
+                                  _id_array(s.history()), s.params, *(us or [-1.0])):
+            for u in reversed(us):
                 s.uniforms.put_back(u)
             return None
         for layer in recurrent:
@@ -804,15 +831,17 @@ class SpeculativeDecoder:
             pre[threads.id](net, (_TWO_IDS,), {})
         tracker.start_pass("verify")  # (none ran if the pass does not apply: the next start clears it)
         if not draft_pass(net, first[0], self.cache, slots, self.plans.get("plans"), native):
-            if not greedy:
+            for u in reversed(us):
                 s.uniforms.put_back(u)
             return None
         tracker.end_pass_with_draft(self.drafter.experts)
         self._mtp_len[b] = L[0]  # the head's cache took every pending pair
+        d = int(pick[0])
         conf = [float(prob[0])] if self.chooser is not None or not greedy else []
         if greedy:
-            return [[int(pick[0])]], [[None]], [conf], logits, hidden.clone(), picks.tolist()
-        return [[int(pick[0])]], [[torch.from_numpy(q.copy())]], [conf], logits.clone(), hidden.clone(), None
+            return [[d]], [[None]], [conf], logits, hidden.clone(), picks.tolist(), None
+        k, tok = picks.tolist()  # the pass checked the draft: (accepted, the token after)
+        return [[d]], [[None]], [conf], logits, hidden.clone(), None, ([d, tok] if k else [tok], k)
 
     def _catch_up(self, active, slots, L, pend_h, pend_t) -> tuple[list, list]:
         """Feed the head every pending (hidden, next token) pair of the rows, rows with as many
@@ -885,9 +914,9 @@ class SpeculativeDecoder:
         # one row's plain step reads one token's experts: its union figures are known (ratio 1)
         figures = n > 0 or len(active) > 1
         fused = self._draft_in_pass(seqs, active, slots, L, pend_h, pend_t, first, tracker, recurrent) if n == 1 else None
-        picks = None  # the trunk's greedy picks at each position, where the pass made them
+        picks = decided = None  # the trunk's greedy picks at each position / a sampled draft's check, where the pass made them
         if fused is not None:
-            drafts, qs, confidences, logits, hidden, picks = fused
+            drafts, qs, confidences, logits, hidden, picks, decided = fused
         else:
             if n > 0:
                 drafts, qs, confidences = self._draft(seqs, active, slots, L, n, pend_h, pend_t, tracker)
@@ -925,8 +954,8 @@ class SpeculativeDecoder:
         for i, b in enumerate(active):
             s = seqs[b]
             cap = min(n, s.params.max_tokens - len(s.out_ids))  # drafts worth checking
-            tokens, k = (self._accept(s, drafts[i][:cap], qs[i][:cap], logits[i]) if picks is None
-                         else _greedy_accept(drafts[i][:cap], picks))
+            tokens, k = (decided if decided is not None else _greedy_accept(drafts[i][:cap], picks)
+                         if picks is not None else self._accept(s, drafts[i][:cap], qs[i][:cap], logits[i]))
             stats.drafted += cap
             stats.accepted += k
             if self.chooser is not None:
@@ -960,7 +989,7 @@ class SpeculativeDecoder:
             for state in recurrent:
                 state.roll_back(active[i], i, keep)
         self._passes[n] += 1
-        if self.chooser is not None and self._passes[n] > 2:
+        if self.chooser is not None and self._passes[n] > 2 and not self.chooser.cold:
             union = tracker.pass_bytes if figures else tracker.token_bytes
             self.chooser.observe_time(n, busy + time.perf_counter() - t1, wait, union // len(active))
 
@@ -1027,10 +1056,9 @@ class SpeculativeDecoder:
             if q[d] > 0 and u * float(q[d]) < float(p[d]):
                 out.append(d)
                 continue
-            residual = (p - q).clamp_min(0)
-            if float(residual.sum()) <= 0:
-                residual = p
-            return out + [int(torch.multinomial(residual, 1, generator=s.generator)[0])], j
+            # its replacement from norm(max(0, p - q)) with the row's next uniform (as a draft
+            # checked inside its pass draws it, natively)
+            return out + [residual_draw(p, q, s.uniforms.next())], j
         return out + [draw(logits[n], p_, s.history(), s.uniforms, out)], n
 
 

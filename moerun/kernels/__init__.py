@@ -499,6 +499,16 @@ def sample_row(logits: torch.Tensor, seen: np.ndarray, extra: list[int], penalty
                           int(top_k), float(top_p), float(min_p), float(u), _EMPTY_NP if probs is None else _np(probs))
 
 
+def residual_draw(p: torch.Tensor, q: torch.Tensor, u: float) -> int | None:
+    """A rejected draft's replacement from norm(max(0, p - q)) (p, q float32 [V]; p itself
+    where that is all zero) with u in [0, 1) (`moerun::residual_draw`); None without the
+    extension (`engine.sampling.residual_draw` then runs its numpy reference)."""
+    nat = _native()
+    if nat is None:
+        return None
+    return nat.residual_draw(_np(p), _np(q), float(u))
+
+
 def route_softmax_topk(x: torch.Tensor, router: torch.Tensor, k: int,
                        renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] float32 or bf16, router [E, H] float32 -> (weights [T, k] float32, ids [T, k] long):
