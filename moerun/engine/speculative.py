@@ -14,10 +14,11 @@ the trunk):
    the trunk's argmax (after the repetition penalty, exactly as the plain sampler sees
    it); the first mismatch is replaced by the argmax, so the text is the plain greedy
    text. Sampling: accept d_j with probability min(1, p(d_j)/q(d_j)), otherwise draw from
-   norm(max(0, p - q)) and stop (Leviathan et al. 2023); when all N are accepted one more
-   token comes from p at the last position. p is the plain sampler's distribution
-   (penalty, temperature, top-k/p, min-p), q the distribution the draft was drawn from,
-   so the output distribution equals plain sampling.
+   norm(max(0, p - q)) (inverse CDF with the row's next uniform: `sampling.residual_draw`)
+   and stop (Leviathan et al. 2023); when all N are accepted one more token comes from p
+   at the last position. p is the plain sampler's distribution (penalty, temperature,
+   top-k/p, min-p), q the distribution the draft was drawn from, so the output
+   distribution equals plain sampling.
 3. Roll back to the last accepted position L+k.
    - KV caches (trunk and MTP): set the slot's length back; the stale entries past it are
      masked by attention and overwritten by the next write.
@@ -33,6 +34,14 @@ the trunk):
      pair it has not seen with the trunk's own hidden state; the first MTP call of the
      next step feeds the k+1 accepted hidden states together (T = k+1), rewriting the
      guessed entries, and its last row is that step's first draft.
+
+One draft on one row, on two threads, where the trunk's 2-token pass runs token by token in
+two lanes (a small model: `layers.stack.LANES_LAYER_BYTES`): steps 1 and 2 are one native
+call (`_draft_in_pass`). The pass's lane 0 takes t_L through the trunk while lane 1 makes
+the head's step and the draft's pick (greedy, or sampled with the row's next uniform), then
+takes the draft through the trunk one layer behind t_L; after the lanes, both positions'
+final norm, LM head and check (greedy picks, or the sampling test with the row's next two
+uniforms) are native too. The same tokens, logits and states as steps 1 then 2.
 
 Expert traffic: a forward pre-hook on every `moerun.layers.moe.Experts` module sees the
 routed ids of each pass; a verification pass reads the union of its tokens' experts.
@@ -69,7 +78,10 @@ experts), draft_cost one MTP call against a trunk step (1 / (layers + 1)). N = 0
 plain step (the head catches up later), so "auto" falls back to plain decoding when drafts
 are rarely accepted. Every N is measured once first, then a neighbour of the best N is
 tried every 8th step so that its figures stay current, the gap doubling (up to 64 steps)
-each time a try leaves the best N unchanged and back to 8 when the best N changes. `LLM` keeps one chooser per loaded model,
+each time a try leaves the best N unchanged and back to 8 when the best N changes; a try
+of drafting while plain steps are the best is EXPLORE_BURST steps, the first unpriced
+(the head's weights are cold after plain steps), a try of plain steps one step. The
+acceptance EMAs average ~30 drafts (`accept_decay`). `LLM` keeps one chooser per loaded model,
 so what one request measured serves the next.
 
 Within a step (not a measuring or exploring one) the chosen N only decides between a plain
