@@ -76,7 +76,7 @@ measured N' through
 expert_cost being the share of a plain step spent reading experts (1.0: memory-bound on
 experts), draft_cost one MTP call against a trunk step (1 / (layers + 1)). N = 0 is a
 plain step (the head catches up later), so "auto" falls back to plain decoding when drafts
-are rarely accepted. Every N is measured once first, then a neighbour of the best N is
+are rarely accepted. N = 0 and 1 are measured once first, then a neighbour of the best N is
 tried every 8th step so that its figures stay current, the gap doubling (up to 64 steps)
 each time a try leaves the best N unchanged and back to 8 when the best N changes; a try
 of drafting while plain steps are the best is EXPLORE_BURST steps, the first unpriced
@@ -424,6 +424,7 @@ class DraftLength:
     # the demo model, so that "auto" kept to plain steps where one draft was 1.1x faster
     # (tries from a drafting N find the head warm: one step each)
     EXPLORE_BURST = 3
+    FIRST_MEASURED = 2  # N = 0 .. FIRST_MEASURED - 1 measured before any is chosen by its price
 
     def __init__(self, max_n: int = MAX_DRAFT_TOKENS, prior: float = 0.6, expert_cost: float = 1.0,
                  draft_cost: float = 0.1, decay: float = 0.9, explore_every: int = 8, accept_decay: float = 0.97):
@@ -509,8 +510,12 @@ class DraftLength:
         self.steps += 1
         self.forced = True
         self.cold = False
-        unmeasured = [n for n in range(self.max_n + 1) if n not in self.step_s]
-        if unmeasured:  # measure every N once first: cheaper than trusting the model for long
+        # measure N = 0 and 1 first (cheaper than trusting the model for long); a larger N is
+        # priced from them (`step_time`) until it is the best or the best's neighbour and tried:
+        # measuring all five first cost a fresh run more than it learnt (`moerun generate
+        # --draft-tokens auto`, 128 tokens of the demo model: 0.90x plain, where one draft was 1.14x)
+        unmeasured = [n for n in range(min(self.FIRST_MEASURED, self.max_n + 1)) if n not in self.step_s]
+        if unmeasured:
             return unmeasured[0]
         if self._burst:  # the rest of a try
             return self._burst.pop()
