@@ -811,44 +811,17 @@ class NativeMtp {
     // and route mask as moe_block takes them; h [1, H] and logits [1, V] in the model's dtype.
     void run(Array tokens, Array hidden, Array cos, Array sin, int pos, Array h_out, Array ids_out, Array w_out,
              Array seen, Array h, Array logits) {
-        MOERUN_CHECK(hidden.ndim() == 2 && hidden.shape(0) >= 1, "hidden must be [T, H]");
-        const size_t T = hidden.shape(0), H = H_;
-        for (const Array* t : {&hidden, &h, &logits})
+        for (const Array* t : {&h, &logits})
             MOERUN_CHECK(t->dtype() == embed_.dtype(), "embed, hidden, h, logits: all in the model's dtype");
-        check_shape(hidden, {T, H}, "hidden");
-        check_dtype(tokens, dtype_code::Int, 64, "tokens");
-        check_shape(tokens, {T}, "tokens");
-        const int64_t* tok = (const int64_t*)tokens.data();
-        for (size_t t = 0; t < T; ++t) MOERUN_CHECK(tok[t] >= 0 && (size_t)tok[t] < embed_.shape(0),
-                                                    "tokens: outside the embedding");
-        check_rope_rows(cos, sin, T, a_.attn.rd, pos, cache_positions(a_.attn));
-        check_shape(h, {1, H}, "h");
+        check_shape(h, {1, H_}, "h");
         check_shape(logits, {1, V_}, "logits");
         MoeCall c;  // this call's observed outputs and route mask on the head's MoE half
         c.a = c_.a;
         moe_observe(c, h_out, ids_out, w_out, seen);
-        thread_local std::vector<float> u;  // per token: its embedding row, its hidden state (float32, exact)
-        u.resize(2 * T * H);
-        for (size_t t = 0; t < T; ++t) {
-            const size_t e = (size_t)tok[t] * H;
-            float *ue = u.data() + 2 * t * H, *uh = ue + H;
-            if (bf16_) {
-                widen_bf16((const uint16_t*)embed_.data() + e, ue, H);
-                widen_bf16((const uint16_t*)hidden.data() + t * H, uh, H);
-            } else {
-                std::memcpy(ue, (const float*)embed_.data() + e, H * 4);
-                std::memcpy(uh, (const float*)hidden.data() + t * H, H * 4);
-            }
-        }
+        thread_local std::vector<float> u;
+        moerun::MtpStepArgs a = prepare(tokens, hidden, cos, sin, pos, u);
         thread_local std::vector<float> hbuf;
         ActOut ho(h, "h", hbuf), lo(logits, "logits");
-        moerun::MtpStepArgs a = a_;
-        a.T = (int)T;
-        a.attn.T = (int)T;
-        a.attn.cos = (const float*)cos.data();
-        a.attn.sin = (const float*)sin.data();
-        a.attn.pos = pos;
-        a.u = u.data();
         a.moe = c.a;
         a.h = ho.p;
         a.logits = lo.p;
@@ -941,38 +914,10 @@ class NativeMtp {
                float temperature, int top_k, float top_p, float min_p, double check_u, double next_u) {
         MOERUN_CHECK(draft_, "stage: no draft bound (NativeMtp.bind_draft)");
         Draft& d = *draft_;
-        MOERUN_CHECK(hidden.ndim() == 2 && hidden.shape(0) >= 1, "hidden must be [T, H]");
-        const size_t T = hidden.shape(0), H = H_;
-        MOERUN_CHECK(hidden.dtype() == embed_.dtype(), "hidden: in the model's dtype");
-        check_shape(hidden, {T, H}, "hidden");
-        check_dtype(tokens, dtype_code::Int, 64, "tokens");
-        check_shape(tokens, {T}, "tokens");
-        const int64_t* tok = (const int64_t*)tokens.data();
-        for (size_t t = 0; t < T; ++t) MOERUN_CHECK(tok[t] >= 0 && (size_t)tok[t] < embed_.shape(0),
-                                                    "tokens: outside the embedding");
-        check_rope_rows(cos, sin, T, a_.attn.rd, pos, cache_positions(a_.attn));
         check_dtype(history, dtype_code::Int, 64, "history");
         MOERUN_CHECK(history.ndim() == 1, "history must be 1-D");
-        d.u.resize(2 * T * H);
-        for (size_t t = 0; t < T; ++t) {
-            const size_t e = (size_t)tok[t] * H;
-            float *ue = d.u.data() + 2 * t * H, *uh = ue + H;
-            if (bf16_) {
-                widen_bf16((const uint16_t*)embed_.data() + e, ue, H);
-                widen_bf16((const uint16_t*)hidden.data() + t * H, uh, H);
-            } else {
-                std::memcpy(ue, (const float*)embed_.data() + e, H * 4);
-                std::memcpy(uh, (const float*)hidden.data() + t * H, H * 4);
-            }
-        }
         moerun::MtpStepArgs& a = d.a;
-        a = a_;
-        a.T = (int)T;
-        a.attn.T = (int)T;
-        a.attn.cos = (const float*)cos.data();
-        a.attn.sin = (const float*)sin.data();
-        a.attn.pos = pos;
-        a.u = d.u.data();
+        a = prepare(tokens, hidden, cos, sin, pos, d.u);
         a.moe = d.c.a;
         a.h = d.hf.data();
         a.logits = d.lf.data();
@@ -1064,6 +1009,43 @@ class NativeMtp {
     }
 
   private:
+    // `run`'s and `stage`'s: the checks of tokens [T] (int64), hidden [T, H] (the model's
+    // dtype), the rope rows and the position; per token its embedding row and hidden state
+    // widened into u (float32, exact); -> the call's arguments but the MoE half's and the outputs.
+    moerun::MtpStepArgs prepare(const Array& tokens, const Array& hidden, const Array& cos, const Array& sin, int pos,
+                                std::vector<float>& u) const {
+        MOERUN_CHECK(hidden.ndim() == 2 && hidden.shape(0) >= 1, "hidden must be [T, H]");
+        const size_t T = hidden.shape(0), H = H_;
+        MOERUN_CHECK(hidden.dtype() == embed_.dtype(), "embed, hidden, h, logits: all in the model's dtype");
+        check_shape(hidden, {T, H}, "hidden");
+        check_dtype(tokens, dtype_code::Int, 64, "tokens");
+        check_shape(tokens, {T}, "tokens");
+        const int64_t* tok = (const int64_t*)tokens.data();
+        for (size_t t = 0; t < T; ++t) MOERUN_CHECK(tok[t] >= 0 && (size_t)tok[t] < embed_.shape(0),
+                                                    "tokens: outside the embedding");
+        check_rope_rows(cos, sin, T, a_.attn.rd, pos, cache_positions(a_.attn));
+        u.resize(2 * T * H);
+        for (size_t t = 0; t < T; ++t) {
+            const size_t e = (size_t)tok[t] * H;
+            float *ue = u.data() + 2 * t * H, *uh = ue + H;
+            if (bf16_) {
+                widen_bf16((const uint16_t*)embed_.data() + e, ue, H);
+                widen_bf16((const uint16_t*)hidden.data() + t * H, uh, H);
+            } else {
+                std::memcpy(ue, (const float*)embed_.data() + e, H * 4);
+                std::memcpy(uh, (const float*)hidden.data() + t * H, H * 4);
+            }
+        }
+        moerun::MtpStepArgs a = a_;
+        a.T = (int)T;
+        a.attn.T = (int)T;
+        a.attn.cos = (const float*)cos.data();
+        a.attn.sin = (const float*)sin.data();
+        a.attn.pos = pos;
+        a.u = u.data();
+        return a;
+    }
+
     struct Draft {
         bool staged = false;
         moerun::MtpStepArgs a{};
