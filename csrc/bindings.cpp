@@ -1277,8 +1277,15 @@ class NativeStack {
     // draft (a NativeMtp with a staged draft step, `NativeMtp.stage`; a 2-token pass in lanes
     // only): lane 1 makes the draft step first and takes its pick through the trunk as the
     // pass's second token (x's second row is not read).
-    void run(Array x, Array a, Array b, Array cos, Array sin, int pos, std::vector<Array> conv_every,
-             std::vector<Array> S_every, std::vector<Array> seen, bool lanes, NativeMtp* draft) {
+    // bound: the kept-state buffers and route masks that `bind_states` took (conv_every,
+    // S_every and seen left empty), where converting ~20 arrays at every pass cost ~30 us.
+    void run(Array x, Array a, Array b, Array cos, Array sin, int pos, std::vector<Array> conv_every_arg,
+             std::vector<Array> S_every_arg, std::vector<Array> seen_arg, bool lanes, NativeMtp* draft, bool bound) {
+        MOERUN_CHECK(!bound || (conv_every_arg.empty() && S_every_arg.empty() && seen_arg.empty()),
+                     "bound: conv_every, S_every and seen are the bound ones (bind_states)");
+        const std::vector<Array>& conv_every = bound ? bound_conv_ : conv_every_arg;
+        const std::vector<Array>& S_every = bound ? bound_S_ : S_every_arg;
+        const std::vector<Array>& seen = bound ? bound_seen_ : seen_arg;
         for (const Array* t : {&x, &a, &b}) {
             if (bf16_)
                 MOERUN_CHECK(is_bf16(*t), "x, a, b: the stack's dtype (bf16, as uint16)");
@@ -1360,7 +1367,19 @@ class NativeStack {
         }
     }
 
+    // The kept-state buffers and route masks of the passes to come (`run(bound=True)`), as
+    // run takes them; held until the next binding.
+    void bind_states(std::vector<Array> conv_every, std::vector<Array> S_every, std::vector<Array> seen) {
+        MOERUN_CHECK(conv_every.size() == S_every.size() && (conv_every.empty() || conv_every.size() == deltanets_),
+                     "conv_every, S_every: one each per DeltaNet layer, or none");
+        MOERUN_CHECK(seen.empty() || seen.size() == layers_.size(), "seen: one per layer, or none");
+        bound_conv_ = std::move(conv_every);
+        bound_S_ = std::move(S_every);
+        bound_seen_ = std::move(seen);
+    }
+
   private:
+    std::vector<Array> bound_conv_, bound_S_, bound_seen_;
     struct Layer;
 
     // The pass split by tokens: token t on lane t % 2, each lane one thread of the pool whose
@@ -1574,7 +1593,8 @@ NB_MODULE(_native, m) {
         .def("add_moe", &NativeStack::add_moe)
         .def("run", &NativeStack::run, nb::arg("x"), nb::arg("a"), nb::arg("b"), nb::arg("cos"), nb::arg("sin"),
              nb::arg("pos"), nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"), nb::arg("lanes") = false,
-             nb::arg("draft").none() = nb::none());
+             nb::arg("draft").none() = nb::none(), nb::arg("bound") = false)
+        .def("bind_states", &NativeStack::bind_states, nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"));
     nb::class_<NativeMtp>(m, "NativeMtp", "a one-layer MTP head's calls on one cache slot: its arguments checked once")
         .def(nb::init<Array, Array, float, Array, Array, int, Array, Array, int, Array, Array, int, Array, Array, int,
                       Array, Array, int, Array, Array, float, Array, Array, Array, Array, int, float, bool, Array, float,

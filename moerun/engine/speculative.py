@@ -123,6 +123,10 @@ PLAIN_CATCH_UP_PAIRS = 32
 # plain steps of one row in one go at most, before "auto" chooses again (`_plain_steps`)
 PLAIN_STRETCH = 16
 _TWO_IDS = torch.zeros(1, 2, dtype=torch.long)  # a 2-token pass's ids, as split_threads' hook reads them
+# the most pending pairs a draft made inside its pass feeds the head (`_draft_in_pass`): its lane
+# runs on one thread, so a longer backlog (a prompt's, at a run's first step) goes through
+# `_draft` on both
+IN_PASS_MAX_PAIRS = 8
 
 
 @dataclass
@@ -830,6 +834,8 @@ class SpeculativeDecoder:
             return None
         native, hidden, logits, picks, pick, prob, q = fused
         ph = pend_h[b]
+        if ph.shape[0] > IN_PASS_MAX_PAIRS:  # a long backlog (a prompt's) runs on both cores first
+            return None
         greedy = s.params.greedy
         if not greedy and s.params.max_tokens - len(s.out_ids) < 2:
             return None  # (a last token checks no draft: `_accept` draws it alone)

@@ -74,24 +74,30 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
     lanes = _lanes(small, T)
     # two buffers taking turns: each first half writes a, each MoE half b
     a, b = kernels._out((1, T, H), x.dtype), kernels._out((1, T, H), x.dtype)
-    conv_every, S_every, kept = [], [], []
-    if T > 1:  # a verification pass: every token's states kept, for a rollback
-        # (the states' scratch views, and their numpy views, kept until a buffer moves)
-        epochs = [state.__dict__.get("scratch_epoch", 0) for state in deltanets]
-        if kept_views and kept_views[0] == epochs:
-            conv_every, S_every, kept = kept_views[1:]
-        else:
+    # the pass's kept-state buffers (a verification pass: every token's states, for a
+    # rollback) and route masks (an expert tracker's, where there are any), bound to the
+    # native stack while they stay the same objects: the states' scratch views until a
+    # buffer moves (`scratch_epoch`), the masks while the same tracker's
+    kept = []
+    epochs = [state.__dict__.get("scratch_epoch", 0) for state in deltanets] if T > 1 else None
+    masks = list(map(routes_seen, experts))
+    if kept_views and kept_views[0] == epochs and all(m is n for m, n in zip(masks, kept_views[1])):
+        kept = kept_views[2]
+    else:
+        conv_every, S_every = [], []
+        if T > 1:
             for state in deltanets:
                 conv_all = state.scratch("conv", (1, T, *state.tensors["conv"].shape[1:]))
                 S_all = state.scratch("recurrent", (1, T, *state.tensors["recurrent"].shape[1:]))
                 conv_every.append(kernels._np(conv_all))
                 S_every.append(kernels._np(S_all))
                 kept.append((state, conv_all, S_all))
-            kept_views[:] = [[state.__dict__.get("scratch_epoch", 0) for state in deltanets], conv_every, S_every, kept]
-    seen = list(map(routes_seen, experts))  # route masks (an expert tracker's), where there are any
-    seen = [kernels._EMPTY_U8_NP if m is None else m for m in seen] if any(m is not None for m in seen) else []
-    native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope, p, conv_every,
-               S_every, seen, lanes, draft)
+            epochs = [state.__dict__.get("scratch_epoch", 0) for state in deltanets]
+        seen = [kernels._EMPTY_U8_NP if m is None else m for m in masks] if any(m is not None for m in masks) else []
+        native.bind_states(conv_every, S_every, seen)
+        kept_views[:] = [epochs, masks, kept]
+    native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope, p, [], [], [], lanes,
+               draft, True)
     for state, conv_all, S_all in kept:
         state.keep_every(conv=conv_all, recurrent=S_all)
     return b
