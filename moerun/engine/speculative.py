@@ -111,7 +111,7 @@ from ..layers.moe import Experts
 from ..layers.mtp import MAX_TOKENS as MTP_CALL_TOKENS
 from .cache import Cache, RecurrentState
 from .generate import GenerationStats, Sequence, kept_run, long_ids
-from ..layers.stack import draft_head_args, draft_pass
+from ..layers.stack import draft_head_args, draft_pass, draft_pass_ready
 from .sampling import (_id_array, distribution, draw, greedy_token, greedy_token_probability, greedy_tokens,
                        residual_draw, sample)
 
@@ -835,6 +835,8 @@ class SpeculativeDecoder:
         native, hidden, logits, picks, pick, prob, q = fused
         ph = pend_h[b]
         if ph.shape[0] > IN_PASS_MAX_PAIRS:  # a long backlog (a prompt's) runs on both cores first
+            return None
+        if not draft_pass_ready(net, self.cache, b, self.plans.get("plans")):  # (one thread, a run's first passes)
             return None
         greedy = s.params.greedy
         if not greedy and s.params.max_tokens - len(s.out_ids) < 2:

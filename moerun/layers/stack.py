@@ -254,6 +254,16 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     return logits, hidden
 
 
+def draft_pass_ready(model, cache, slot: int, plans: dict | None) -> bool:
+    """Whether `draft_pass` would run now: the run's 2-token stack is built and runs in lanes
+    (asked before a draft is staged for it)."""
+    if plans is None or cache is None:
+        return False
+    stack = plans.get(_stack_key((1, 2, model.model.embed_tokens.embedding_dim), model.model.embed_tokens.weight.dtype,
+                                 slot, cache))
+    return type(stack) is tuple and _lanes(stack[3], 2)
+
+
 def draft_pass(model, first: int, cache, slots: torch.Tensor, plans: dict | None, native) -> bool:
     """A 2-token verification pass of `model` (as `model_pass` runs it) whose second token is
     the draft that `native` (a `NativeMtp` with a draft staged: `layers.mtp.Drafter.stage`)
