@@ -66,3 +66,24 @@ def test_decode_benchmarks_name_a_missing_model_in_one_line(script, tmp_path):
                        capture_output=True, text=True, cwd=BENCH)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip() == f"error: model path {tmp_path / 'none'} does not exist"
+
+
+def test_speculative_oracle_runs_and_refuses_bad_input(tmp_path, capsys):
+    """The oracle benchmark on a tiny Qwen3.5 checkpoint with an MTP head: its table, with the
+    acceptance marked simulated (it checks the output against plain decoding itself); a
+    checkpoint that is not there, and an acceptance outside [0, 1], one line each and exit
+    non-zero."""
+    from test_speculative import build_qwen
+
+    bench = _load("speculative_oracle")
+    path = build_qwen(tmp_path / "q", vocab_size=300)
+    assert bench.main(["-m", str(path), "--quant", "none", "--threads", "1", "--gen-tokens", "12", "--rounds", "1",
+                       "--drafts", "1,2", "--acceptance", "0.9"]) == 0
+    out = capsys.readouterr().out
+    assert "SIMULATED acceptance 0.9" in out and "mtp_1" in out and "mtp_2" in out
+    r = subprocess.run([sys.executable, str(BENCH / "speculative_oracle.py"), "-m", str(tmp_path / "nothing")],
+                       capture_output=True, text=True, cwd=BENCH)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run([sys.executable, str(BENCH / "speculative_oracle.py"), "-m", str(path), "--acceptance", "2"],
+                       capture_output=True, text=True, cwd=BENCH)
+    assert r.returncode == 2 and "--acceptance must be between 0 and 1" in r.stderr and "Traceback" not in r.stderr
