@@ -723,8 +723,8 @@ def test_a_draft_made_inside_its_verification_pass(dtype, sampled, monkeypatch):
         real = SpeculativeDecoder._draft_in_pass
 
         def run_one(ids, fused):
-            monkeypatch.setattr(SpeculativeDecoder, "_draft_in_pass",
-                                (lambda self, *a: made.append(real(self, *a)) or made[-1]) if fused else (lambda self, *a: None))
+            spy = (lambda self, *a: made.append(real(self, *a)) or made[-1]) if fused else (lambda self, *a: None)
+            monkeypatch.setattr(SpeculativeDecoder, "_draft_in_pass", spy)
             params = llm.sampling_params(max_tokens=24, seed=7) if sampled else \
                 llm.sampling_params(max_tokens=24, temperature=0.0)
             seq = Sequence(list(ids), params)

@@ -938,8 +938,10 @@ class SpeculativeDecoder:
         first = [pend_t[b][-1] for b in active]  # t_L, the sampled token the trunk runs first
         # one row's plain step reads one token's experts: its union figures are known (ratio 1)
         figures = n > 0 or len(active) > 1
-        fused = self._draft_in_pass(seqs, active, slots, L, pend_h, pend_t, first, tracker, recurrent) if n == 1 else None
-        picks = decided = None  # the trunk's greedy picks at each position / a sampled draft's check, where the pass made them
+        fused = None if n != 1 else self._draft_in_pass(seqs, active, slots, L, pend_h, pend_t, first, tracker,
+                                                         recurrent)
+        # where the pass made them: a greedy row's picks at each position, a sampled row's check
+        picks = decided = None
         if fused is not None:
             drafts, qs, confidences, logits, hidden, picks, decided = fused
         else:

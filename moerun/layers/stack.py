@@ -177,7 +177,8 @@ def _token_bytes(layer, experts, k: int) -> int:
     if got is None or got[0] != key:
         total = sum(t.nbytes for t in layer.state_dict().values())
         routed = sum(t.nbytes for t in experts.state_dict().values())
-        got = layer.__dict__["_token_bytes"] = key, total - routed + routed * k // max(1, getattr(experts, "num_experts", 1))
+        read = total - routed + routed * k // max(1, getattr(experts, "num_experts", 1))
+        got = layer.__dict__["_token_bytes"] = key, read
     return got[1]
 
 
