@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from ..engine.cache import Cache, kv_cache_summary
-from ..engine.generate import run_plans
+from ..engine.cache import kv_cache_summary
+from ..engine.generate import kept_run
 from ..errors import MoerunError
 
 
@@ -23,23 +23,30 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, sp
     vocab = net.args.vocab_size
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (1, prompt_tokens), generator=g)
+    specs = [net.cache_spec()]
     with torch.inference_mode():
-        # warm-up: first calls allocate and pick kernels
-        warm_ids = torch.randint(0, vocab, (1, 5), generator=g)  # any prompt length, even 1
-        warm = Cache(net.cache_spec(), 1, 8, llm.dtype, llm.kv_dtype)
-        net(warm_ids[:, :4], warm, last_only=True)
-        net(warm_ids[:, 4:], warm, last_only=True)
-
-        cache = Cache(net.cache_spec(), 1, prompt_tokens + gen_tokens, llm.dtype, llm.kv_dtype)
-        plans = run_plans(net)  # as a generation run makes them
-        t0 = time.perf_counter()
-        logits = net(prompt, cache, last_only=True, **plans)
-        prefill_s = time.perf_counter() - t0
-        tok = logits[:, -1].argmax(-1, keepdim=True)
-        t0 = time.perf_counter()
-        for _ in range(gen_tokens):
-            tok = net(tok, cache, last_only=True, **plans)[:, -1].argmax(-1, keepdim=True)
-        decode_s = time.perf_counter() - t0
+        # warm-up, on the caches and plans the timed run then takes as a generation run would
+        # take an earlier run's (`kept_run`): first calls allocate and pick kernels, a run's
+        # first decode passes make its plans and native stack
+        (warm,), plans, release = kept_run(net, "bench", specs, 1, prompt_tokens + gen_tokens, llm.dtype, llm.kv_dtype)
+        try:
+            tok = net(torch.randint(0, vocab, (1, 4), generator=g), warm, last_only=True, **plans)[:, -1].argmax(-1, keepdim=True)
+            for _ in range(3):
+                tok = net(tok, warm, last_only=True, **plans)[:, -1].argmax(-1, keepdim=True)
+        finally:
+            release()
+        (cache,), plans, release = kept_run(net, "bench", specs, 1, prompt_tokens + gen_tokens, llm.dtype, llm.kv_dtype)
+        try:
+            t0 = time.perf_counter()
+            logits = net(prompt, cache, last_only=True, **plans)
+            prefill_s = time.perf_counter() - t0
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            t0 = time.perf_counter()
+            for _ in range(gen_tokens):
+                tok = net(tok, cache, last_only=True, **plans)[:, -1].argmax(-1, keepdim=True)
+            decode_s = time.perf_counter() - t0
+        finally:
+            release()
     return {
         "model": str(llm.path),
         "architecture": llm.model_type,
@@ -56,11 +63,14 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, sp
 
 def bench_speculative(llm, prompt_tokens: int, gen_tokens: int, seed: int, speculative: str, draft_tokens,
                       draft_vocab: int | None = None) -> dict:
-    """Greedy generation through the speculative loop; stops early at EOS like a user would."""
+    """Greedy generation through the speculative loop; stops early at EOS like a user would.
+    A short run first warms it up, as `bench` warms plain decoding up (the timed run then
+    takes its caches, plans and stacks: `generate.kept_run`)."""
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, llm.net.args.vocab_size, (prompt_tokens,), generator=g).tolist()
-    llm.generate_ids([prompt], max_tokens=gen_tokens, temperature=0.0, speculative=speculative, draft_tokens=draft_tokens,
-                     draft_vocab=draft_vocab)
+    kw = dict(temperature=0.0, speculative=speculative, draft_tokens=draft_tokens, draft_vocab=draft_vocab)
+    llm.generate_ids([prompt[:4]], max_tokens=min(gen_tokens, 8), **kw)
+    llm.generate_ids([prompt], max_tokens=gen_tokens, **kw)
     d = llm.last_stats.as_dict()
     return {
         "model": str(llm.path),

@@ -739,6 +739,12 @@ class SpeculativeDecoder:
                     if not s.finished:
                         pend_t[b].append(tok)
                         active.append(b)
+                if active:  # the head takes the prompt's pairs as its prefill (all but the last: `_settle`)
+                    t1 = time.perf_counter()
+                    self._settle(active, self._len[active].tolist(), pend_h, pend_t, tracker)
+                    settled = time.perf_counter() - t1
+                    stats.prefill_s += settled
+                    t0 += settled
                 while active:
                     yield from self._step(seqs, active, pend_h, pend_t, eos_ids, stats, tracker, recurrent)
                     active = [b for b in active if not seqs[b].finished]
@@ -899,11 +905,11 @@ class SpeculativeDecoder:
             pend_h[b], pend_t[b] = pend_h[b][:0], []
 
     def _settle(self, active, L, pend_h, pend_t, tracker):
-        """Before a drafting step of "auto": feed the head all but the last of the pending
-        pairs of each row that has more than a drafting step leaves (MAX_DRAFT_TOKENS + 1):
-        the backlog of a run of plain steps, or of the prompt. The step then catches up on one
-        pair, as after a drafting step, and its time (what prices N) leaves out the backlog,
-        which is the plain steps' (and a prompt's)."""
+        """After the prompt (as the head's prefill: its time counts as prefill) and before a
+        drafting step of "auto": feed the head all but the last of the pending pairs of each
+        row that has more than a drafting step leaves (MAX_DRAFT_TOKENS + 1): the prompt's, or
+        the backlog of a run of plain steps. The step then catches up on one pair, as after a
+        drafting step, and its time (what prices N) leaves out the backlog."""
         rows = [i for i, b in enumerate(active) if pend_h[b].shape[0] > MAX_DRAFT_TOKENS + 1]
         if not rows:
             return
