@@ -208,7 +208,7 @@ def _deltanet(dn, x, state, s: int, plans: dict) -> tuple | None:
 
 
 def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None, last_only: bool,
-               plans: dict | None, draft=None) -> tuple | None:
+               plans: dict | None) -> tuple | None:
     """(logits, the final normed hidden state) of one decode pass of `model`, a causal LM
     whose `model` holds embed_tokens, rope, layers and norm and whose lm_head gives the
     logits, with the embedding rows, the stack (`stack_run`), the final norm and the LM head
@@ -216,8 +216,7 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     stack's loop, a demo-model decode pass spent ~0.5 of ~1.8 ms in the modules' own calls
     (embedding, rope rows, cache positions, norm, LM head). None (nothing run, the cache
     untouched) until the run's modules have made the stack for this shape, or where a part
-    would not run natively: the caller runs the modules. `draft`: `stack_run`'s (the pass's
-    second token the draft its lane 1 makes; input_ids' second id unread)."""
+    would not run natively: the caller runs the modules."""
     if plans is None or cache is None or input_ids.shape[0] != 1:
         return None
     s = 0 if slots is None else int(slots[0])
@@ -240,8 +239,7 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     rows = emb[ids]  # the embedding's rows, as nn.Embedding copies them (an id past the end raises)
     x = torch.from_numpy(rows).view(dtype).view(1, T, H)
     rope = m.rope.float_rows(p, T, dtype)
-    y = stack_run(m.layers, x, None, cache, torch.tensor([s]) if slots is None else slots, None, plans, rope=rope, pos=p,
-                  draft=draft)
+    y = stack_run(m.layers, x, None, cache, torch.tensor([s]) if slots is None else slots, None, plans, rope=rope, pos=p)
     if y is None:
         return None
     lengths[s] += T  # cache.advance
@@ -268,8 +266,9 @@ def draft_pass_ready(model, cache, slot: int, plans: dict | None) -> bool:
 def draft_pass(model, first: int, cache, slots: torch.Tensor, plans: dict | None, native) -> bool:
     """A 2-token verification pass of `model` (as `model_pass` runs it) whose second token is
     the draft that `native` (a `NativeMtp` with a draft staged: `layers.mtp.Drafter.stage`)
-    makes in the pass's lane 1, the first `first`; the final norm, LM head and greedy picks of
-    both positions made natively too, into the arrays `Drafter.bind_draft` gave. True when
+    makes in the pass's lane 1, the first `first`; the final norm, LM head and checks of both
+    positions made natively too (`NativeMtp.stage`), into the arrays `Drafter.bind_draft`
+    gave. True when
     run; False, with nothing run, where the pass would not be one native call in lanes (its
     stack not built yet, hooks, a batch)."""
     if plans is None or cache is None:
