@@ -1418,10 +1418,18 @@ class NativeStack {
         // own (a thread takes a task at a time and keeps it to the end), so lane 0 may wait on
         // lane 1 (its token 2 on token 1) without the two ever sharing a thread
         moerun::pool().parallel_for(moerun::kLanes, [&](int lane) {
-            const bool was_inline = moerun::t_pool_inline;
-            const int was_lane = moerun::op_lane();
-            moerun::t_pool_inline = true;
-            moerun::op_lane() = lane;
+            struct LaneScope {  // this thread's ops run inline, on lane `lane`'s workspaces, until it returns
+                bool was_inline = moerun::t_pool_inline;
+                int was_lane = moerun::op_lane();
+                explicit LaneScope(int lane) {
+                    moerun::t_pool_inline = true;
+                    moerun::op_lane() = lane;
+                }
+                ~LaneScope() {
+                    moerun::t_pool_inline = was_inline;
+                    moerun::op_lane() = was_lane;
+                }
+            } scope(lane);
             try {
                 if (draft && lane == 1) draft->draft_staged(rows.data() + 3 * H);  // token 1's input row
                 for (size_t i = 0; i < L && !failed.load(std::memory_order_relaxed); ++i) {
@@ -1465,8 +1473,6 @@ class NativeStack {
                 error[lane] = std::current_exception();
                 failed.store(true);
             }
-            moerun::t_pool_inline = was_inline;
-            moerun::op_lane() = was_lane;
         });
         for (auto& e : error)
             if (e) std::rethrow_exception(e);
