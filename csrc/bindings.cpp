@@ -1269,23 +1269,13 @@ class NativeStack {
     }
 
     // x, a, b [1, T, H] in the stack's dtype; cos, sin [T, rd]: the pass's rope rows; pos its
-    // first position; conv_every, S_every: one each per DeltaNet layer (every token's states,
-    // kept for a rollback; T > 1) or none (in place); seen: per layer its experts' route mask
-    // [E + 1] uint8 or empty, or none at all (no layer has one).
+    // first position; the kept-state buffers and route masks are the ones `bind_states` took.
     // lanes (T > 1, a pool of two threads or more): the pass split by tokens instead of each
     // op's rows (`run_lanes`).
     // draft (a NativeMtp with a staged draft step, `NativeMtp.stage`; a 2-token pass in lanes
     // only): lane 1 makes the draft step first and takes its pick through the trunk as the
     // pass's second token (x's second row is not read).
-    // bound: the kept-state buffers and route masks that `bind_states` took (conv_every,
-    // S_every and seen left empty), where converting ~20 arrays at every pass cost ~30 us.
-    void run(Array x, Array a, Array b, Array cos, Array sin, int pos, std::vector<Array> conv_every_arg,
-             std::vector<Array> S_every_arg, std::vector<Array> seen_arg, bool lanes, NativeMtp* draft, bool bound) {
-        MOERUN_CHECK(!bound || (conv_every_arg.empty() && S_every_arg.empty() && seen_arg.empty()),
-                     "bound: conv_every, S_every and seen are the bound ones (bind_states)");
-        const std::vector<Array>& conv_every = bound ? bound_conv_ : conv_every_arg;
-        const std::vector<Array>& S_every = bound ? bound_S_ : S_every_arg;
-        const std::vector<Array>& seen = bound ? bound_seen_ : seen_arg;
+    void run(Array x, Array a, Array b, Array cos, Array sin, int pos, bool lanes, NativeMtp* draft) {
         for (const Array* t : {&x, &a, &b}) {
             if (bf16_)
                 MOERUN_CHECK(is_bf16(*t), "x, a, b: the stack's dtype (bf16, as uint16)");
@@ -1293,9 +1283,6 @@ class NativeStack {
                 check_dtype(*t, dtype_code::Float, 32, "x, a, b");
             check_shape(*t, {1, T_, H_}, "x, a, b");
         }
-        MOERUN_CHECK(conv_every.size() == S_every.size() && (conv_every.empty() || conv_every.size() == deltanets_),
-                     "conv_every, S_every: one each per DeltaNet layer, or none");
-        MOERUN_CHECK(seen.empty() || seen.size() == layers_.size(), "seen: one per layer, or none");
         // this pass's arguments, checked, into copies of each layer's (the stack is not changed:
         // another thread's pass on it would see none of this one's)
         thread_local std::vector<Layer> pass;
@@ -1315,24 +1302,12 @@ class NativeStack {
             } else {
                 c.dn = l.dn;
                 moerun::DeltaArgs& d = c.dn.d;
-                d.conv_every = d.S_every = nullptr;
-                if (!conv_every.empty()) {
-                    check_dtype(conv_every[j], dtype_code::Float, 32, "conv_every");
-                    check_dtype(S_every[j], dtype_code::Float, 32, "S_every");
-                    check_shape(conv_every[j], {1, T_, (size_t)d.C, (size_t)d.K - 1}, "conv_every");
-                    check_shape(S_every[j], {1, T_, (size_t)d.Hv, (size_t)d.Dk, (size_t)d.Dv}, "S_every");
-                    d.conv_every = (float*)conv_every[j].data();
-                    d.S_every = (float*)S_every[j].data();
-                }
+                d.conv_every = bound_conv_.empty() ? nullptr : (float*)bound_conv_[j].data();
+                d.S_every = bound_S_.empty() ? nullptr : (float*)bound_S_[j].data();
                 ++j;
             }
             c.moe_args = l.moe->a;
-            c.moe_args.seen = nullptr;
-            if (!seen.empty() && seen[i].size() > 0) {
-                MOERUN_CHECK(seen[i].dtype() == nb::dtype<uint8_t>(), "seen: must be uint8");
-                check_shape(seen[i], {(size_t)c.moe_args.E + 1}, "seen");
-                c.moe_args.seen = (uint8_t*)seen[i].data();
-            }
+            c.moe_args.seen = bound_seen_.empty() || bound_seen_[i].size() == 0 ? nullptr : (uint8_t*)bound_seen_[i].data();
         }
         const bool in_lanes = lanes && T_ > 1 && moerun::pool().size() >= moerun::kLanes;
         MOERUN_CHECK(!draft || (in_lanes && T_ == 2), "draft: a pass of 2 tokens in lanes (on two threads or more) only");
@@ -1367,12 +1342,32 @@ class NativeStack {
         }
     }
 
-    // The kept-state buffers and route masks of the passes to come (`run(bound=True)`), as
-    // run takes them; held until the next binding.
+    // The kept-state buffers and route masks of the passes to come, checked once and held until
+    // the next binding (where converting ~20 arrays at every pass cost ~30 us): conv_every,
+    // S_every: one each per DeltaNet layer (every token's states, kept for a rollback; T > 1)
+    // or none (in place); seen: per layer its experts' route mask [E + 1] uint8 or empty, or
+    // none at all (no layer has one).
     void bind_states(std::vector<Array> conv_every, std::vector<Array> S_every, std::vector<Array> seen) {
         MOERUN_CHECK(conv_every.size() == S_every.size() && (conv_every.empty() || conv_every.size() == deltanets_),
                      "conv_every, S_every: one each per DeltaNet layer, or none");
         MOERUN_CHECK(seen.empty() || seen.size() == layers_.size(), "seen: one per layer, or none");
+        size_t j = 0;
+        for (size_t i = 0; i < layers_.size(); ++i) {
+            const Layer& l = layers_[i];
+            if (!l.attn && !conv_every.empty()) {
+                const moerun::DeltaArgs& d = l.dn.d;
+                check_dtype(conv_every[j], dtype_code::Float, 32, "conv_every");
+                check_dtype(S_every[j], dtype_code::Float, 32, "S_every");
+                check_shape(conv_every[j], {1, T_, (size_t)d.C, (size_t)d.K - 1}, "conv_every");
+                check_shape(S_every[j], {1, T_, (size_t)d.Hv, (size_t)d.Dk, (size_t)d.Dv}, "S_every");
+            }
+            j += !l.attn;
+            if (!seen.empty() && seen[i].size() > 0) {
+                MOERUN_CHECK(l.moe != nullptr, "every layer needs its MoE half");
+                MOERUN_CHECK(seen[i].dtype() == nb::dtype<uint8_t>(), "seen: must be uint8");
+                check_shape(seen[i], {(size_t)l.moe->a.E + 1}, "seen");
+            }
+        }
         bound_conv_ = std::move(conv_every);
         bound_S_ = std::move(S_every);
         bound_seen_ = std::move(seen);
@@ -1598,8 +1593,7 @@ NB_MODULE(_native, m) {
         .def("add_deltanet", &NativeStack::add_deltanet)
         .def("add_moe", &NativeStack::add_moe)
         .def("run", &NativeStack::run, nb::arg("x"), nb::arg("a"), nb::arg("b"), nb::arg("cos"), nb::arg("sin"),
-             nb::arg("pos"), nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"), nb::arg("lanes") = false,
-             nb::arg("draft").none() = nb::none(), nb::arg("bound") = false)
+             nb::arg("pos"), nb::arg("lanes") = false, nb::arg("draft").none() = nb::none())
         .def("bind_states", &NativeStack::bind_states, nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"));
     nb::class_<NativeMtp>(m, "NativeMtp", "a one-layer MTP head's calls on one cache slot: its arguments checked once")
         .def(nb::init<Array, Array, float, Array, Array, int, Array, Array, int, Array, Array, int, Array, Array, int,

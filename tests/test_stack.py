@@ -212,8 +212,8 @@ def test_a_bad_token_id_is_an_error_in_the_native_pass_too(qwen3_path):
 
 
 def test_native_stack_refuses_bad_arguments(qwen3_path):
-    """`NativeStack.run` checks what a pass brings (activations, rope rows, position, kept
-    states, route masks): one clear ValueError each, nothing run."""
+    """`NativeStack.run` checks what a pass brings (activations, rope rows, position) and
+    `bind_states` the kept states and route masks: one clear ValueError each, nothing run."""
     import numpy as np
 
     import moerun
@@ -230,22 +230,30 @@ def test_native_stack_refuses_bad_arguments(qwen3_path):
     x, a, b = (np.zeros((1, 1, H), dtype=np.float32) for _ in range(3))
     rope = net.model.rope.float_rows(6, 1, torch.float32)
     seen = [np.zeros(0, dtype=np.uint8)] * len(experts)
-    native.run(x, a, b, *rope, 6, [], [], seen)  # as a pass makes it: runs
-    native.run(x, a, b, *rope, 6, [], [], [])  # (no route masks at all: the same)
+    native.bind_states([], [], seen)
+    native.run(x, a, b, *rope, 6)  # as a pass makes it: runs
+    native.bind_states([], [], [])
+    native.run(x, a, b, *rope, 6)  # (no route masks at all: the same)
 
     def bad(match, **change):
-        args = dict(x=x, a=a, b=b, cos=rope[0], sin=rope[1], pos=6, conv_every=[], S_every=[], seen=seen)
+        args = dict(x=x, a=a, b=b, cos=rope[0], sin=rope[1], pos=6)
         args.update(change)
         with pytest.raises(ValueError, match=match):
             native.run(**args)
+
+    def bad_states(match, **change):  # the kept states and route masks: checked as they are bound
+        args = dict(conv_every=[], S_every=[], seen=seen)
+        args.update(change)
+        with pytest.raises(ValueError, match=match):
+            native.bind_states(**args)
 
     bad("x, a, b", x=np.zeros((1, 2, H), dtype=np.float32))
     bad("x, a, b", b=np.zeros((1, 1, H), dtype=np.float64))
     bad("cos, sin", cos=np.zeros((2, rope[0].shape[1]), dtype=np.float32))
     bad("position outside the cache", pos=16)
-    bad("seen: one per layer", seen=seen[:1])
-    bad("seen", seen=[np.zeros(3, dtype=np.uint8)] * len(experts))
-    bad("conv_every, S_every", conv_every=[np.zeros(1, dtype=np.float32)])
+    bad_states("seen: one per layer", seen=seen[:1])
+    bad_states("seen", seen=[np.zeros(3, dtype=np.uint8)] * len(experts))
+    bad_states("conv_every, S_every", conv_every=[np.zeros(1, dtype=np.float32)])
 
 
 @pytest.mark.parametrize("dtype,quant", [("float32", None), ("bfloat16", None), ("float32", "int4")])

@@ -96,8 +96,7 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
         seen = [kernels._EMPTY_U8_NP if m is None else m for m in masks] if any(m is not None for m in masks) else []
         native.bind_states(conv_every, S_every, seen)
         kept_views[:] = [epochs, masks, kept]
-    native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope, p, [], [], [], lanes,
-               draft, True)
+    native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope, p, lanes, draft)
     for state, conv_all, S_all in kept:
         state.keep_every(conv=conv_all, recurrent=S_all)
     return b
