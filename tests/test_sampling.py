@@ -323,3 +323,31 @@ def test_eos_and_max_tokens():
     assert shown == "a" and s.finish_reason == "stop" and s.out_ids == [0]
     shown, s = run_seq(["a", "b", "c"], stop=(), max_tokens=2)
     assert shown == "ab" and s.finish_reason == "length"
+
+
+def test_residual_draw_matches_its_reference_and_its_law(monkeypatch):
+    """A rejected draft's replacement from norm(max(0, p - q)): the native draw equals the
+    numpy reference for every uniform (q below p at some ids, q covering p at all of them:
+    then p itself), never picks an id without weight, and follows the residual's law; and
+    `Uniforms.put_back` gives the same uniform again."""
+    from moerun.engine.sampling import residual_draw
+
+    g = torch.Generator().manual_seed(7)
+    p = torch.softmax(torch.randn(40, generator=g), 0)
+    q = torch.softmax(torch.randn(40, generator=g), 0)
+    covers = p * 2  # q >= p everywhere: the residual is empty and p itself is drawn
+    us = torch.rand(300, generator=g, dtype=torch.float64).tolist() + [0.0, 1.0 - 1e-12]
+    got = {name: [residual_draw(p, qq, u) for u in us] for name, qq in (("q", q), ("covers", covers))}
+    monkeypatch.setattr(kernels, "residual_draw", lambda *a: None)
+    want = {name: [residual_draw(p, qq, u) for u in us] for name, qq in (("q", q), ("covers", covers))}
+    monkeypatch.undo()
+    assert got == want
+    w = (p - q).clamp_min(0)
+    assert all(w[t] > 0 for t in got["q"]) and all(p[t] > 0 for t in got["covers"])
+    u = torch.rand(20000, generator=g, dtype=torch.float64).tolist()
+    counts = np.bincount([residual_draw(p, q, x) for x in u], minlength=40) / len(u)
+    assert np.abs(counts - (w / w.sum()).numpy()).max() < 0.015
+    un = Uniforms(torch.Generator().manual_seed(3))
+    first = un.next()
+    un.put_back(first)
+    assert un.next() == first
