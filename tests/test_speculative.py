@@ -788,3 +788,28 @@ def test_runs_keep_their_caches_and_plans(qwen):
         again.append(qwen.generate_ids([p], max_tokens=10, temperature=0.0)[0])
         net.__dict__.pop("_kept_runs")
     assert again == first
+
+
+def test_call_hooks_stand_for_a_call_only_where_they_can():
+    """`kernels.call_hooks`: a no-op for a net without hooks, split_threads' pre-hook called as
+    the net's call would, and None (the call must run) for any other hook on it or torch's."""
+    from moerun import kernels
+
+    net = torch.nn.Linear(2, 2)
+    assert kernels.call_hooks(net) is not None
+    calls = []
+    handle = net.register_forward_pre_hook(lambda m, a, k: calls.append(a[0].shape), with_kwargs=True)
+    net._split_threads = handle  # (as split_threads registers its own)
+    kernels.call_hooks(net)(torch.zeros(1, 2, dtype=torch.long))
+    assert calls == [torch.Size([1, 2])]
+    other = net.register_forward_pre_hook(lambda m, a: None)
+    assert kernels.call_hooks(net) is None
+    other.remove()
+    after = net.register_forward_hook(lambda m, a, o: None)
+    assert kernels.call_hooks(net) is None
+    after.remove()
+    glob = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: None)
+    try:
+        assert kernels.call_hooks(net) is None
+    finally:
+        glob.remove()

@@ -833,10 +833,9 @@ class SpeculativeDecoder:
         b, s = active[0], seqs[active[0]]
         net = self.net
         # the pass goes to `draft_pass` as the model's forward would go to `model_pass`, past
-        # its call: only where the one hook on it is split_threads' (called here as the call would)
-        threads = getattr(net, "_split_threads", None)
-        pre = net._forward_pre_hooks
-        if net._forward_hooks or kernels.has_hooks() or (pre and (threads is None or list(pre) != [threads.id])):
+        # its call: only where the call's hooks can be made here
+        hooks = kernels.call_hooks(net)
+        if hooks is None:
             return None
         native, hidden, logits, picks, pick, prob, q = fused
         ph = pend_h[b]
@@ -858,8 +857,7 @@ class SpeculativeDecoder:
             return None
         for layer in recurrent:
             layer.positions.clear()
-        if pre:
-            pre[threads.id](net, (_TWO_IDS,), {})
+        hooks(_TWO_IDS)
         tracker.start_pass("verify")  # (none ran if the pass does not apply: the next start clears it)
         if not draft_pass(net, first[0], self.cache, slots, self.plans.get("plans"), native):
             for u in reversed(us):

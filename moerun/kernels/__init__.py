@@ -395,6 +395,23 @@ def split_threads(net: torch.nn.Module, threads: int | None = None, max_tokens: 
     return True
 
 
+def call_hooks(net: torch.nn.Module):
+    """For a caller that runs a net's decode pass past its call (speculative decoding's drafted
+    passes, `layers.stack.draft_pass`): a function of the pass's input ids that does what
+    calling the net would before its forward (split_threads' pre-hook, where it has one), or
+    None where the net or torch holds any other hook (the call must run them)."""
+    if net._forward_hooks or has_hooks():
+        return None
+    pre = net._forward_pre_hooks
+    handle = getattr(net, "_split_threads", None)
+    if not pre:
+        return lambda ids: None
+    if handle is None or list(pre) != [handle.id]:
+        return None
+    hook = pre[handle.id]
+    return lambda ids: hook(net, (ids,), {})
+
+
 # -- quantized linear ----------------------------------------------------------------------
 
 def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: str, in_features: int,
