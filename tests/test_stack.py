@@ -154,6 +154,36 @@ def qwen3_5_path(tmp_path_factory):
     return path
 
 
+def qwen3_5_passes(net, plans, slot: int, widths: tuple, seed: int, masks=()) -> tuple:
+    """A prompt of 8 into `slot` of a 2-slot cache, then passes of `widths` tokens (every
+    token's DeltaNet states kept, as verification keeps them) -> (every pass's logits, with the
+    final hidden state where `masks`, the kept states, the route masks of each `masks` experts
+    module per pass, the slot's final recurrent states)."""
+    from moerun.engine.cache import Cache, RecurrentState
+
+    kv = net.model.embed_tokens.weight.dtype
+    n = 8 + sum(widths)
+    ids = torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(seed))
+    cache = Cache(net.cache_spec(), 2, n + 8, kv)
+    rec = [layer for layer in cache.layers if isinstance(layer, RecurrentState)]
+    for layer in rec:
+        layer.positions = {}
+    s = torch.tensor([slot])
+    kw = {} if plans is None else {"plans": plans}
+    out, kept, seen = [net(ids[:, :8], cache, s, **kw)], [], []
+    i = 8
+    for T in widths:
+        for e in masks:
+            e.routes_seen = np.zeros(e.num_experts + 1, dtype=np.uint8)
+        got = net(ids[:, i : i + T], cache, s, return_hidden=bool(masks), **kw)
+        out += list(got) if masks else [got]
+        kept += [t.clone() for layer in rec for t in layer.positions.values()]
+        seen += [e.__dict__.pop("routes_seen").copy() for e in masks]
+        i += T
+    states = [layer.tensors[name][slot].clone() for layer in rec for name in ("conv", "recurrent")]
+    return out, kept, seen, states
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quant", [None, "int4"])
 @pytest.mark.parametrize("slot", [0, 1])
@@ -162,26 +192,12 @@ def test_qwen3_5_stack_keeps_logits_and_states(qwen3_5_path, dtype, quant, slot,
     states kept for a rollback (passes of three) as the modules, in slot 0 (whose states the
     modules update as views) and slot 1 (which they gather and write back)."""
     import moerun
-    from moerun.engine.cache import Cache, RecurrentState
 
     net = moerun.load(qwen3_5_path, dtype=dtype, threads=1, quant=quant).net
-    kv = net.model.embed_tokens.weight.dtype
     ran = counting(monkeypatch)
 
     def run(plans):
-        ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(4))
-        cache = Cache(net.cache_spec(), 2, 32, kv)
-        rec = [layer for layer in cache.layers if isinstance(layer, RecurrentState)]
-        for layer in rec:
-            layer.positions = {}
-        s = torch.tensor([slot])
-        kw = {} if plans is None else {"plans": plans}
-        out, kept = [net(ids[:, :8], cache, s, **kw)], []
-        for i, T in ((8, 1), (9, 3), (12, 1), (13, 3), (16, 1), (17, 3), (20, 1)):
-            out.append(net(ids[:, i : i + T], cache, s, **kw))
-            kept += [t.clone() for layer in rec for t in layer.positions.values()]
-        states = [layer.tensors[n][slot].clone() for layer in rec for n in ("conv", "recurrent")]
-        return out, kept, states
+        return qwen3_5_passes(net, plans, slot, (1, 3, 1, 3, 1, 3, 1), seed=4)
 
     with torch.inference_mode():
         want = run(None)
@@ -263,33 +279,16 @@ def test_lanes_are_bit_identical_to_the_modules(qwen3_5_path, dtype, quant, monk
     recurrent states, per-token states kept for a rollback and route masks as the modules,
     and as the stack split by rows (lanes off)."""
     import moerun
-    from moerun.engine.cache import Cache, RecurrentState
 
     net = moerun.load(qwen3_5_path, dtype=dtype, threads=2, quant=quant).net
     torch.set_num_threads(2)
-    kv = net.model.embed_tokens.weight.dtype
     experts = [layer.mlp.experts for layer in net.model.layers]
     chose = []
     real = stack._lanes
     monkeypatch.setattr(stack, "_lanes", lambda small, T: chose.append((T, real(small, T))) or chose[-1][1])
 
     def run(plans):
-        ids = torch.randint(0, 97, (1, 32), generator=torch.Generator().manual_seed(5))
-        cache = Cache(net.cache_spec(), 2, 40, kv)
-        rec = [layer for layer in cache.layers if isinstance(layer, RecurrentState)]
-        for layer in rec:
-            layer.positions = {}
-        s = torch.tensor([1])
-        kw = {} if plans is None else {"plans": plans}
-        out, kept, masks = [net(ids[:, :8], cache, s, **kw)], [], []
-        for i, T in ((8, 1), (9, 2), (11, 4), (15, 2), (17, 4), (21, 3), (24, 2), (26, 1), (27, 4)):
-            for e in experts:
-                e.routes_seen = np.zeros(e.num_experts + 1, dtype=np.uint8)
-            out += list(net(ids[:, i : i + T], cache, s, return_hidden=True, **kw))
-            kept += [t.clone() for layer in rec for t in layer.positions.values()]
-            masks += [e.__dict__.pop("routes_seen").copy() for e in experts]
-        states = [layer.tensors[n][1].clone() for layer in rec for n in ("conv", "recurrent")]
-        return out, kept, masks, states
+        return qwen3_5_passes(net, plans, 1, (1, 2, 4, 2, 4, 3, 2, 1, 4), seed=5, masks=experts)
 
     try:
         with torch.inference_mode():
