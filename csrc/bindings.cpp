@@ -838,13 +838,14 @@ class NativeMtp {
     // Drafts made inside a stack's 2-token verification pass (NativeStack.run(..., draft=)):
     // `stage` readies `run`'s call on the pending pairs (checked, inputs widened); the pass's
     // lane 1 makes it while lane 0 takes the pass's first token through the trunk, picks the
-    // draft greedily from the head's logits (the repetition penalty on `history`, as
-    // greedy_picks picks from the logits as a bf16 model's array holds them) into pick [1]
-    // int64 and prob [1] float32 (its softmax probability), and takes the pick's row of the
+    // draft from the head's logits (the repetition penalty on `history`; greedy as
+    // greedy_picks picks from the logits as a bf16 model's array holds them, or sampled)
+    // into pick [1] int64 and prob [1] float32 (its probability), and takes the pick's row of the
     // trunk's embedding through the trunk as the pass's second token; after the pass, both
-    // positions' final norm, LM head and greedy picks (the second's penalty on the draft too)
-    // are what model_pass and greedy_picks would give: hidden_out [2, H] and logits_out
-    // [2, V] in the model's dtype, picks_out [2] int64. `bind_draft` takes what stays the same
+    // positions' final norm, LM head and checks (greedy picks, the second's penalty on the
+    // draft too, or a sampled draft's test: `stage`) are what model_pass and the samplers
+    // would give: hidden_out [2, H] and logits_out [2, V] in the model's dtype, picks_out [2]
+    // int64. `bind_draft` takes what stays the same
     // from step to step (seen: the head's experts' route mask, or empty; the trunk's
     // embedding [V, H], final norm and LM head).
     void bind_draft(Array seen, Array trunk_embed, Array norm_w, float norm_eps, float norm_offset, Array lm_w,
@@ -900,16 +901,14 @@ class NativeMtp {
 
     // The next draft (`bind_draft`): the head's call on tokens [T] and hidden [T, H] (the
     // pending pairs) at positions pos.. (cos, sin [T, rd]), its pick penalised on history
-    // (int64 ids): greedy for u < 0, else sampled as sample_row samples with u, temperature,
-    // top-k, top-p and min-p, the head's distribution into q [V] float32 and the draft's
-    // probability under it into prob; the pass's picks are then not made (the trunk's
-    // distributions check a sampled draft).
-    // A sampled draft's check comes after the pass, as speculative sampling makes it with the
-    // row's next two uniforms: accepted when check_u * q[draft] < p[draft] (p the trunk's
-    // distribution at the first position, sample_row's), then the token after it sampled
-    // from the second position's distribution with next_u; else its replacement drawn from
-    // norm(max(0, p - q)) with next_u (residual_draw): picks_out = [drafts accepted (0 or
-    // 1), the token that follows].
+    // (int64 ids). Greedy for u < 0; else sampled as sample_row samples with u, temperature,
+    // top-k, top-p and min-p (the head's distribution into q [V] float32, the draft's
+    // probability under it into prob), and checked after the pass as speculative sampling
+    // checks it with the row's next two uniforms: accepted when check_u * q[draft] <
+    // p[draft] (p the trunk's distribution at the first position, sample_row's), then the
+    // token after it sampled from the second position's distribution with next_u; else its
+    // replacement drawn from norm(max(0, p - q)) with next_u (residual_draw): picks_out =
+    // [drafts accepted (0 or 1), the token that follows] in place of the greedy picks.
     void stage(Array tokens, Array hidden, Array cos, Array sin, int pos, Array history, float penalty, float u,
                float temperature, int top_k, float top_p, float min_p, double check_u, double next_u) {
         MOERUN_CHECK(draft_, "stage: no draft bound (NativeMtp.bind_draft)");
@@ -965,8 +964,9 @@ class NativeMtp {
 
     // After the pass: its two positions' outputs y[t] (float32, row t at y + t * stride)
     // through the final norm and the LM head, as model_pass computes them (a bf16 model's
-    // normed state and logits rounded where its bf16 arrays hold them), and the greedy
-    // picks at both (the second penalised on the draft too, greedy_picks' extra per row).
+    // normed state and logits rounded where its bf16 arrays hold them), and the checks: the
+    // greedy picks at both (the second penalised on the draft too, greedy_picks' extra per
+    // row), or a sampled draft's test (`stage`).
     void finish_staged(const float* y, size_t stride) {
         Draft& d = *draft_;
         const size_t H = H_, V = d.V;

@@ -30,6 +30,7 @@ struct DeltaWork {
     std::vector<float> h, proj, o;  // deltanet_block_decode's normed input, projections and DeltaNet output
 };
 DeltaWork& delta_work() {  // one op at a time per lane (bindings hold a mutex; op_lane)
+    static_assert(kLanes == 2, "one DeltaWork per lane");
     static DeltaWork* w[kLanes] = {new DeltaWork(), new DeltaWork()};
     return *w[op_lane()];
 }

@@ -102,6 +102,7 @@ struct Workspace {
     std::vector<float> mtp[4];  // an MTP step's normed inputs, fc's output, the attention half's, the MoE half's
 };
 Workspace& ws() {  // one per lane (op_lane)
+    static_assert(kLanes == 2, "one Workspace per lane");
     static Workspace* w[kLanes] = {new Workspace(), new Workspace()};
     return *w[op_lane()];
 }
