@@ -28,14 +28,18 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, sp
         # warm-up, on the caches and plans the timed run then takes as a generation run would
         # take an earlier run's (`kept_run`): first calls allocate and pick kernels, a run's
         # first decode passes make its plans and native stack
-        (warm,), plans, release = kept_run(net, "bench", specs, 1, prompt_tokens + gen_tokens, llm.dtype, llm.kv_dtype)
+        def step(ids, cache, plans):
+            return net(ids, cache, last_only=True, **plans)[:, -1].argmax(-1, keepdim=True)
+
+        run = (net, "bench", specs, 1, prompt_tokens + gen_tokens, llm.dtype, llm.kv_dtype)
+        (warm,), plans, release = kept_run(*run)
         try:
-            tok = net(torch.randint(0, vocab, (1, 4), generator=g), warm, last_only=True, **plans)[:, -1].argmax(-1, keepdim=True)
+            tok = step(torch.randint(0, vocab, (1, 4), generator=g), warm, plans)
             for _ in range(3):
-                tok = net(tok, warm, last_only=True, **plans)[:, -1].argmax(-1, keepdim=True)
+                tok = step(tok, warm, plans)
         finally:
             release()
-        (cache,), plans, release = kept_run(net, "bench", specs, 1, prompt_tokens + gen_tokens, llm.dtype, llm.kv_dtype)
+        (cache,), plans, release = kept_run(*run)
         try:
             t0 = time.perf_counter()
             logits = net(prompt, cache, last_only=True, **plans)
@@ -43,7 +47,7 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, sp
             tok = logits[:, -1].argmax(-1, keepdim=True)
             t0 = time.perf_counter()
             for _ in range(gen_tokens):
-                tok = net(tok, cache, last_only=True, **plans)[:, -1].argmax(-1, keepdim=True)
+                tok = step(tok, cache, plans)
             decode_s = time.perf_counter() - t0
         finally:
             release()
