@@ -107,7 +107,11 @@ def main(argv=None):
         rng = np.random.default_rng(0) if i < 0 else draw  # i < 0: the bits check's fixed inputs
         for _ in range(1 if i < 0 else 20):
             ids = rng.permutation(E)[:K][None].astype(np.int64)
-            m.moe_experts(xe, ids, we, *layers[int(rng.integers(len(layers)))], out, formats.FORMATS["int4"], I)
+            w = layers[int(rng.integers(len(layers)))]
+            try:  # builds since one path for the store take each weight as a list (a stack, or one array per expert)
+                m.moe_experts(xe, ids, we, *[[t] for t in w], out, formats.FORMATS["int4"], I)
+            except TypeError:
+                m.moe_experts(xe, ids, we, *w, out, formats.FORMATS["int4"], I)
 
     jobs.append(("routed experts of a decode step (8 of 128, int4), from memory, each", experts, (1, H), 20))
     print(f"this build vs {a.other}, {a.threads} threads, median of {a.rounds} alternating rounds (us)")

@@ -227,32 +227,6 @@ std::tuple<size_t, size_t, size_t> routed_tokens(const Array& x, const Array& id
     return {T, H, K};
 }
 
-void moe_experts(Array x, Array ids, Array weights, Array gq, Array gs, Array uq, Array us, Array dq, Array ds,
-                 Array out, int fmt, int intermediate) {
-    check_fmt(fmt);
-    const auto [T, H, K] = routed_tokens(x, ids, weights);
-    MOERUN_CHECK(gq.ndim() == 3, "gate must be [E, I, bytes per row]");
-    const size_t E = gq.shape(0), I = (size_t)intermediate;
-    MOERUN_CHECK(gq.shape(1) == I, "gate: dimension 1 must be the expert width");
-    const int nbH = moerun::blocks_of((int)H), nbI = moerun::blocks_of((int)I);
-    check_qweight(gq, fmt, {E, I}, nbH, "gate");
-    check_qweight(uq, fmt, {E, I}, nbH, "up");
-    check_qweight(dq, fmt, {E, H}, nbI, "down");
-    check_scales(gs, {E, I}, nbH, "gate scales");
-    check_scales(us, {E, I}, nbH, "up scales");
-    check_scales(ds, {E, H}, nbI, "down scales");
-    check_shape(out, {T, H}, "out");
-    ActIn xin(x, "x");
-    ActOut o(out, "out");
-    nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
-    moerun::moe_experts(fmt, (int)T, (int)H, (int)I, (int)E, (int)K, xin.p,
-                        (const int64_t*)ids.data(), (const float*)weights.data(), (const uint8_t*)gq.data(),
-                        (const uint16_t*)gs.data(), (const uint8_t*)uq.data(), (const uint16_t*)us.data(),
-                        (const uint8_t*)dq.data(), (const uint16_t*)ds.data(), o.p);
-    o.finish();
-}
-
 // Routed experts' weights as the ops take them: gate, up and down each a list of one stack
 // ([E, I, row] and [E, H, row]) or of one array per expert ([I, row] and [H, row], wherever
 // each lies), in fmt: float32 or bf16 (as uint16) rows of H / I values with no scales (the
@@ -302,6 +276,26 @@ std::pair<std::vector<moerun::ExpertW>, size_t> expert_table(int fmt, size_t H, 
                  fl ? nullptr : (const uint16_t*)ds[j].data() + k * dsn};
     }
     return {std::move(ex), I};
+}
+
+// Fused routed experts in int4 / int8 (fmt): out[T, H] = sum_k weights[t, k] * SwiGLU expert
+// ids[t, k] applied to x[t]. gate, up, down and their scales each come as a list: one stack
+// ([E, I, row] / [E, H, row], scales [E, rows, blocks]) or one array per expert (wherever each lies).
+void moe_experts(Array x, Array ids, Array weights, std::vector<Array> gq, std::vector<Array> gs,
+                 std::vector<Array> uq, std::vector<Array> us, std::vector<Array> dq, std::vector<Array> ds,
+                 Array out, int fmt, int intermediate) {
+    check_fmt(fmt);
+    const auto [T, H, K] = routed_tokens(x, ids, weights);
+    const auto [ex, I] = expert_table(fmt, H, gq, gs, uq, us, dq, ds);
+    MOERUN_CHECK(I == (size_t)intermediate, "gate: dimension 1 must be the expert width");
+    check_shape(out, {T, H}, "out");
+    ActIn xin(x, "x");
+    ActOut o(out, "out");
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::moe_experts(fmt, (int)T, (int)H, (int)I, (int)ex.size(), (int)K, xin.p, (const int64_t*)ids.data(),
+                        (const float*)weights.data(), ex.data(), o.p);
+    o.finish();
 }
 
 // moe_experts with unquantized weights, all float32 or all bf16 (as uint16); the activations
@@ -536,12 +530,77 @@ void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf,
     o.finish();
 }
 
+// Routed experts found pass by pass by a Python object (an expert store's,
+// `experts.attach.StoreSource`): `fetch(ids, T)` with the pass's ids [T * K] int64 returns
+// (needed: the distinct ids, gate, gate scales, up, up scales, down, down scales: one array per
+// needed expert each, as `expert_table` takes them, the scales' lists empty for float experts);
+// `release(ok)` hands them back once the pass has read them. Both run with the GIL taken again
+// (the pass released it); the arrays are held until then.
+struct PyExpertSource final : moerun::ExpertSource {
+    nb::object obj, held;
+    int fmt;
+    size_t E, H, inter;
+    std::vector<moerun::ExpertW> table;
+
+    PyExpertSource(nb::object o, int fmt_, size_t E_, size_t H_, size_t I_)
+        : obj(std::move(o)), fmt(fmt_), E(E_), H(H_), inter(I_), table(E_) {}
+    ~PyExpertSource() override {
+        nb::gil_scoped_acquire g;
+        obj.reset();
+        held.reset();
+    }
+
+    const moerun::ExpertW* fetch(int T, int K, const int64_t* ids) override {
+        nb::gil_scoped_acquire g;
+        const size_t n = (size_t)T * K;
+        auto* copy = new int64_t[n];
+        std::memcpy(copy, ids, n * sizeof(int64_t));
+        nb::capsule owner(copy, [](void* p) noexcept { delete[] (int64_t*)p; });
+        nb::object r = obj.attr("fetch")(nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>(copy, {n}, owner), T);
+        MOERUN_CHECK(nb::isinstance<nb::tuple>(r) && nb::len(r) == 7,
+                     "expert source: fetch returns (needed, gate, gs, up, us, down, ds)");
+        auto needed = nb::cast<std::vector<int64_t>>(r[0]);
+        std::vector<Array> w[6];
+        for (int j = 0; j < 6; ++j)
+            for (nb::handle a : r[j + 1]) w[j].push_back(nb::cast<Array>(a, false));
+        std::fill(table.begin(), table.end(), moerun::ExpertW{});
+        if (!needed.empty()) {
+            auto [ex, I] = expert_table(fmt, H, w[0], w[1], w[2], w[3], w[4], w[5]);
+            MOERUN_CHECK(ex.size() == needed.size() && I == inter, "expert source: one expert's weights per needed id");
+            for (size_t j = 0; j < needed.size(); ++j) {
+                MOERUN_CHECK(needed[j] >= 0 && (size_t)needed[j] < E, "expert source: an id out of range");
+                table[needed[j]] = ex[j];
+            }
+        }
+        for (size_t i = 0; i < n; ++i)
+            MOERUN_CHECK(table[ids[i]].gate != nullptr, "expert source: a routed expert was not given");
+        held = std::move(r);
+        return table.data();
+    }
+
+    void done(bool ok) override {
+        nb::gil_scoped_acquire g;
+        held.reset();
+        if (ok) {
+            obj.attr("release")(true);
+            return;
+        }
+        try {  // the pass failed already: its error is the one to see
+            obj.attr("release")(false);
+        } catch (nb::python_error& e) {
+            e.discard_as_unraisable("moerun expert source release");
+        }
+    }
+};
+
 // A MoE half's weights and settings for T tokens of H, checked (moe_block's norm_w ...
 // shared_gate) into `a` (x, y and the observed outputs left null); `ex` and `sw` hold the
-// experts' table and the shared expert's weights it points into.
+// experts' table and the shared expert's weights it points into, `src` the experts' source
+// where they are found pass by pass.
 struct MoeCall {
     moerun::MoeBlockArgs a{};
     std::vector<moerun::ExpertW> ex;
+    std::unique_ptr<PyExpertSource> src;
     std::vector<moerun::QWeight> sw;
     // h_out, ids_out, w_out (`observe`): a bf16 model's h and weights before their (exact) rounding
     std::optional<ActOut> ho, wo;
@@ -551,7 +610,7 @@ void moe_block_args(MoeCall& c, size_t T, size_t H, bool round_bf16, const Array
                     float norm_offset, const Array& router, int K, bool renorm, int efmt,
                     const std::vector<Array>& gate, const std::vector<Array>& gs, const std::vector<Array>& up,
                     const std::vector<Array>& us, const std::vector<Array>& down, const std::vector<Array>& ds,
-                    const std::vector<Array>& shared, const std::vector<Array>& shared_s,
+                    const nb::object& source, const std::vector<Array>& shared, const std::vector<Array>& shared_s,
                     const std::vector<int>& shared_fmts, const Array& shared_gate) {
     check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
     check_shape(norm_w, {H}, "norm_w");
@@ -559,8 +618,19 @@ void moe_block_args(MoeCall& c, size_t T, size_t H, bool round_bf16, const Array
     MOERUN_CHECK(router.ndim() == 2 && router.shape(1) == H && router.shape(0) >= 1, "router must be [E, H]");
     const size_t E = router.shape(0);
     MOERUN_CHECK(K >= 1 && (size_t)K <= E, "K must be between 1 and the number of experts");
-    auto [ex, I] = expert_table(efmt, H, gate, gs, up, us, down, ds);
-    MOERUN_CHECK(ex.size() == E, "experts: as many as the router's rows");
+    std::vector<moerun::ExpertW> ex;
+    size_t I;
+    if (source.is_none()) {
+        std::tie(ex, I) = expert_table(efmt, H, gate, gs, up, us, down, ds);
+        MOERUN_CHECK(ex.size() == E, "experts: as many as the router's rows");
+    } else {
+        MOERUN_CHECK(gate.empty() && gs.empty() && up.empty() && us.empty() && down.empty() && ds.empty(),
+                     "experts: weights or a source, not both");
+        if (!moerun::is_float_fmt(efmt)) check_fmt(efmt);
+        I = nb::cast<size_t>(source.attr("inter"));
+        MOERUN_CHECK(I >= 1, "expert source: inter must be positive");
+        c.src = std::make_unique<PyExpertSource>(source, efmt, E, H, I);
+    }
     MOERUN_CHECK(shared.empty() || (shared.size() == 3 && shared_s.size() == 3 && shared_fmts.size() == 3),
                  "shared: none, or gate, up, down with their scales and fmts");
     size_t Is = 0;
@@ -589,7 +659,8 @@ void moe_block_args(MoeCall& c, size_t T, size_t H, bool round_bf16, const Array
     a.eps = eps;
     a.router = (const float*)router.data();
     a.efmt = efmt;
-    a.experts = c.ex.data();
+    a.experts = c.src ? nullptr : c.ex.data();
+    a.source = c.src.get();
     if (!c.sw.empty()) {
         a.sg = &c.sw[0];
         a.su = &c.sw[1];
@@ -640,15 +711,15 @@ void moe_observed_finish(MoeCall& c) {
 // [T, K] int64 are filled when not empty (what the separate ops would hand their hooks).
 void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router, int K, bool renorm, int efmt,
                std::vector<Array> gate, std::vector<Array> gs, std::vector<Array> up, std::vector<Array> us,
-               std::vector<Array> down, std::vector<Array> ds, std::vector<Array> shared, std::vector<Array> shared_s,
-               std::vector<int> shared_fmts, Array shared_gate, Array out, Array h_out, Array ids_out, Array w_out,
-               Array seen) {
+               std::vector<Array> down, std::vector<Array> ds, nb::object source, std::vector<Array> shared,
+               std::vector<Array> shared_s, std::vector<int> shared_fmts, Array shared_gate, Array out, Array h_out,
+               Array ids_out, Array w_out, Array seen) {
     MOERUN_CHECK(x.ndim() == 2, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
     MOERUN_CHECK(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
     MoeCall c;
     moe_block_args(c, T, H, is_bf16(out), norm_w, eps, norm_offset, router, K, renorm, efmt, gate, gs, up, us, down, ds,
-                   shared, shared_s, shared_fmts, shared_gate);
+                   source, shared, shared_s, shared_fmts, shared_gate);
     check_shape(out, {T, H}, "out");
     moe_observe(c, h_out, ids_out, w_out, seen);
     ActIn xin(x, "x");
@@ -770,7 +841,8 @@ class NativeMtp {
               float eps, Array cos, Array sin, Array kc, Array vc, int Hq, float scale, bool gated, Array in_norm,
               float in_offset, float in_eps, Array moe_norm_w, float moe_eps, float moe_norm_offset, Array router,
               int K, bool renorm, int efmt, std::vector<Array> gate, std::vector<Array> gs, std::vector<Array> up,
-              std::vector<Array> us, std::vector<Array> down, std::vector<Array> ds, std::vector<Array> shared,
+              std::vector<Array> us, std::vector<Array> down, std::vector<Array> ds,
+              std::optional<nb::object> source, std::vector<Array> shared,
               std::vector<Array> shared_s, std::vector<int> shared_fmts, Array shared_gate, Array norm_w,
               float norm_eps, float norm_offset, Array hw, Array hs, int hf)
         : embed_(embed) {
@@ -785,7 +857,7 @@ class NativeMtp {
         a_.attn = attn_block_args(1, H_, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps, cos, sin, kc, vc, 0,
                                   Hq, scale, gated, in_norm, in_offset, in_eps, bf16_);
         moe_block_args(c_, 1, H_, bf16_, moe_norm_w, moe_eps, moe_norm_offset, router, K, renorm, efmt, gate, gs, up, us,
-                       down, ds, shared, shared_s, shared_fmts, shared_gate);
+                       down, ds, source.value_or(nb::none()), shared, shared_s, shared_fmts, shared_gate);
         check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
         check_shape(norm_w, {H_}, "norm_w");
         MOERUN_CHECK(hw.ndim() == 2, "head must be [V, row]");
@@ -1257,12 +1329,13 @@ class NativeStack {
 
     void add_moe(Array norm_w, float eps, float norm_offset, Array router, int K, bool renorm, int efmt,
                  std::vector<Array> gate, std::vector<Array> gs, std::vector<Array> up, std::vector<Array> us,
-                 std::vector<Array> down, std::vector<Array> ds, std::vector<Array> shared,
-                 std::vector<Array> shared_s, std::vector<int> shared_fmts, Array shared_gate) {
+                 std::vector<Array> down, std::vector<Array> ds, std::optional<nb::object> source,
+                 std::vector<Array> shared, std::vector<Array> shared_s, std::vector<int> shared_fmts,
+                 Array shared_gate) {
         MOERUN_CHECK(!layers_.empty() && !layers_.back().moe, "a MoE half follows an attention or DeltaNet half");
         auto c = std::make_unique<MoeCall>();
         moe_block_args(*c, T_, H_, bf16_, norm_w, eps, norm_offset, router, K, renorm, efmt, gate, gs, up, us, down, ds,
-                       shared, shared_s, shared_fmts, shared_gate);
+                       source.value_or(nb::none()), shared, shared_s, shared_fmts, shared_gate);
         keep_.insert(keep_.end(), {norm_w, router, shared_gate});
         for (const auto* v : {&gate, &gs, &up, &us, &down, &ds, &shared, &shared_s}) keep_.insert(keep_.end(), v->begin(), v->end());
         layers_.back().moe = std::move(c);
@@ -1310,6 +1383,8 @@ class NativeStack {
             c.moe_args.seen = bound_seen_.empty() || bound_seen_[i].size() == 0 ? nullptr : (uint8_t*)bound_seen_[i].data();
         }
         const bool in_lanes = lanes && T_ > 1 && moerun::pool().size() >= moerun::kLanes;
+        for (const Layer& l : layers_)  // a source's fetch runs in the pass's own thread, one layer at a time
+            MOERUN_CHECK(!in_lanes || !l.moe || !l.moe->src, "lanes: not with experts from a source");
         MOERUN_CHECK(!draft || (in_lanes && T_ == 2), "draft: a pass of 2 tokens in lanes (on two threads or more) only");
         MOERUN_CHECK(!draft || draft->staged(), "draft: nothing staged (NativeMtp.stage)");
         nb::gil_scoped_release release;
@@ -1575,8 +1650,8 @@ NB_MODULE(_native, m) {
           "a few tokens per row through a Gated DeltaNet layer's conv, delta rule and gated norm (float32)");
     m.def("moe_block", &moe_block, nb::arg("x"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("norm_offset"),
           nb::arg("router"), nb::arg("k"), nb::arg("renorm"), nb::arg("efmt"), nb::arg("gate"), nb::arg("gate_scales"),
-          nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"), nb::arg("shared"),
-          nb::arg("shared_scales"), nb::arg("shared_fmts"), nb::arg("shared_gate"), nb::arg("out"), nb::arg("h_out"),
+          nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"),
+          nb::arg("source").none(), nb::arg("shared"), nb::arg("shared_scales"), nb::arg("shared_fmts"), nb::arg("shared_gate"), nb::arg("out"), nb::arg("h_out"),
           nb::arg("ids_out"), nb::arg("w_out"), nb::arg("seen"),
           "the MoE half of a decoder layer for a few tokens: out = x + experts(h) [+ shared expert(h)], h = RMSNorm(x), "
           "softmax top-k routing");
@@ -1600,7 +1675,7 @@ NB_MODULE(_native, m) {
                       Array, Array, int, Array, Array, float, Array, Array, Array, Array, int, float, bool, Array, float,
                       float, Array, float, float, Array, int, bool, int, std::vector<Array>, std::vector<Array>,
                       std::vector<Array>, std::vector<Array>, std::vector<Array>, std::vector<Array>,
-                      std::vector<Array>, std::vector<Array>, std::vector<int>, Array, Array, float, float, Array,
+                      std::optional<nb::object>, std::vector<Array>, std::vector<Array>, std::vector<int>, Array, Array, float, float, Array,
                       Array, int>())
         .def("run", &NativeMtp::run, nb::arg("tokens"), nb::arg("hidden"), nb::arg("cos"), nb::arg("sin"),
              nb::arg("pos"), nb::arg("h_out"), nb::arg("ids_out"), nb::arg("w_out"), nb::arg("seen"), nb::arg("h"),
@@ -1618,5 +1693,6 @@ NB_MODULE(_native, m) {
     m.def("moe_experts", &moe_experts, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("gate_scales"), nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"),
           nb::arg("out"), nb::arg("fmt"), nb::arg("intermediate"),
-          "out[T, H] = sum_k weights[t, k] * SwiGLU expert ids[t, k] applied to x[t], quantized experts");
+          "out[T, H] = sum_k weights[t, k] * SwiGLU expert ids[t, k] applied to x[t], quantized experts (each weight "
+          "a list: one stack or one array per expert)");
 }

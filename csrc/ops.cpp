@@ -273,7 +273,19 @@ void moe_block_decode(const MoeBlockArgs& a) {
         a.seen[a.E] = (uint8_t)a.K;
     }
     round_bf16_if(a.round_bf16, w, nk);
-    moe_experts(a.efmt, a.T, a.H, a.I, a.E, a.K, h, ids, w, a.experts, e);
+    if (a.source) {
+        // the source's experts are handed back however the pass ends
+        struct Back {
+            ExpertSource* s;
+            bool ok = false;
+            ~Back() { if (!ok) s->done(false); }
+        } back{a.source};
+        moe_experts(a.efmt, a.T, a.H, a.I, a.E, a.K, h, ids, w, a.source->fetch(a.T, a.K, ids), e);
+        back.ok = true;
+        a.source->done(true);
+    } else {
+        moe_experts(a.efmt, a.T, a.H, a.I, a.E, a.K, h, ids, w, a.experts, e);
+    }
     round_bf16_if(a.round_bf16, e, n);
     if (a.sg) {  // the block adds the shared expert's output to the experts' (both in bf16 for a bf16 model)
         W.shared_out.resize(n);

@@ -173,6 +173,16 @@ inline void attn_block_decode(const AttnBlockArgs& a, const float* x, float* out
 // the experts' sum, the shared expert's output, their sum, y), so y is bit-identical to them.
 // h_out, ids_out, w_out (each may be null) receive h, the ids [T, K] and the weights [T, K].
 // seen (null, or E + 1 bytes: a route mask) gets a 1 at each routed expert and K at [E].
+// Routed experts that are found pass by pass (an expert store's, wherever each lies): a MoE
+// half asks for the experts its routing picked, reads them in place, and hands them back.
+struct ExpertSource {
+    virtual ~ExpertSource() = default;
+    // the table [E] with at least the entries of ids [T * K] filled; valid until done()
+    virtual const ExpertW* fetch(int T, int K, const int64_t* ids) = 0;
+    // the pass is over (ok: its experts ran; otherwise it failed and must not throw again)
+    virtual void done(bool ok) = 0;
+};
+
 struct MoeBlockArgs {
     int T, H, E, K, I, Is;
     bool renorm, round_bf16;
@@ -181,7 +191,8 @@ struct MoeBlockArgs {
     float norm_offset, eps;
     const float* router;                // [E, H]
     int efmt;
-    const ExpertW* experts;             // [E]
+    const ExpertW* experts;             // [E], or null with a source
+    ExpertSource* source;               // or null: the experts are all in `experts`
     const QWeight *sg, *su, *sd;        // the shared expert, or null
     const float* shared_gate;           // [H] or null
     float* y;                           // [T, H]

@@ -614,3 +614,97 @@ def test_demo_model_with_mtp_head_bit_identical():
             [prompt], max_tokens=6, temperature=0.0)
     finally:
         llm.store.close()
+
+
+def _stack_passes(monkeypatch) -> list:
+    """Count the decode passes that ran as one native call over the layer stack."""
+    from moerun.layers import stack
+
+    ran, inner = [], stack.stack_run
+
+    def counted(*a, **k):
+        y = inner(*a, **k)
+        ran.append(y is not None)
+        return y
+
+    monkeypatch.setattr(stack, "stack_run", counted)
+    return ran
+
+
+@pytest.fixture(scope="module")
+def tiny_sparse(tmp_path_factory):
+    """A tiny Qwen3-MoE whose every layer is sparse (the native stack needs a MoE half in
+    each), with its resident greedy tokens."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    import moerun
+
+    torch.manual_seed(1)
+    cfg = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+               norm_topk_prob=True)
+    path = tmp_path_factory.mktemp("tiny_sparse")
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg, experts_implementation="eager")).eval().save_pretrained(path)
+    plain = moerun.load(path, dtype="float32", threads=1)
+    prompts = [[5, 17, 3, 88, 41], [60, 2, 9]]
+    return path, prompts, [plain.generate_ids([p], max_tokens=8, temperature=0.0)[0] for p in prompts]
+
+
+_COUNTS = ("requests", "hits_host", "hits_device", "demand_misses", "bytes_disk", "bytes_link", "reads_disk",
+           "transient_loads", "tokens", "steps")
+
+
+@pytest.mark.parametrize("opts", [dict(ram_budget="100%"), dict(ram_budget="30%"),
+                                  dict(vram_budget="25%", emulate_link="pcie4")])
+def test_store_experts_take_the_native_stack(tiny_sparse, monkeypatch, opts):
+    """A decode pass reads the store's experts where they lie, inside the native stack (an
+    `ExpertViews.source`): the same tokens as resident experts, and the same accounting as
+    the modules' path, which a no-op forward pre-hook on the experts forces."""
+    from moerun.experts import StoreExperts, StoreOptions, load
+
+    path, prompts, greedy = tiny_sparse
+    ran = _stack_passes(monkeypatch)
+    stats = []
+    for hooked in (False, True):
+        llm = load(path, dtype="float32", threads=1, options=StoreOptions(**opts))
+        try:
+            if hooked:
+                for m in llm.net.modules():
+                    if isinstance(m, StoreExperts):
+                        m.register_forward_pre_hook(lambda *_: None)
+            ran.clear()
+            one = [llm.generate_ids([p], max_tokens=8, temperature=0.0)[0] for p in prompts]
+            assert one == greedy
+            assert any(ran) != hooked  # the stack runs, unless hooks send the pass to the modules
+            assert llm.generate_ids(prompts, max_tokens=8, temperature=0.0) == greedy  # a batch: moe_block per layer
+            assert all(e.in_use == 0 for e in llm.store.entries.values())  # every pass handed its experts back
+            st = llm.store.stats()
+            stats.append({k: st[k] for k in _COUNTS if k in st})
+        finally:
+            llm.store.close()
+    assert stats[0] == stats[1] and stats[0]["requests"] > 0
+
+
+def test_an_expert_source_that_fails_releases_its_experts(tiny_sparse, monkeypatch):
+    """A store that fails inside a native pass (here: its get raises) surfaces the error, and
+    the experts a pass held are handed back: the next pass runs."""
+    from moerun.experts import StoreOptions, load
+
+    path, prompts, greedy = tiny_sparse
+    llm = load(path, dtype="float32", threads=1, options=StoreOptions(ram_budget="100%"))
+    try:
+        get, calls = llm.store.get, []
+
+        def flaky(*a, **k):
+            calls.append(1)
+            if len(calls) == 12:
+                raise MoerunError("disk went away")
+            return get(*a, **k)
+
+        monkeypatch.setattr(llm.store, "get", flaky)
+        with pytest.raises(MoerunError, match="disk went away"):
+            llm.generate_ids(prompts[:1], max_tokens=8, temperature=0.0)
+        assert all(e.in_use == 0 for e in llm.store.entries.values())
+        assert llm.generate_ids(prompts[:1], max_tokens=8, temperature=0.0) == greedy[:1]
+    finally:
+        llm.store.close()

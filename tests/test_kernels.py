@@ -423,7 +423,7 @@ def test_split_threads_finds_any_native_module():
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 4))
     assert not kernels.split_threads(net)
-    net.append(QuantStoreExperts(0, 2, 32, 32, "int4", gather=None))  # never run here
+    net.append(QuantStoreExperts(0, 2, 32, 32, "int4"))  # never run here
     try:
         assert kernels.split_threads(net, threads=1)
     finally:

@@ -23,6 +23,7 @@ from .. import kernels
 from ..errors import MoerunError
 from ..layers.moe import Experts, dispatch, group_by_expert, native_float_experts, swiglu
 from ..layers.routes import note_routes
+from ..quant.formats import FORMATS
 from ..quant.modules import QuantizedExperts
 from .store import ExpertStore, LayerExperts, StoreOptions, expert_pieces, quantized_expert_pieces
 
@@ -46,6 +47,26 @@ class StoreExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}"
+
+    def fused_views(self, x: torch.Tensor) -> kernels.ExpertViews | None:
+        """The experts as a native MoE half takes them (`layers.moe.moe_residual`, the layer
+        stack): a `StoreSource` that asks the store for each pass's experts and lets the op read
+        them where they lie. None where the store's experts are not CPU memory the native
+        kernels read (a CUDA device tier) or the pass would not run natively here."""
+        store = self.store
+        if store is None or not kernels.native() or (store.link is not None and not store.emulated):
+            return None
+        fmt = getattr(self, "fmt", None)
+        if fmt is None:
+            if store.dtype not in kernels.FLOAT_DTYPES or not kernels.float_native_rows(x):
+                return None
+            code = kernels.FLOAT_FORMATS[store.dtype][1]
+        else:
+            code = FORMATS[fmt]
+        source = self.__dict__.get("_source")
+        if source is None:
+            source = self._source = StoreSource(self)
+        return kernels.ExpertViews(code, [], [], [], [], [], [], source)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         note_routes(self, ids)
@@ -92,17 +113,62 @@ class StoreExperts(nn.Module):
         return y
 
 
+class StoreSource:
+    """A store-backed experts module's experts as a native MoE half reads them, pass by pass
+    (`kernels.ExpertViews.source`): `fetch` gets from the store the experts the pass's routing
+    picked (hits, misses and stall counted as `StoreExperts` counts them) and hands the op
+    their numpy views, kept on the store's weights while they live (`store.ExpertWeights`);
+    `release` gives them back with each expert's share of the time they were held."""
+
+    def __init__(self, module: StoreExperts):
+        self.module, self.inter = module, module.inter
+        self._held = None
+
+    def fetch(self, ids, T: int) -> tuple:
+        m = self.module
+        counts = torch.bincount(torch.from_numpy(ids), minlength=m.num_experts)
+        needed = counts.nonzero().flatten().tolist()  # ascending
+        counts = counts.tolist()
+        where: dict[int, str] = {}
+        got = m.store.get(m.layer, needed, n_tokens=T, counts=counts, where=where)
+        self._held = needed, counts, where, time.perf_counter()
+        cols = list(zip(*map(_numpy_views, (got[e] for e in needed)))) if needed else [()] * 3
+        if len(cols) == 3:  # float experts: gate, up, down without scales
+            cols = [cols[0], [], cols[1], [], cols[2], []]
+        return (needed, *map(list, cols))
+
+    def release(self, ok: bool = True) -> None:
+        held, self._held = self._held, None
+        if held is None:  # the store's get failed: it holds nothing
+            return
+        needed, counts, where, t0 = held
+        sec = (time.perf_counter() - t0) / max(1, sum(counts))
+        self.module.store.release(self.module.layer, needed,
+                                  [(e, where[e], counts[e], sec * counts[e]) for e in needed] if ok else ())
+
+
+def _numpy_views(w: tuple) -> tuple:
+    """The native ops' numpy views of one expert's weights, kept on them (the store's
+    `ExpertWeights`) for as long as they live in that buffer."""
+    views = getattr(w, "np", None)
+    if views is None:
+        views = kernels.numpy_views(*w)
+        if hasattr(w, "__dict__"):
+            w.np = views
+    return views
+
+
 class QuantStoreExperts(StoreExperts):
     """`StoreExperts` for packed experts (a checkpoint written by `moerun quantize`): the
-    layer's needed experts, wherever the store holds them, are gathered into stacks of n
-    experts and run by ONE native `moe_experts` call with ids renumbered 0..n-1 in expert
-    order. The kernel's tiles depend only on each expert's pairs and the number of experts
-    in use, and its weighted sum runs in k order, so the output is bit-identical to
-    `QuantizedExperts` on the full stack (tests/test_expert_store_quant.py checks it)."""
+    layer's needed experts are read where the store holds them by ONE native `moe_experts`
+    call, with ids renumbered 0..n-1 in expert order. The kernel's tiles depend only on each
+    expert's pairs and the number of experts in use, and its weighted sum runs in k order, so
+    the output is bit-identical to `QuantizedExperts` on the full stack
+    (tests/test_expert_store_quant.py checks it)."""
 
-    def __init__(self, layer: int, num_experts: int, hidden: int, inter: int, fmt: str, gather: "Gather"):
+    def __init__(self, layer: int, num_experts: int, hidden: int, inter: int, fmt: str):
         super().__init__(layer, num_experts, hidden, inter)
-        self.fmt, self.gather = fmt, gather
+        self.fmt = fmt
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fmt={self.fmt}"
@@ -114,29 +180,11 @@ class QuantStoreExperts(StoreExperts):
         counts = counts.tolist()
         where: dict[int, str] = {}
         got = self.store.get(self.layer, needed, n_tokens=x.shape[0], counts=counts, where=where)
+        views = [list(v) for v in zip(*(_numpy_views(got[e]) for e in needed))] if needed else None
         y = self._native(ids, needed, counts, where, lambda local: kernels.moe_experts(
-            x, local, weights, *self.gather([got[e] for e in needed]), self.fmt, self.inter, dtype=x.dtype))
+            x, local, weights, *[[got[e][j] for e in needed] for j in range(6)], self.fmt, self.inter, views,
+            dtype=x.dtype))
         return y.to(x.dtype)
-
-
-class Gather:
-    """Stacks of n experts' packed pieces for one native call, in buffers shared by every
-    layer (they run one at a time) and grown to the most experts one call has needed."""
-
-    def __init__(self):
-        self.bufs: list[torch.Tensor] = []
-
-    def __call__(self, experts: list[tuple]) -> list[torch.Tensor]:
-        n = len(experts)
-        out = []
-        for j, first in enumerate(experts[0]):
-            if j == len(self.bufs):
-                self.bufs.append(None)
-            b = self.bufs[j]
-            if b is None or b.shape[0] < n or b.shape[1:] != first.shape or b.dtype != first.dtype:
-                b = self.bufs[j] = torch.empty(n, *first.shape, dtype=first.dtype)
-            out.append(torch.stack([w[j] for w in experts], out=b[:n]))
-        return out
 
 
 def _layer_index(name: str, fallback: int) -> int:
@@ -159,10 +207,10 @@ def _swap_experts(net: nn.Module) -> list[tuple[str, StoreExperts]]:
         if ids.get(n) is None:
             ids[n] = nxt
             nxt += 1
-    out, gather = [], Gather()
+    out = []
     for name, mod in found:
         if isinstance(mod, QuantizedExperts):
-            new = QuantStoreExperts(ids[name], mod.num_experts, mod.hidden_size, mod.intermediate_size, mod.fmt, gather)
+            new = QuantStoreExperts(ids[name], mod.num_experts, mod.hidden_size, mod.intermediate_size, mod.fmt)
         else:
             E, I, H = mod.gate_proj.shape
             new = StoreExperts(ids[name], E, H, I)

@@ -324,6 +324,12 @@ class StoreOptions:
 # -- the store --------------------------------------------------------------------------------
 
 
+class ExpertWeights(tuple):
+    """One expert's weight views in a tier's buffer (gate, up, down; or the packed pieces with
+    their scales), and whatever a reader keeps of them for as long as they live there (the
+    native ops' numpy views: `attach.StoreSource`)."""
+
+
 class Entry:
     __slots__ = ("key", "pieces", "nbytes", "layout", "host", "host_slot", "host_state", "dev", "dev_state",
                  "job", "in_use", "pf")
@@ -794,12 +800,12 @@ class ExpertStore:
             ent.pf = False
             self.c["prefetch_wasted"] += 1
 
-    def _views(self, ent: Entry, buf: torch.Tensor) -> tuple:
+    def _views(self, ent: Entry, buf: torch.Tensor) -> "ExpertWeights":
         out = []
         for off, shape, dtype in ent.layout:
             n = math.prod(shape) * dtype.itemsize
             out.append(buf[off : off + n].view(dtype).view(shape))
-        return tuple(out)
+        return ExpertWeights(out)
 
     def _read(self, ent: Entry, buf: torch.Tensor) -> tuple:
         """Read an expert from disk into `buf` (lock NOT held). Returns its weight views."""

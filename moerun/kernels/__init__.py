@@ -557,18 +557,19 @@ def moe_experts(x, ids, weights, gate, gate_scales, up, up_scales, down, down_sc
     (or bf16 with `dtype=torch.bfloat16`, rounded once at the end).
 
     x [T, H]; ids [T, K] long; weights [T, K]; gate/up [E, I, bytes] with scales [E, I, nb];
-    down [E, H, bytes] with scales [E, H, nb]. One call per layer: the native kernel groups
-    the tokens per expert, runs gate/up, SiLU*up, down and the weighted sum itself. `views`:
-    numpy views of the six weight tensors, when the caller keeps them.
+    down [E, H, bytes] with scales [E, H, nb]; or each of the six a list of one tensor per
+    expert (an expert store's, wherever each lies: nothing is copied). One call per layer: the
+    native kernel groups the tokens per expert, runs gate/up, SiLU*up, down and the weighted
+    sum itself. `views`: `expert_views` of the six, when the caller keeps them.
     """
     nat = _native()
     if nat is None:
-        return moe_experts_ref(x, ids, weights, gate, gate_scales, up, up_scales, down, down_scales, fmt,
-                               intermediate).to(_out_dtype(dtype))
+        stacks = (w if torch.is_tensor(w) else torch.stack(w) for w in (gate, gate_scales, up, up_scales, down, down_scales))
+        return moe_experts_ref(x, ids, weights, *stacks, fmt, intermediate).to(_out_dtype(dtype))
     out = _out(x.shape, dtype)
     if x.shape[0]:
         _sync_threads(nat)
-        w = views or tuple(map(_np, (gate, gate_scales, up, up_scales, down, down_scales)))
+        w = views or expert_views(gate, gate_scales, up, up_scales, down, down_scales)
         code = formats.FORMATS[fmt]
         for xa, ia, wa, oa in _expert_calls(x, ids, weights, out):
             nat.moe_experts(xa, ia, wa, *w, oa, code, intermediate)
@@ -627,14 +628,14 @@ def moe_experts_float(x, ids, weights, gate, up, down, views: tuple | None = Non
     expert store's, wherever each lies: nothing is copied). Each (token, expert) pair's
     products run in one fixed order, so a token's output depends neither on the other tokens
     of the call (a verification pass equals its decode steps) nor on how the experts are
-    given. `views`: `float_expert_views` of the weights, when the caller keeps them."""
+    given. `views`: `expert_views` of the weights, when the caller keeps them."""
     nat = _native()
     if nat is None:
         return moe_experts_float_ref(x, ids, weights, gate, up, down).to(_out_dtype(dtype))
     out = _out(x.shape, dtype)
     if x.shape[0]:
         _sync_threads(nat)
-        g, u, d = views or float_expert_views(gate, up, down)
+        g, u, d = views or expert_views(gate, up, down)
         for xa, ia, wa, oa in _expert_calls(x, ids, weights, out):
             nat.moe_experts_float(xa, ia, wa, g, u, d, oa)
     return out
@@ -643,7 +644,10 @@ def moe_experts_float(x, ids, weights, gate, up, down, views: tuple | None = Non
 class ExpertViews(NamedTuple):
     """Routed experts as `moe_block` takes them: the native format code (32 / 16: float32 /
     bf16 rows, 8 / 4: packed) and per weight a list of one stack or of one array per expert,
-    with the scales' lists alike (empty for float experts)."""
+    with the scales' lists alike (empty for float experts); or, with every list empty, a
+    `source` that gives each pass the experts its routing picked, wherever they lie
+    (`fetch(ids, T)` -> (needed ids, gate, gate_scales, up, up_scales, down, down_scales: one
+    array per needed expert each), then `release(ok)`; `inter`: the experts' width)."""
     code: int
     gate: list
     gate_scales: list
@@ -651,6 +655,7 @@ class ExpertViews(NamedTuple):
     up_scales: list
     down: list
     down_scales: list
+    source: object = None
 
 
 def moe_block_args(norm_weight: torch.Tensor, eps: float, norm_offset: float, router: torch.Tensor, k: int,
@@ -758,8 +763,9 @@ class MtpStep:
         return native, hidden, logits, picks, pick, prob, q
 
 
-def float_expert_views(*weights) -> tuple:
-    """gate, up, down (stacks or per-expert lists) as `moe_experts_float` takes them."""
+def expert_views(*weights) -> tuple:
+    """Experts' weights (stacks, or lists of one tensor per expert) as `moe_experts` and
+    `moe_experts_float` take them: a list of numpy views each."""
     return tuple([_np(w)] if torch.is_tensor(w) else [_np(t) for t in w] for w in weights)
 
 

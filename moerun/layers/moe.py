@@ -35,7 +35,7 @@ class Experts(nn.Module):
         run as one native call (`kernels.moe_experts_float`), the rest expert by expert."""
         note_routes(self, ids)
         if native_float_experts(x, self.gate_proj):
-            views = kernels.native_views(self, EXPERT_WEIGHTS, kernels.float_expert_views)
+            views = kernels.native_views(self, EXPERT_WEIGHTS, kernels.expert_views)
             return kernels.moe_experts_float(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj,
                                              views=views, dtype=x.dtype).to(x.dtype)
         return expert_mlp(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj)
@@ -45,7 +45,7 @@ class Experts(nn.Module):
         here (`native_float_experts`; see `moe_residual`)."""
         if not native_float_experts(x, self.gate_proj):
             return None
-        g, u, d = kernels.native_views(self, EXPERT_WEIGHTS, kernels.float_expert_views)  # the forward's own
+        g, u, d = kernels.native_views(self, EXPERT_WEIGHTS, kernels.expert_views)  # the forward's own
         return kernels.ExpertViews(kernels.FLOAT_FORMATS[self.gate_proj.dtype][1], g, [], u, [], d, [])
 
 

@@ -158,7 +158,8 @@ def _build(layers, x: torch.Tensor, cache, s: int, plans: dict, rope: tuple, pos
         e, moe_args = moe_plan
         native.add_moe(*moe_args)
         experts.append(e)
-        small = small and _token_bytes(layer, e, moe_args[4]) <= LANES_LAYER_BYTES
+        # (an expert store's experts are fetched by the pass's own thread: never in lanes)
+        small = small and getattr(e, "store", None) is None and _token_bytes(layer, e, moe_args[4]) <= LANES_LAYER_BYTES
     return native, experts, deltanets, small, []  # (the last: `stack_run`'s kept-state views)
 
 

@@ -102,13 +102,13 @@ class QuantizedExperts(nn.Module):
         `layers.moe.moe_residual`)."""
         if not kernels.native():
             return None
-        g, gs, u, us, d, ds = kernels.native_views(self, BUFFERS, kernels.numpy_views)  # the forward's own
-        return kernels.ExpertViews(formats.FORMATS[self.fmt], [g], [gs], [u], [us], [d], [ds])
+        views = kernels.native_views(self, BUFFERS, kernels.expert_views)  # the forward's own
+        return kernels.ExpertViews(formats.FORMATS[self.fmt], *views)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]."""
         note_routes(self, ids)
-        views = kernels.native_views(self, BUFFERS, kernels.numpy_views) if kernels.native() else None
+        views = kernels.native_views(self, BUFFERS, kernels.expert_views) if kernels.native() else None
         y = kernels.moe_experts(x, ids, weights, self.gate_q, self.gate_scales, self.up_q, self.up_scales,
                                 self.down_q, self.down_scales, self.fmt, self.intermediate_size, views, dtype=x.dtype)
         return y.to(x.dtype)
