@@ -650,8 +650,9 @@ def tiny_sparse(tmp_path_factory):
     return path, prompts, [plain.generate_ids([p], max_tokens=8, temperature=0.0)[0] for p in prompts]
 
 
-_COUNTS = ("requests", "hits_host", "hits_device", "demand_misses", "bytes_disk", "bytes_link", "reads_disk",
-           "transient_loads", "tokens", "steps")
+# (demand misses are left out: one whose disk read a worker has just finished counts as a hit
+# or not by when the pass asks, on either path)
+_COUNTS = ("requests", "hits_host", "hits_device", "bytes_disk", "bytes_link", "reads_disk", "tokens", "steps")
 
 
 @pytest.mark.parametrize("opts", [dict(ram_budget="100%"), dict(ram_budget="30%"),
