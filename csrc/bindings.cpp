@@ -824,6 +824,51 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
     o.finish();
 }
 
+// A batch's decode step through a fused attention: row t of x [T, H] is a row of its own, its
+// keys and values at slot slots[t] of the whole cache (kc, vc [slots, kv heads, max_len, D]) at
+// position pos[t] (int64 [T] each); cos, sin [T, rd] its rope row. Otherwise as
+// attn_block_decode, whose one-row call each row's arithmetic equals.
+void attn_block_rows(Array x, Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf,
+                     Array ow, Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc,
+                     Array vc, Array slots, Array pos, int Hq, float scale, Array out, bool gated,
+                     std::optional<Array> in_norm, float in_offset, float in_eps) {
+    MOERUN_CHECK(x.ndim() == 2 && x.shape(0) >= 1, "x must be [T, H]");
+    const size_t T = x.shape(0), H = x.shape(1);
+    check_shape(out, {T, H}, "out");
+    if (in_norm) MOERUN_CHECK(is_bf16(x) == is_bf16(out), "with in_norm, x and out: both float32 or both bf16");
+    MOERUN_CHECK(kc.ndim() == 4, "k cache must be [slots, kv heads, max_len, D]");
+    const size_t S = kc.shape(0), Hkv = kc.shape(1), L = kc.shape(2), D = kc.shape(3);
+    check_shape(vc, {S, Hkv, L, D}, "v cache");
+    // the arguments as for slot 0 at position 0, then each row's slot and position
+    const size_t slot_shape[3] = {Hkv, L, D};
+    Array k0(kc.data(), 3, slot_shape, nb::handle(), nullptr, kc.dtype()),
+        v0(vc.data(), 3, slot_shape, nb::handle(), nullptr, vc.dtype());  // (views for the call: kc, vc own them)
+    moerun::AttnBlockArgs a = attn_block_args(T, H, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps, cos,
+                                              sin, k0, v0, 0, Hq, scale, gated, in_norm, in_offset, in_eps,
+                                              is_bf16(out));
+    for (const Array* r : {&slots, &pos}) {
+        check_dtype(*r, dtype_code::Int, 64, "slots, pos");
+        check_shape(*r, {T}, "slots, pos");
+    }
+    std::vector<long> off(T);
+    std::vector<int> at(T);
+    for (size_t t = 0; t < T; ++t) {
+        const int64_t sl = ((const int64_t*)slots.data())[t], p = ((const int64_t*)pos.data())[t];
+        MOERUN_CHECK(sl >= 0 && (size_t)sl < S, "a slot outside the cache");
+        MOERUN_CHECK(p >= 0 && (size_t)p < L, "position outside the cache");
+        off[t] = (long)(sl * Hkv * L * D);
+        at[t] = (int)p;
+    }
+    a.row_off = off.data();
+    a.row_pos = at.data();
+    ActIn xin(x, "x");
+    ActOut o(out, "out");
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lk(g_op_mutex);
+    moerun::attn_block_decode(a, xin.p, o.p);
+    o.finish();
+}
+
 // A one-layer MTP head's draft steps (moerun::mtp_step_decode) on one cache slot, its weights'
 // arguments checked once: embed [Ve, H] (the token embedding, the model's dtype: float32, or
 // bf16 as uint16); pre_w [2, H] float32: the two input norms' weights (offsets added); fc: H
@@ -1629,6 +1674,14 @@ NB_MODULE(_native, m) {
     m.def("attn_decode", &attn_decode, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("scale"),
           nb::arg("k_scale") = nb::none(), nb::arg("v_scale") = nb::none(),
           "one query token's attention over cached keys/values (grouped query heads)");
+    m.def("attn_block_rows", &attn_block_rows, nb::arg("x"), nb::arg("qw"), nb::arg("qs"), nb::arg("qf"),
+          nb::arg("kw"), nb::arg("ks"), nb::arg("kf"), nb::arg("vw"), nb::arg("vs"), nb::arg("vf"), nb::arg("ow"),
+          nb::arg("os"), nb::arg("of"), nb::arg("qn"), nb::arg("kn"), nb::arg("eps"), nb::arg("cos"), nb::arg("sin"),
+          nb::arg("kc"), nb::arg("vc"), nb::arg("slots"), nb::arg("pos"), nb::arg("hq"), nb::arg("scale"),
+          nb::arg("out"), nb::arg("gated") = false, nb::arg("in_norm").none() = nb::none(), nb::arg("in_offset") = 0.f,
+          nb::arg("in_eps") = 1e-6f,
+          "a batch's decode step through a fused attention block: row t of x at slot slots[t], position pos[t] of the "
+          "whole cache; each row's arithmetic that of attn_block_decode on it alone");
     m.def("attn_block_decode", &attn_block_decode, nb::arg("x"), nb::arg("qw"), nb::arg("qs"), nb::arg("qf"),
           nb::arg("kw"), nb::arg("ks"), nb::arg("kf"), nb::arg("vw"), nb::arg("vs"), nb::arg("vf"), nb::arg("ow"),
           nb::arg("os"), nb::arg("of"), nb::arg("qn"), nb::arg("kn"), nb::arg("eps"), nb::arg("cos"), nb::arg("sin"),

@@ -616,7 +616,8 @@ void norm_rope_heads(int T, int H, int D, const float* x, const float* w, float 
 void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWeight& q, const QWeight& k,
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
-                       float scale, float* out, int kv_type, bool gated, int T, const AttnHalf* half, int first_out) {
+                       float scale, float* out, int kv_type, bool gated, int T, const AttnHalf* half, int first_out,
+                       const long* row_off, const int* row_pos) {
     Workspace& W = ws();
     const float* x_in = x;
     if (half) {
@@ -633,7 +634,11 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
     qlinear_multi(T, H, 3, parts, rows, x, W.qkv.data());
     W.att.resize((size_t)T * nq);
     if (gated) W.gate.resize((size_t)T * nq);
-    for (int t = 0; t < T; ++t) {  // token t at position pos + t sees positions 0..pos + t
+    const size_t esize = kv_type == KV_BF16 ? 2 : 4;
+    for (int t = 0; t < T; ++t) {  // token t at position p (pos + t, or its row's) sees positions 0..p
+        const int p = row_pos ? row_pos[t] : pos + t;
+        void* kt = row_off ? (char*)kc + row_off[t] * esize : kc;
+        void* vt = row_off ? (char*)vc + row_off[t] * esize : vc;
         float* qt = W.qkv.data() + (size_t)t * ld;
         const float *ct = cos + (size_t)t * rd, *st = sin + (size_t)t * rd;
         const bool wanted = t >= first_out;
@@ -653,18 +658,18 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
             const float* vj = qt + nqr + nk + (size_t)j * D;
             if (kn) rms_norm(1, D, kj, kn, 0.f, eps, kj);
             head_rope(kj, ct, st, rd);
-            const long at = j * c_sh + (long)(pos + t) * D;
+            const long at = j * c_sh + (long)p * D;
             if (kv_type == KV_BF16) {
-                to_bf16(kj, D, (uint16_t*)kc + at);
-                to_bf16(vj, D, (uint16_t*)vc + at);
+                to_bf16(kj, D, (uint16_t*)kt + at);
+                to_bf16(vj, D, (uint16_t*)vt + at);
             } else {
-                std::copy(kj, kj + D, (float*)kc + at);
-                std::copy(vj, vj + D, (float*)vc + at);
+                std::copy(kj, kj + D, (float*)kt + at);
+                std::copy(vj, vj + D, (float*)vt + at);
             }
         }
         if (!wanted) continue;
         float* at = W.att.data() + (size_t)t * nq;
-        attn_decode(Hq, Hkv, pos + t + 1, D, D, qt, kc, c_sh, D, vc, c_sh, D, scale, at, kv_type);
+        attn_decode(Hq, Hkv, p + 1, D, D, qt, kt, c_sh, D, vt, c_sh, D, scale, at, kv_type);
         if (gated) {
             const float* gt = W.gate.data() + (size_t)t * nq;
             for (int i = 0; i < nq; ++i) at[i] *= sigmoid(gt[i]);

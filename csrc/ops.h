@@ -137,7 +137,8 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
                        float scale, float* out, int kv_type = KV_F32, bool gated = false, int T = 1,
-                       const AttnHalf* half = nullptr, int first_out = 0);
+                       const AttnHalf* half = nullptr, int first_out = 0, const long* row_off = nullptr,
+                       const int* row_pos = nullptr);
 
 // attn_block_decode's arguments but x and out, for an op that runs it inside (mtp_step_decode)
 struct AttnBlockArgs {
@@ -157,10 +158,15 @@ struct AttnBlockArgs {
     AttnHalf half;
     bool has_half;
     int first_out = 0;  // the first token whose output is wanted (those before only write the cache)
+    // a batch's decode step: token t is a row of its own, its cache at kc / vc + row_off[t]
+    // values, at position row_pos[t] (null: the tokens are one row's, at pos, pos + 1, ...)
+    const long* row_off = nullptr;
+    const int* row_pos = nullptr;
 };
 inline void attn_block_decode(const AttnBlockArgs& a, const float* x, float* out) {
     attn_block_decode(a.H, a.Hq, a.Hkv, a.D, x, a.q, a.k, a.v, a.o, a.qn, a.kn, a.eps, a.cos, a.sin, a.rd, a.kc, a.vc,
-                      a.c_sh, a.pos, a.scale, out, a.kv_type, a.gated, a.T, a.has_half ? &a.half : nullptr, a.first_out);
+                      a.c_sh, a.pos, a.scale, out, a.kv_type, a.gated, a.T, a.has_half ? &a.half : nullptr, a.first_out,
+                      a.row_off, a.row_pos);
 }
 
 // The MoE half of a decoder layer for T tokens (decode-sized), in one call: y = x + moe(h)

@@ -44,7 +44,8 @@ def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
 
 
 def check_against_reference(hf_model, llm, vocab: int, seed: int = 0, seq: int = 23, greedy: int = 32):
-    """fp32 logits within 1e-4 relative, 32 greedy tokens identical, cached == full, batch == single."""
+    """fp32 logits within 1e-4 relative, 32 greedy tokens identical, cached == full, batch == single
+    (in float32 and in bf16)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (2, seq), generator=g)
     assert rel_err(llm.forward(ids), hf_logits(hf_model, ids)) < 1e-4
@@ -55,8 +56,14 @@ def check_against_reference(hf_model, llm, vocab: int, seed: int = 0, seq: int =
 
     check_cache_consistency(llm, ids)
     prompts = [ids[0, :5].tolist(), ids[1, :11].tolist(), ids[0, 3:6].tolist()]
-    batched = llm.generate_ids(prompts, max_tokens=6, temperature=0.0)
-    singles = [llm.generate_ids([p], max_tokens=6, temperature=0.0)[0] for p in prompts]
+    check_batch_equals_rows(llm, prompts)
+    check_batch_equals_rows(moerun.load(llm.path, dtype="bfloat16", threads=1), prompts, tokens=12)
+
+
+def check_batch_equals_rows(llm, prompts: list[list[int]], tokens: int = 6):
+    """A batch of rows of different lengths gives each row the greedy tokens it gets alone."""
+    batched = llm.generate_ids(prompts, max_tokens=tokens, temperature=0.0)
+    singles = [llm.generate_ids([p], max_tokens=tokens, temperature=0.0)[0] for p in prompts]
     assert batched == singles
 
 

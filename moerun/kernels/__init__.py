@@ -1006,10 +1006,15 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
 
 def fused_attention_applies(x: torch.Tensor, kv) -> bool:
     """Whether a fused attention (`fuse_decode_attention`) takes this pass natively: one row
-    of at most FUSED_MAX_TOKENS tokens, a float32 or bf16 KV cache, no autograd."""
+    of at most FUSED_MAX_TOKENS tokens, or a batch's decode step (one token a row, each row
+    computed as it would be alone: `attn_block_rows`), a float32 or bf16 KV cache, no autograd."""
     B, T, _ = x.shape
-    return (B == 1 and T <= FUSED_MAX_TOKENS and type(kv) is _kv_cache_class() and kv.k.dtype in FLOAT_DTYPES
-            and _native() is not None and not torch.is_grad_enabled())
+    return ((B == 1 and T <= FUSED_MAX_TOKENS or T == 1 and B <= FUSED_MAX_ROWS) and type(kv) is _kv_cache_class()
+            and kv.k.dtype in FLOAT_DTYPES and kv.k.is_contiguous() and _native() is not None
+            and not torch.is_grad_enabled())
+
+
+FUSED_MAX_ROWS = 64  # a batch's decode step through `attn_block_rows` (the server's widest batches)
 
 
 def _fused_forward(self, x, cos_sin, kv, slots, pos0, norm=None, plan=None):
@@ -1022,6 +1027,9 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0, norm=None, plan=None):
             return self._unfused_forward(x, cos_sin, kv, slots, pos0)
         plan = fused_call_plan(self, norm)
     B, T, H = x.shape
+    if B > 1:  # a batch's decode step: row b at its own slot and position
+        return attn_block_rows_run(x.reshape(B, H), plan[0], _rope_rows(cos_sin, B), kv, slots, pos0,
+                                   plan[1]).view(B, 1, H).to(x.dtype)
     s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
     return attn_block_run(x.reshape(T, H), plan[0], _rope_rows(cos_sin, T), _cache_slot(kv, s), p,
                           plan[1]).view(1, T, H).to(x.dtype)
@@ -1064,6 +1072,20 @@ def attn_block_run(x: torch.Tensor, plan: tuple, rope: tuple, kv_slot: tuple, po
     _sync_threads(nat)
     nat.attn_block_decode(_np(_act(x.contiguous())), *weights, *rope, *kv_slot, pos, *heads_scale, _np(out), gated,
                           *half)
+    return out
+
+
+def attn_block_rows_run(x: torch.Tensor, plan: tuple, rope: tuple, kv, slots: torch.Tensor, pos0: torch.Tensor,
+                        half: tuple = ()) -> torch.Tensor:
+    """`attn_block_run` for a batch's decode step: x [B, H], row b at cache slot slots[b] and
+    position pos0[b] -> [B, H] in x's dtype, each row's bits those of its one-row call."""
+    weights, heads_scale, gated = plan
+    out = _out(x.shape, x.dtype)
+    nat = _native()
+    _sync_threads(nat)
+    nat.attn_block_rows(_np(_act(x.contiguous())), *weights, *rope, _np(kv.k), _np(kv.v),
+                        _np(slots.to(torch.int64).contiguous()), _np(pos0.to(torch.int64).contiguous()), *heads_scale,
+                        _np(out), gated, *half)
     return out
 
 
