@@ -6,6 +6,7 @@ Every failure is one line on stderr and a non-zero exit; `--debug` shows the tra
 from __future__ import annotations
 
 import argparse
+import logging
 import json
 import sys
 import time
@@ -13,7 +14,9 @@ import time
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not a usage block
-        self.exit(2, f"moerun: error: {message} (see moerun {self.prog.split()[-1]} --help)\n")
+        words = self.prog.split()
+        see = "moerun --help" if len(words) == 1 else f"moerun {words[-1]} --help"
+        self.exit(2, f"moerun: error: {message} (see {see})\n")
 
 
 def _common(p: argparse.ArgumentParser, model=True) -> None:
@@ -27,7 +30,8 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
         s = p.add_argument_group("expert store (routed experts in tiers: device / RAM / disk)")
         s.add_argument("--ram-budget", default=None, help="bytes of routed experts kept in RAM, e.g. 4GiB or 30%%; the rest stream from disk")
         s.add_argument("--vram-budget", default=None, help="bytes of routed experts on the device tier (CUDA, or emulated with --emulate-link)")
-        s.add_argument("--cache-policy", default=None, choices=["lru", "lfu", "prediction", "prediction-lfu"])
+        s.add_argument("--cache-policy", default=None, choices=["lru", "lfu", "prediction", "prediction-lfu"],
+                       help="what the RAM and device tiers keep (default lru)")
         s.add_argument("--pin-hot", type=int, default=None, help="never evict the N most used experts per layer")
         s.add_argument("--pin-hot-fraction", type=float, default=None, help="the same, as a share of each layer's experts")
         s.add_argument("--emulate-link", default=None, help="emulated device link: pcie4, pcie5 or 'GB/s,us' (figures are EMULATED)")
@@ -40,13 +44,13 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
 
 
 def _sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (cut to fit the context, said once)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's generation_config, else greedy)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=None, help="sample among the likeliest tokens holding this much probability")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens below this share of the likeliest one's probability")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="divide the logits of tokens already seen by this (1: none)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampler, for reproducible sampled text")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
@@ -114,22 +118,30 @@ def _store_stats(llm) -> dict:
 
 
 def cmd_generate(a) -> int:
+    from .errors import MoerunError
+
+    prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
+    if not prompt:
+        raise MoerunError("the prompt is empty" + (" (nothing on standard input)" if a.prompt == "-" else ""))
     llm = _load(a)
     out = sys.stdout
-    for piece in llm.generate(a.prompt, **_sampling_kwargs(a), **_spec_kwargs(a)):
+    for piece in llm.generate(prompt, **_sampling_kwargs(a), **_spec_kwargs(a)):
         out.write(piece)
         out.flush()
     s = llm.last_stats
     out.write("\n")
     out.flush()
+    timed = s.generated_tokens - s.decode_rows_started  # the first token comes out of the prompt's pass
     print(
-        f"[prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | "
-        f"generated {s.generated_tokens} tok, {s.decode_tok_s:.1f} tok/s | {a.threads or 'all'} threads]",
+        f"[prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | generated {s.generated_tokens} tok; "
+        f"decode timed over {timed} tok after the first, {s.decode_tok_s:.1f} tok/s | {a.threads or _threads()} threads]",
         file=sys.stderr,
     )
     if a.speculative:
         d = s.as_dict()
         print(f"[speculative: acceptance {d['acceptance_rate']:.2f}, {d['accepted_tokens_per_step']:.2f} tokens/step]", file=sys.stderr)
+    if a.verbose:
+        print(f"[decode path: {_decode_path_line(llm)}]", file=sys.stderr)
     if a.stats:
         stats = _store_stats(llm)
         if stats:
@@ -141,6 +153,21 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def _decode_path_line(llm) -> str:
+    """How the last generation run's decode passes ran (`layers.stack.decode_path`)."""
+    from .layers.stack import decode_path
+
+    kept = llm.net.__dict__.get("_kept_runs", {}).get("generate")
+    d = decode_path(kept[2].get("plans") if kept else None)
+    line = f"{d['native_stack_passes']} passes as one native call over the layer stack"
+    if d["module_passes"] is not None:
+        line += f", {d['module_passes']} through the layers' modules"
+    return line + (f" ({d['why']})" if d["why"] else "")
+
+
+CHAT_HELP = "/reset clears the history, /help shows this, /exit or Ctrl-D leaves."
+
+
 def cmd_chat(a) -> int:
     llm = _load(a)
     if llm.tokenizer is None or not llm.tokenizer.chat_template:
@@ -150,7 +177,7 @@ def cmd_chat(a) -> int:
     messages: list[dict] = []
     if a.system:
         messages.append({"role": "system", "content": a.system})
-    print("moerun chat: /reset clears the history, /exit or Ctrl-D leaves.", file=sys.stderr)
+    print(f"moerun chat: {CHAT_HELP}", file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -161,6 +188,13 @@ def cmd_chat(a) -> int:
             return 0
         if line.strip() == "/reset":
             messages = messages[:1] if a.system else []
+            print("[history cleared" + (", the system prompt kept]" if a.system else "]"), file=sys.stderr)
+            continue
+        if line.strip() in ("/help", "/?"):
+            print(CHAT_HELP, file=sys.stderr)
+            continue
+        if line.strip().startswith("/"):
+            print(f"unknown command {line.strip().split()[0]}: {CHAT_HELP}", file=sys.stderr)
             continue
         if not line.strip():
             continue
@@ -304,9 +338,12 @@ def cmd_bench(a) -> int:
 
 
 def _threads() -> int:
+    """The threads the run's native ops used (torch's own count may be lowered around them)."""
     import torch
 
-    return torch.get_num_threads()
+    from . import kernels
+
+    return kernels._state["threads"] or torch.get_num_threads()
 
 
 def cmd_random_model(a) -> int:
@@ -346,7 +383,12 @@ def cmd_predict_eval(a) -> int:
 def cmd_simulate(a) -> int:
     from .bench.simulate import simulate
 
-    simulate(a.trace, a.hardware, a.model_geometry, vram_gb=a.vram_gb, as_json=a.json)
+    trace = a.trace or a.trace_flag
+    if trace is None:
+        from .errors import MoerunError
+
+        raise MoerunError("simulate needs a trace: moerun simulate TRACE.npz (written by `moerun profile`)")
+    simulate(trace, a.hardware, a.model_geometry, vram_gb=a.vram_gb, as_json=a.json)
     return 0
 
 
@@ -358,11 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="continue a prompt, streaming text")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the text to continue; - reads it from standard input")
     _common(g)
     _sampling(g)
     _speculative(g)
     g.add_argument("--stats", action="store_true", help="print the expert store's accounting")
+    g.add_argument("--verbose", action="store_true", help="say how the decode passes ran (the native stack or modules, and why)")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat with the model's chat template")
@@ -374,21 +417,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="architecture, parameters, bytes per decoded token")
     _common(i)
-    i.add_argument("--json", action="store_true")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
     i.set_defaults(func=cmd_info)
 
     b = sub.add_parser("bench", help="prefill and decode speed")
     _common(b)
-    b.add_argument("--prompt-tokens", type=int, default=128)
-    b.add_argument("--gen-tokens", type=int, default=32)
+    b.add_argument("--prompt-tokens", type=int, default=128, help="random prompt tokens to prefill")
+    b.add_argument("--gen-tokens", type=int, default=32, help="tokens to decode and time")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     _speculative(b)
     b.set_defaults(func=cmd_bench)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _common(sv)
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    sv.add_argument("--port", type=int, default=8000, help="port to listen on")
     sv.add_argument("--api-key", default=None, help="require this bearer key")
     sv.add_argument("--max-concurrency", type=int, default=4, help="requests decoded together (cache slots)")
     sv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; then 429")
@@ -400,26 +443,27 @@ def build_parser() -> argparse.ArgumentParser:
     _common(pr)
     pr.add_argument("--prompts", required=True, help="text file: one prompt per line, or documents separated by blank lines")
     pr.add_argument("-o", "--output", required=True, help="trace file (.npz)")
-    pr.add_argument("--mode", default="generate", choices=["generate", "text"])
-    pr.add_argument("--max-tokens", type=int, default=64)
-    pr.add_argument("--max-sequences", type=int, default=None)
+    pr.add_argument("--mode", default="generate", choices=["generate", "text"], help="route generated tokens, or the prompts' own text")
+    pr.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (--mode generate)")
+    pr.add_argument("--max-sequences", type=int, default=None, help="profile at most this many prompts")
     pr.add_argument("--logits", action="store_true", help="also record router logits")
     pr.add_argument("--plots", default=None, help="directory for PNG plots")
     pr.set_defaults(func=cmd_profile)
 
     pe = sub.add_parser("predict-eval", help="score expert predictors on a trace")
-    pe.add_argument("trace")
-    pe.add_argument("--json", action="store_true")
+    pe.add_argument("trace", help="a routing trace (.npz) written by `moerun profile`")
+    pe.add_argument("--json", action="store_true", help="print one JSON object")
     pe.add_argument("--predictors", default=None, help="comma-separated subset")
     _common(pe, model=False)
     pe.set_defaults(func=cmd_predict_eval)
 
     si = sub.add_parser("simulate", help="replay a trace through a CPU+GPU+link model")
-    si.add_argument("--trace", required=True)
-    si.add_argument("--hardware", default="pcie4+rtx4090")
-    si.add_argument("--model-geometry", default="qwen3.6-35b-a3b")
-    si.add_argument("--vram-gb", type=float, default=None)
-    si.add_argument("--json", action="store_true")
+    si.add_argument("trace", nargs="?", default=None, help="a routing trace (.npz) written by `moerun profile`")
+    si.add_argument("--trace", dest="trace_flag", default=None, help=argparse.SUPPRESS)  # the older spelling
+    si.add_argument("--hardware", default="pcie4+rtx4090", help="link + GPU preset to model, e.g. pcie4+rtx4090")
+    si.add_argument("--model-geometry", default="qwen3.6-35b-a3b", help="the model whose shapes the trace is mapped onto")
+    si.add_argument("--vram-gb", type=float, default=None, help="GPU memory for experts (default: the preset's)")
+    si.add_argument("--json", action="store_true", help="print one JSON object")
     _common(si, model=False)
     si.set_defaults(func=cmd_simulate)
 
@@ -438,8 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("random-model", help="write a random-weight checkpoint with a real model's shapes")
     r.add_argument("preset", help="qwen3-30b-a3b or qwen3.6-35b-a3b")
-    r.add_argument("-o", "--output", required=True)
-    r.add_argument("--layers", type=int, default=None)
+    r.add_argument("-o", "--output", required=True, help="directory to write")
+    r.add_argument("--layers", type=int, default=None, help="decoder layers (default: the real model's)")
     _common(r, model=False)
     r.set_defaults(func=cmd_random_model)
     return p
@@ -449,7 +493,11 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import MoerunError
 
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # a newcomer's first try: the usage, not an error
+        parser.print_help()
+        return 0
     a = parser.parse_args(argv)
+    logging.basicConfig(format="moerun: %(message)s", level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING)
     try:
         if a.threads is not None and a.threads < 1:
             raise MoerunError("--threads must be at least 1")

@@ -8,6 +8,7 @@ import torch
 
 from ..engine.cache import kv_cache_summary
 from ..engine.generate import kept_run
+from ..layers.stack import decode_path
 from ..errors import MoerunError
 
 
@@ -45,10 +46,15 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, sp
             logits = net(prompt, cache, last_only=True, **plans)
             prefill_s = time.perf_counter() - t0
             tok = logits[:, -1].argmax(-1, keepdim=True)
+            before = decode_path(plans.get("plans"))
             t0 = time.perf_counter()
             for _ in range(gen_tokens):
                 tok = step(tok, cache, plans)
             decode_s = time.perf_counter() - t0
+            path = decode_path(plans.get("plans"))  # the timed passes' alone
+            for k in ("native_stack_passes", "module_passes"):
+                if path[k] is not None:
+                    path[k] -= before[k]
         finally:
             release()
     return {
@@ -62,6 +68,7 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, sp
         "decode_tok_s": gen_tokens / decode_s,
         "prefill_s": prefill_s,
         "decode_s": decode_s,
+        "decode_path": path,
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -13,6 +14,8 @@ from .. import kernels
 from ..errors import MoerunError
 from .generate import GenerationStats, Sequence, run
 from .sampling import SamplingParams
+
+log = logging.getLogger("moerun")
 
 MTP_PREDICTORS = ("mtp", "mtp_learned", "combined")  # predictors that read the MTP head each token
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
@@ -149,6 +152,10 @@ class LLM:
         if len(ids) >= ctx:
             raise MoerunError(f"the prompt has {len(ids)} tokens; the context window holds {ctx}")
         if len(ids) + params.max_tokens > ctx:
+            if not self.__dict__.get("_said_cut"):  # once per model: a batch or a chat would repeat it
+                self._said_cut = True
+                log.warning("max_tokens %d cut to %d: the prompt's %d tokens and the context window of %d leave no more",
+                            params.max_tokens, ctx - len(ids), len(ids), ctx)
             params = SamplingParams(**{**params.__dict__, "max_tokens": ctx - len(ids)})
         return params
 

@@ -33,6 +33,8 @@ def run_layers(layers, x: torch.Tensor, cos_sin: tuple, cache, slots, pos0, plan
     y = stack_run(layers, x, cos_sin, cache, slots, pos0, plans)
     if y is not None:
         return y
+    if plans is not None and x.shape[1] <= kernels.FUSED_MAX_TOKENS:
+        _path(plans)["module_passes"] += 1
     for i, layer in enumerate(layers):
         x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0, plans=plans)
     return x
@@ -50,7 +52,8 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
     second the draft that the pass's lane 1 makes (x's second row unread); None, with nothing
     run or made, unless the stack for it is built and runs in lanes."""
     if plans is None or cache is None or x.shape[0] != 1:
-        return None
+        return _why(plans, "a batch of rows: each layer's halves are native calls, made one by one") \
+            if plans is not None and x.shape[0] != 1 else None
     T, H = x.shape[1], x.shape[2]
     s = int(slots[0])
     key = _stack_key(x.shape, x.dtype, s, cache)
@@ -66,10 +69,10 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
     if stack is _SEEN:
         stack = plans[key] = _build(layers, x, cache, s, plans, rope, p)
     if stack is None:
-        return None
+        return _why(plans, plans.get(_WHY_BUILD, "a layer half does not run natively"))
     native, experts, deltanets, small, kept_views = stack
     if _hooked(experts):
-        return None
+        return _why(plans, "hooks on the routed experts (a predictor or profiler): the modules call them")
     kernels._sync_threads(nat)
     lanes = _lanes(small, T)
     # two buffers taking turns: each first half writes a, each MoE half b
@@ -97,9 +100,37 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
         native.bind_states(conv_every, S_every, seen)
         kept_views[:] = [epochs, masks, kept]
     native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope, p, lanes, draft)
+    _path(plans)["native_stack_passes"] += 1
     for state, conv_all, S_all in kept:
         state.keep_every(conv=conv_all, recurrent=S_all)
     return b
+
+
+_PATH, _WHY_BUILD = "decode_path", "decode_path_build"
+
+
+def decode_path(plans: dict | None) -> dict:
+    """How a run's decode-sized passes ran: {"native_stack_passes", "module_passes", "why"}:
+    how many went through the layer stack as one native call, how many through the layers'
+    modules (each half still a native call where it can be), and the last reason the stack
+    stepped aside. A model without plans (`takes_plans`) has no native stack."""
+    if plans is None:
+        return {"native_stack_passes": 0, "module_passes": None,
+                "why": "this architecture runs its layers' modules (no native layer stack)"}
+    return dict(_path(plans))
+
+
+def _path(plans: dict) -> dict:
+    got = plans.get(_PATH)
+    if got is None:
+        got = plans[_PATH] = {"native_stack_passes": 0, "module_passes": 0, "why": None}
+    return got
+
+
+def _why(plans: dict, why: str) -> None:
+    """The stack steps aside for a lasting reason: say it (`decode_path`)."""
+    _path(plans)["why"] = why
+    return None
 
 
 def _stack_key(shape, dtype: torch.dtype, s: int, cache) -> tuple:
@@ -143,10 +174,13 @@ def _build(layers, x: torch.Tensor, cache, s: int, plans: dict, rope: tuple, pos
         block = mods.get("mlp")
         moe_plan = plans.get((block, (x.shape, x.dtype)))
         if moe_plan is None or kernels.has_hooks(layer):
+            plans[_WHY_BUILD] = (f"layer {i} has hooks" if kernels.has_hooks(layer) else
+                                 f"layer {i}'s MLP half is not one native call (a dense MLP, or a part torch runs)")
             return None
         first = _attention(mods.get("self_attn"), x, cache.layers[i], s, plans) if "self_attn" in mods else \
             _deltanet(mods.get("linear_attn"), x, cache.layers[i], s, plans)
         if first is None:
+            plans[_WHY_BUILD] = f"layer {i}'s attention half is not one native call (an int8 KV cache, or a part torch runs)"
             return None
         if first[0] is _ATTN:
             _, weights, heads_scale, gated, half, kv_slot = first
