@@ -7,6 +7,7 @@ shape and bookkeeping, not meaning). MOERUN_TEST_SERVER_MODEL=DIR picks another 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -468,3 +469,51 @@ def test_chat_page_streams_in_headless_chromium(server, tmp_path):
     shot.write_bytes(png)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
     print(f"chat page screenshot: {shot}")
+
+
+def test_bad_seeds_fail_alone_and_leak_nothing(server, llm):
+    """A seed outside the generator's domain is a 400 (at validation, and, should one reach
+    the scheduler, as an error for that request alone: its slot never taken); a stream
+    running meanwhile is untouched, and the server then answers as before."""
+    from moerun.engine.sampling import SamplingParams
+    from moerun.server.scheduler import Scheduler
+
+    base, model = server
+    url = base + "/v1/chat/completions"
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 1.0}
+    c = client(base)
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(lambda: "".join(ch.choices[0].delta.content or "" for ch in chat(
+            c, model, "a long story", max_tokens=48, temperature=0.0, stream=True)))
+        for seed in (2**64, 2**70, -1):
+            err = check_error(httpx.post(url, json={**body, "seed": seed}), 400)
+            assert err["param"] == "seed"
+        streamed = stream.result(timeout=120)
+    assert streamed == chat(c, model, "a long story", max_tokens=48, temperature=0.0).choices[0].message.content
+    h = wait_idle(base)
+    assert h["running"] == 0
+
+    # past validation, in the scheduler itself: the request alone gets an error event
+    sched = Scheduler(llm, max_concurrency=2, max_queue=4)
+    try:
+        good = SamplingParams(max_tokens=3, temperature=0.0)
+        bad = SamplingParams(max_tokens=3, temperature=1.0)
+        object.__setattr__(bad, "seed", 2**70)  # (SamplingParams refuses it; a bug elsewhere might not)
+
+        async def go():
+            reqs = [sched.submit([1, 2, 3], p) for p in (bad, good, bad)]
+            return [[ev.kind for ev in await _drain(r)] for r in reqs]
+
+        kinds = asyncio.run(go())
+        assert kinds[0] == ["error"] and kinds[2] == ["error"] and kinds[1][-1] == "done"
+        assert sched.running == 0 and len(sched.free) == 2
+    finally:
+        sched.close()
+
+
+async def _drain(req, timeout=60.0):
+    """A scheduler request's events up to its last (done or error)."""
+    out = []
+    while not out or out[-1].kind not in ("done", "error"):
+        out.append(await asyncio.wait_for(req.events.get(), timeout))
+    return out

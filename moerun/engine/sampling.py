@@ -33,6 +33,7 @@ class SamplingParams:
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)"),  # torch.Generator's domain
         ]
         for ok, msg in checks:
             if not ok:

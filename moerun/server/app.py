@@ -70,7 +70,7 @@ class _Common(BaseModel):
     min_p: float | None = Field(None, ge=0, lt=1)
     repetition_penalty: float | None = Field(None, gt=0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)  # torch.Generator's domain
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)

@@ -238,19 +238,27 @@ class Scheduler:
                 self.metrics.generated(1)
 
     def _assign(self, req: Request) -> bool:
-        """Give a waiting request a free slot; False if it was cancelled while waiting."""
+        """Give a waiting request a free slot; False if it was cancelled while waiting, or its
+        sequence could not be made (it is answered with the error alone; it held no slot)."""
         with self._lock:
             self._pending -= 1
-            if not req.cancelled:
-                self._running += 1
         if req.cancelled:
             if self.metrics is not None:
                 self.metrics.finished(req)
             return False
+        try:
+            req.seq = Sequence(req.prompt_ids, req.params, decoder=req.decoder)
+        except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
+            log.warning("request refused at admission: %s", e)
+            if self.metrics is not None:
+                self.metrics.finished(req)
+            req.emit(Event("error", text=f"the request could not start: {e}"))
+            return False
+        with self._lock:
+            self._running += 1
         req.slot = self.free.pop()
         if self.cache is not None:
             self.cache.reset(req.slot)
-        req.seq = Sequence(req.prompt_ids, req.params, decoder=req.decoder)
         self.prefilling.append(req)
         return True
 
