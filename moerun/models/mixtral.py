@@ -12,10 +12,11 @@ from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
 from ..engine.cache import KVSpec
-from ..layers.attention import attend
-from ..layers.moe import Experts, softmax_topk
+from ..layers.attention import attend, attn_residual
+from ..layers.moe import Experts, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, norm_rope
+from ..layers.stack import model_pass, run_layers
 
 # B batch, T tokens, S keys, H hidden, E experts, K experts per token, D head dim
 
@@ -82,6 +83,9 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = a.head_dim**-0.5
         self.window = a.sliding_window
+        # the fused native decode call (`kernels.fuse_decode_attention`) attends to every
+        # cached position: only without a sliding window
+        self.fused_decode = a.sliding_window is None
         self.q_proj = nn.Linear(a.hidden_size, self.n_heads * a.head_dim, bias=False)
         self.k_proj = nn.Linear(a.hidden_size, self.n_kv * a.head_dim, bias=False)
         self.v_proj = nn.Linear(a.hidden_size, self.n_kv * a.head_dim, bias=False)
@@ -99,7 +103,7 @@ class Attention(nn.Module):
 class SparseMoeBlock(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.top_k = a.num_experts_per_tok
+        self.top_k, self.norm_topk_prob = a.num_experts_per_tok, True
         self.gate = nn.Linear(a.hidden_size, a.num_local_experts, bias=False)  # the router
         self.experts = Experts(a.num_local_experts, a.hidden_size, a.intermediate_size)
 
@@ -107,7 +111,7 @@ class SparseMoeBlock(nn.Module):
         h = x.reshape(-1, x.shape[-1])  # [B*T, H]
         # transformers' order: softmax over all E, top-k, renormalise; the same as a softmax
         # over the K chosen logits, but this order keeps the fp32 rounding identical
-        weights, ids = softmax_topk(self.gate, h, self.top_k, renorm=True)  # [B*T, K]
+        weights, ids = softmax_topk(self.gate, h, self.top_k, renorm=self.norm_topk_prob)  # [B*T, K]
         return self.experts(h, ids, weights).view_as(x)
 
 
@@ -119,9 +123,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, cos_sin, kv, slots, pos0):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, slots, pos0)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos_sin, kv, slots, pos0, plans=None):
+        """plans: a run's (`kernels.run_plan`)."""
+        x = attn_residual(x, self.input_layernorm, self.self_attn, cos_sin, kv, slots, pos0, plans)  # x + attn(norm(x))
+        return moe_residual(x, self.post_attention_layernorm, self.mlp, plans)  # x + mlp(norm(x))
 
 
 class MixtralModel(nn.Module):
@@ -134,6 +139,7 @@ class MixtralModel(nn.Module):
 
 
 class Model(nn.Module):
+    takes_plans = True  # forward(..., plans=): a run's layer checks made once (`kernels.run_plan`)
     tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
     # Hub checkpoints: block_sparse_moe.experts.{e}.w1/w3/w2 (gate/up/down); transformers 5
     # in memory (and fused checkpoints) say mlp.experts.gate_up_proj/down_proj
@@ -154,9 +160,13 @@ class Model(nn.Module):
         a = self.args
         return [KVSpec(a.num_key_value_heads, a.head_dim, a.head_dim)] * a.num_hidden_layers
 
-    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False):
-        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final hidden state [B, T, H])."""
+    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False, plans=None):
+        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final hidden state [B, T, H]).
+        plans: a dict a decode loop keeps for one run (`kernels.run_plan`)."""
         B, T = input_ids.shape
+        fast = model_pass(self, input_ids, cache, slots, last_only, plans)  # a decode pass: all native calls
+        if fast is not None:
+            return fast if return_hidden else fast[0]
         if cache is not None:
             slots = torch.arange(B) if slots is None else slots
             pos0 = cache.start_positions(slots)
@@ -165,8 +175,7 @@ class Model(nn.Module):
         m = self.model
         x = m.embed_tokens(input_ids)
         cos_sin = m.rope.span(pos0, T, x.dtype)
-        for i, layer in enumerate(m.layers):
-            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
+        x = run_layers(m.layers, x, cos_sin, cache, slots, pos0, plans)  # a decode pass: one loop of native calls
         if cache is not None:
             cache.advance(slots, T)
         hidden = m.norm(x)
