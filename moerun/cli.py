@@ -44,7 +44,8 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
 
 
 def _sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (cut to fit the context, said once)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}; cut to fit the context, said once when given)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's generation_config, else greedy)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--top-p", type=float, default=None, help="sample among the likeliest tokens holding this much probability")
@@ -54,9 +55,12 @@ def _sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+DEFAULT_MAX_TOKENS = 128
+
+
 def _sampling_kwargs(a) -> dict:
     return dict(
-        max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+        max_tokens=DEFAULT_MAX_TOKENS if a.max_tokens is None else a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
         min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=tuple(a.stop or ()),
     )
 
@@ -65,6 +69,13 @@ STORE_FLAGS = ("ram_budget", "vram_budget", "cache_policy", "pin_hot", "pin_hot_
 
 
 def _load(a):
+    llm = _load_model(a)
+    if "max_tokens" in vars(a) and a.max_tokens is None:
+        llm._said_cut = True  # the default --max-tokens is fitted to the context without a word
+    return llm
+
+
+def _load_model(a):
     import moerun
 
     from .engine.cache import kv_cache_dtype
@@ -489,6 +500,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Stderr(logging.Handler):
+    """The library's notices as lines `moerun: ...` on whatever stderr is now."""
+
+    def emit(self, record):
+        print(f"moerun: {record.getMessage()}", file=sys.stderr)
+
+
+def _say_on_stderr(level: int) -> None:
+    log = logging.getLogger("moerun")
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        log.addHandler(_Stderr())
+    log.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .errors import MoerunError
 
@@ -497,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     a = parser.parse_args(argv)
-    logging.basicConfig(format="moerun: %(message)s", level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING)
+    _say_on_stderr(logging.INFO if getattr(a, "verbose", False) else logging.WARNING)
     try:
         if a.threads is not None and a.threads < 1:
             raise MoerunError("--threads must be at least 1")

@@ -96,3 +96,11 @@ def test_simulate_takes_its_trace_as_predict_eval_does(capsys, tmp_path):
         assert main(argv) == 1
         err = capsys.readouterr().err
         assert err.startswith("moerun: error:") and "none.npz" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_cli_says_a_cut_only_of_a_max_tokens_given(capsys):
+    ctx = moerun.load(threads=1).context_length
+    assert main(["generate", "hi", "--max-tokens", str(ctx + 5), "--temperature", "0", "--threads", "1"]) == 0
+    assert capsys.readouterr().err.count(f"max_tokens {ctx + 5} cut to") == 1
+    assert main(["generate", "hi", "--temperature", "0", "--threads", "1", "--max-tokens", "3"]) == 0
+    assert "cut to" not in capsys.readouterr().err
