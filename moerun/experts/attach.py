@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -121,8 +122,18 @@ class StoreSource:
     `release` gives them back with each expert's share of the time they were held."""
 
     def __init__(self, module: StoreExperts):
-        self.module, self.inter = module, module.inter
+        # weakly: the native MoE halves that hold this source are kept by the net's plans, and
+        # a strong reference back to the net's module would make a cycle through C++ that the
+        # collector cannot see
+        self._module, self.inter = weakref.ref(module), module.inter
         self._held = None
+
+    @property
+    def module(self) -> StoreExperts:
+        m = self._module()
+        if m is None:
+            raise MoerunError("the experts module of this expert source is gone")
+        return m
 
     def fetch(self, ids, T: int) -> tuple:
         m = self.module
