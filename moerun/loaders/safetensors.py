@@ -15,10 +15,11 @@ import os
 import struct
 from dataclasses import dataclass
 from math import prod
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
+from ..config import one_line, open_regular, read_json, regular_file, short
 from ..errors import MoerunError
 
 DTYPES = {
@@ -52,18 +53,26 @@ class TensorRef:
 
 
 def _parse_header(path: Path) -> list[TensorRef]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    """The tensors of one safetensors file: an 8-byte little-endian header length, then a
+    JSON object of name -> {dtype, shape, data_offsets}. Each tensor's byte range must match
+    its shape, lie inside the file and overlap no other's; a name may appear once."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise MoerunError(f"{path} is truncated or not a safetensors file (only {size} bytes)")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8 or n > 100 * 2**20:
             raise MoerunError(f"{path} is truncated or corrupt: header of {n} bytes in a {size}-byte file")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise MoerunError(f"{path} is corrupt: its header is not valid JSON ({e})") from None
+        raw = f.read(n)
+    try:
+        header = json.loads(raw, object_pairs_hook=_no_duplicates)
+    except _Duplicate as e:
+        raise MoerunError(f"{path} is corrupt: its header names tensor {e.args[0]!r} twice") from None
+    except RecursionError:
+        raise MoerunError(f"{path} is corrupt: its header is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise MoerunError(f"{path} is corrupt: its header is not valid JSON ({one_line(e)})") from None
     if not isinstance(header, dict):
         raise MoerunError(f"{path} is corrupt: its header is not a JSON object")
     base = 8 + n
@@ -71,21 +80,63 @@ def _parse_header(path: Path) -> list[TensorRef]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = DTYPES[info["dtype"]]
-            shape = tuple(int(s) for s in info["shape"])
-            start, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise MoerunError(f"{path} is corrupt: bad header entry for tensor {name!r}") from None
+        if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+            raise MoerunError(f"{path} is corrupt: bad header entry for tensor {name!r}")
+        dtype = DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise MoerunError(f"{path}: tensor {name!r} has dtype {short(info['dtype'])}, which moerun does not read "
+                              f"(it reads {', '.join(DTYPES)})")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
+            raise MoerunError(f"{path} is corrupt: bad shape or data_offsets for tensor {name!r}")
+        start, end = offsets
         nbytes = prod(shape) * dtype.itemsize
-        if end - start != nbytes or start < 0:
+        if end - start != nbytes:
             raise MoerunError(f"{path} is corrupt: tensor {name!r} has {end - start} bytes, its shape needs {nbytes}")
         if base + end > size:
             raise MoerunError(
                 f"{path} is truncated: tensor {name!r} ends at byte {base + end} but the file has {size} bytes"
             )
-        refs.append(TensorRef(name, path, dtype, shape, base + start, nbytes))
+        refs.append(TensorRef(name, path, dtype, tuple(shape), base + start, nbytes))
+    last = None
+    for ref in sorted((r for r in refs if r.nbytes), key=lambda r: r.offset):
+        if last is not None and ref.offset < last.offset + last.nbytes:
+            raise MoerunError(f"{path} is corrupt: the bytes of tensors {last.name!r} and {ref.name!r} overlap")
+        last = ref
     return refs
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Duplicate(k)
+        out[k] = v
+    return out
+
+
+def _ints(v) -> bool:
+    """Whether v is a list of non-negative ints (JSON numbers without a fraction)."""
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+
+def _shard_names(index: Path, data) -> list[str]:
+    """The shard files an index's weight_map names, each a relative path that stays inside
+    the model directory. Checked by name, not by where links lead: a Hugging Face cache's
+    snapshot holds links to blobs outside it, placed there by whoever made the directory."""
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise MoerunError(f"{index} is not a valid safetensors index (it needs a weight_map of tensor -> file name)")
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        p = PurePosixPath(name)
+        if not name or p.is_absolute() or ".." in p.parts or "\\" in name:
+            raise MoerunError(f"{index} names shard {short(name)}, which is outside the model directory")
+    return names
 
 
 class Checkpoint:
@@ -94,22 +145,21 @@ class Checkpoint:
     def __init__(self, model_dir: Path):
         self.dir = Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise MoerunError(f"{index} is not a valid safetensors index") from None
-            files = [self.dir / f for f in sorted(set(weight_map.values()))]
+        if regular_file(index):
+            files = [self.dir / f for f in _shard_names(index, read_json(index))]
             for f in files:
-                if not f.is_file():
+                if not regular_file(f):
                     raise MoerunError(f"{index} names shard {f.name}, which is missing")
         else:
-            files = sorted(self.dir.glob("*.safetensors"))
+            files = [f for f in sorted(self.dir.glob("*.safetensors")) if regular_file(f)]
         if not files:
             raise MoerunError(f"{self.dir} has no *.safetensors weight files")
         self.tensors: dict[str, TensorRef] = {}
         for f in files:
             for ref in _parse_header(f):
+                other = self.tensors.get(ref.name)
+                if other is not None:
+                    raise MoerunError(f"tensor {ref.name!r} is in both {other.path.name} and {f.name}")
                 self.tensors[ref.name] = ref
         self._maps: dict[Path, mmap.mmap] = {}
 
@@ -119,7 +169,7 @@ class Checkpoint:
     def _map(self, path: Path) -> mmap.mmap:
         mm = self._maps.get(path)
         if mm is None:
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 # private (copy-on-write) mapping: writable views without touching the file
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             self._maps[path] = mm
