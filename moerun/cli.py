@@ -27,6 +27,8 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
                        help="quantize at load: int4 = routed experts int4, attention/shared/head int8")
         p.add_argument("--kv-cache", default="auto", help="KV cache storage: auto (the model's dtype), int8 (per-token, "
                        "per-head scales), float32, bfloat16 or float16")
+        p.add_argument("--check-weights", action="store_true",
+                       help="read every weight before use and refuse NaN or infinite values (a full pass over the files)")
         s = p.add_argument_group("expert store (routed experts in tiers: device / RAM / disk)")
         s.add_argument("--ram-budget", default=None, help="bytes of routed experts kept in RAM, e.g. 4GiB or 30%%; the rest stream from disk")
         s.add_argument("--vram-budget", default=None, help="bytes of routed experts on the device tier (CUDA, or emulated with --emulate-link)")
@@ -75,6 +77,29 @@ def _load(a):
     return llm
 
 
+def _check_flags(a) -> None:
+    """The values of the command's flags, checked before any weight loads (a large model
+    takes minutes to load; a typo must not wait for it)."""
+    import re
+    from pathlib import Path
+
+    from .errors import MoerunError
+
+    if "max_tokens" in vars(a):  # generate and chat: the sampling flags
+        from .engine.sampling import SamplingParams
+
+        SamplingParams(**{k: v for k, v in _sampling_kwargs(a).items() if v is not None})
+    if "speculative" in vars(a):
+        _spec_kwargs(a)
+    if getattr(a, "predictor", None):
+        from .experts.predict import NAMES
+
+        if a.predictor not in NAMES and not re.fullmatch(r"layer_ahead\d+", a.predictor):
+            raise MoerunError(f"unknown predictor {a.predictor!r}; choose one of {', '.join(NAMES)}")
+    if getattr(a, "predictor_trace", None) and not Path(a.predictor_trace).is_file():
+        raise MoerunError(f"--predictor-trace {a.predictor_trace} is not a file")
+
+
 def _load_model(a):
     import moerun
 
@@ -82,13 +107,17 @@ def _load_model(a):
     from .errors import MoerunError
 
     kv_dtype = kv_cache_dtype(a.kv_cache)  # a bad value fails before the weights load
+    _check_flags(a)
     store_opts = {k: getattr(a, k) for k in STORE_FLAGS if getattr(a, k, None) is not None}
     if not store_opts and not getattr(a, "predictor", None):
-        return moerun.load(a.model, dtype=a.dtype, threads=a.threads, quant=a.quant, kv_cache=a.kv_cache)
+        return moerun.load(a.model, dtype=a.dtype, threads=a.threads, quant=a.quant, kv_cache=a.kv_cache,
+                           check_weights=a.check_weights)
     from .experts.attach import load as load_with_store
     from .experts.store import StoreOptions
 
-    llm = load_with_store(a.model, dtype=a.dtype, threads=a.threads, options=StoreOptions(**store_opts), quant=a.quant)
+    options = StoreOptions(**store_opts)  # the budgets' spelling is checked here, before loading
+    llm = load_with_store(a.model, dtype=a.dtype, threads=a.threads, options=options, quant=a.quant,
+                          check_weights=a.check_weights)
     if kv_dtype is not None:  # auto: what the loader chose (a quantized net's checkpoint dtype)
         llm.kv_dtype = kv_dtype
     if a.predictor:
@@ -379,7 +408,8 @@ def cmd_profile(a) -> int:
     from .experts.profile import profile
 
     summary = profile(a.model, a.prompts, a.output, mode=a.mode, max_tokens=a.max_tokens,
-                      max_sequences=a.max_sequences, logits=a.logits, threads=a.threads, plots=a.plots)
+                      max_sequences=a.max_sequences, logits=a.logits, threads=a.threads, plots=a.plots,
+                      check_weights=a.check_weights)
     print(json.dumps(summary, indent=2, default=str))
     return 0
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -35,6 +34,25 @@ def set_threads(threads: int | None) -> int:
     return n
 
 
+def load_tokenizer(path: Path):
+    """The model directory's tokenizer, None without a tokenizer.json."""
+    from ..config import regular_file
+    from ..tokenizer import Tokenizer
+
+    return Tokenizer(path) if regular_file(path / "tokenizer.json") else None
+
+
+def check_vocab(tokenizer, vocab_size: int) -> None:
+    """Refuse a tokenizer with token ids past the model's vocabulary: they would index past
+    the embedding at the first prompt that holds one."""
+    if tokenizer is None:
+        return
+    n = max(tokenizer.tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    if n > vocab_size:
+        raise MoerunError(f"the tokenizer has token ids up to {n - 1}, but the model's vocabulary (config.json's "
+                          f"vocab_size) holds {vocab_size}: tokenizer.json does not belong to this model")
+
+
 def compute_dtype(net, asked, dtype: torch.dtype,
                   kv_dtype: torch.dtype | None) -> tuple[torch.dtype, torch.dtype | None]:
     """(compute dtype, KV cache dtype) of a loaded net: with dtype "auto" a quantized net
@@ -65,15 +83,16 @@ class LLM:
 
     @classmethod
     def load(cls, path=None, dtype="auto", threads: int | None = None, quant: str | None = None,
-             kv_cache: str = "auto") -> "LLM":
+             kv_cache: str = "auto", check_weights: bool = False) -> "LLM":
         """quant: None/"none" keeps the checkpoint's weights; "int4" (routed experts int4,
         attention/shared experts/head int8), "int8", "int4-all" quantize at load, unless the
         checkpoint was already written quantized by `moerun quantize`. dtype "auto": the
         checkpoint's, except that a quantized net computes in float32 (`compute_in_float32`).
         kv_cache: "auto" (the checkpoint's dtype), "int8" (per-token, per-head scales) or a
-        float dtype name."""
+        float dtype name. check_weights: first scan every float tensor for NaN and Inf (reads
+        the whole checkpoint; `loaders.hf.check_finite`)."""
+        from ..config import read_generation_config
         from ..loaders.hf import build
-        from ..tokenizer import Tokenizer
         from .cache import kv_cache_dtype
 
         kv_dtype = kv_cache_dtype(kv_cache)
@@ -81,15 +100,16 @@ class LLM:
         path = default_model_path() if path is None else Path(path)
         set_threads(threads)
         asked = dtype
-        arch, args, net, dtype = build(path, dtype)
+        # the small files first, and the vocabularies compared before any weight is read
+        tokenizer = load_tokenizer(path)
+        gen = read_generation_config(path)
+        arch, args, net, dtype = build(path, dtype, prepare=lambda net: check_vocab(tokenizer, net.args.vocab_size),
+                                       check_weights=check_weights)
         if quant not in (None, "none"):
             from ..quant.checkpoint import quantize_at_load
 
             quantize_at_load(net, path, quant)
         dtype, kv_dtype = compute_dtype(net, asked, dtype, kv_dtype)
-        tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
-        gen_path = path / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         llm = cls(net, args, arch, tokenizer, path, dtype, gen)
         llm.kv_dtype = kv_dtype
         return llm

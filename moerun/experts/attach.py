@@ -11,7 +11,6 @@ Two ways in:
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import weakref
@@ -274,25 +273,32 @@ def attach_store(net: nn.Module, model_dir, options: StoreOptions | None = None)
     return _make_store(net, swapped, Path(model_dir), dtype, options)
 
 
-def build(model_dir, dtype="auto", options: StoreOptions | None = None):
+def build(model_dir, dtype="auto", options: StoreOptions | None = None, prepare=None, check_weights: bool = False):
     """Like `moerun.loaders.hf.build`, with routed experts in a store and never materialised.
-    Returns (architecture module, args, net, dtype, store)."""
+    Returns (architecture module, args, net, dtype, store). prepare(net), when given, runs
+    first on the meta-device net; check_weights as `loaders.hf.build`'s."""
     from ..loaders.hf import build as build_net
 
     swapped = []
-    # swap before loading: the expert parameters are then gone from what the loader reads
-    arch, args, net, dtype = build_net(model_dir, dtype, prepare=lambda n: swapped.extend(_swap_experts(n)))
+
+    def swap(net):  # before loading: the expert parameters are then gone from what the loader reads
+        if prepare is not None:
+            prepare(net)
+        swapped.extend(_swap_experts(net))
+
+    arch, args, net, dtype = build_net(model_dir, dtype, prepare=swap, check_weights=check_weights)
     store = _make_store(net, swapped, Path(model_dir), dtype, options)
     return arch, args, net, dtype, store
 
 
-def load(path=None, dtype="auto", threads: int | None = None, options: StoreOptions | None = None, quant=None):
+def load(path=None, dtype="auto", threads: int | None = None, options: StoreOptions | None = None, quant=None,
+         check_weights: bool = False):
     """`moerun.load` with an expert store: returns an `LLM` whose `.store` is the ExpertStore.
     A checkpoint written by `moerun quantize` keeps its experts packed in the store; `quant`
     may name its policy (a no-op) but cannot quantize a float checkpoint's experts here."""
-    from ..engine.llm import LLM, compute_dtype, default_model_path, set_threads
+    from ..config import read_generation_config
+    from ..engine.llm import LLM, check_vocab, compute_dtype, default_model_path, load_tokenizer, set_threads
     from ..quant.checkpoint import quantize_at_load, stored_policy
-    from ..tokenizer import Tokenizer
 
     path = default_model_path() if path is None else Path(path)
     if quant not in (None, "none"):
@@ -302,11 +308,11 @@ def load(path=None, dtype="auto", threads: int | None = None, options: StoreOpti
         quantize_at_load(None, path, quant)  # the stored policy: nothing to do; another: an error
     set_threads(threads)
     asked = dtype
-    arch, args, net, dtype, store = build(path, dtype, options)
+    tokenizer = load_tokenizer(path)
+    gen = read_generation_config(path)
+    arch, args, net, dtype, store = build(path, dtype, options, check_weights=check_weights,
+                                          prepare=lambda net: check_vocab(tokenizer, net.args.vocab_size))
     dtype, kv_dtype = compute_dtype(net, asked, dtype, None)
-    tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
-    gen_path = path / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     llm = LLM(net, args, arch, tokenizer, path, dtype, gen)
     llm.kv_dtype = kv_dtype
     llm.store = store

@@ -428,7 +428,8 @@ def read_prompts(path) -> list[str]:
 
 def profile(model: str | None, prompts: str, output: str, *, mode: str = "generate", max_tokens: int = 64,
             max_sequences: int | None = None, max_total_tokens: int | None = None, logits: bool = False,
-            ahead: int = 2, mtp_candidates: int = 8, threads: int | None = None, plots: str | None = None) -> dict:
+            ahead: int = 2, mtp_candidates: int = 8, threads: int | None = None, plots: str | None = None,
+            check_weights: bool = False) -> dict:
     """`moerun profile [-m PATH] --prompts FILE -o TRACE`.
 
     mode "generate": each prompt is continued greedily for `max_tokens` tokens and the
@@ -440,7 +441,7 @@ def profile(model: str | None, prompts: str, output: str, *, mode: str = "genera
 
     if mode not in ("generate", "text"):
         raise MoerunError(f"unknown profile mode {mode!r}; choose generate or text")
-    llm = moerun.load(model, threads=threads)
+    llm = moerun.load(model, threads=threads, check_weights=check_weights)
     texts = read_prompts(prompts)[:max_sequences]
     if not texts:
         raise MoerunError(f"{prompts} holds no prompts")

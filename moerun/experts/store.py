@@ -156,6 +156,12 @@ def expert_pieces(names: dict, prefix: str, num_experts: int, hidden: int, inter
         else:
             missing = next((n for n in per if n not in names), f"{prefix}.{proj}")
             raise MoerunError(f"checkpoint is missing tensor {missing!r} (an expert of layer {prefix})")
+    bad = next((p for pieces in out for p in pieces if not p.dtype.is_floating_point), None)
+    if bad is not None:  # the store casts float experts; integers are no weights of a float model
+        from ..loaders.safetensors import DTYPE_NAMES
+
+        raise MoerunError(f"tensor {bad.name!r} has dtype {DTYPE_NAMES[bad.dtype]}, but the experts of {prefix} "
+                          "need a floating-point dtype")
     return tuple(tuple(p) for p in out)
 
 
@@ -279,14 +285,16 @@ def parse_budget(value, total: int, what: str = "budget") -> int | None:
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value < 0:
-            raise MoerunError(f"{what} must not be negative")
+        if not value >= 0 or value == math.inf:  # NaN fails the first test
+            raise MoerunError(f"{what} must be a finite number of bytes, not {value!r}")
         return int(value)
     t = str(value).strip().lower().replace(" ", "")
     m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)(%|[a-z]*)", t)
     if not m or (m.group(2) not in _UNITS and m.group(2) != "%"):
         raise MoerunError(f"cannot read {what} {value!r}; use bytes like 4GiB, 512MB, or a share like 30%")
     x = float(m.group(1))
+    if not math.isfinite(x * _UNITS.get(m.group(2), 1)):
+        raise MoerunError(f"{what} {value!r} is too large")
     if m.group(2) == "%":
         if x > 100:
             raise MoerunError(f"{what} {value!r} is over 100%")
@@ -313,6 +321,12 @@ class StoreOptions:
     drop_page_cache: bool = True
 
     def __post_init__(self):
+        # the budgets' spelling is checked here, before any weight loads (a share is resolved
+        # against the experts' bytes once they are known)
+        parse_budget(self.ram_budget, 0, "--ram-budget")
+        parse_budget(self.vram_budget, 0, "--vram-budget")
+        if self.emulate_link:
+            parse_link(self.emulate_link)
         if self.pin_hot < 0 or not 0.0 <= self.pin_hot_fraction <= 1.0:
             raise MoerunError("--pin-hot must be >= 0 and --pin-hot-fraction in [0, 1]")
         if self.disk_workers < 1:

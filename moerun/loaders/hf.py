@@ -15,13 +15,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..config import read_config
+from ..config import one_line, read_config
 from ..errors import MoerunError
 from ..models import build_on_meta, module_for
-from .safetensors import Checkpoint, TensorRef
+from .safetensors import DTYPE_NAMES as FILE_DTYPES, Checkpoint, TensorRef
 
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 PROGRESS_BYTES = 1 << 30
+SCAN_ELEMENTS = 1 << 24  # --check-weights reads a tensor in pieces of this many values
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -39,12 +40,13 @@ def resolve_dtype(dtype, cfg: dict, ckpt: Checkpoint) -> torch.dtype:
     return torch.float32 if declared in ("float32", "float64") else torch.bfloat16
 
 
-def build(model_dir, dtype="auto", prepare=None):
+def build(model_dir, dtype="auto", prepare=None, check_weights: bool = False):
     """Returns (architecture module, args, net with weights loaded, dtype).
 
     prepare(net), when given, runs on the meta-device net before any weight is read (the
-    expert store uses it to take the routed experts out of what gets loaded)."""
-    module, args, net, ckpt, dtype, renames = open_model(model_dir, dtype)
+    expert store uses it to take the routed experts out of what gets loaded).
+    check_weights: scan every float tensor for NaN and Inf first (`check_finite`)."""
+    module, args, net, ckpt, dtype, renames = open_model(model_dir, dtype, check_weights)
     if prepare is not None:
         prepare(net)
     state = load_state(net, ckpt, dtype, renames)
@@ -57,11 +59,11 @@ def build(model_dir, dtype="auto", prepare=None):
     return module, args, net, dtype
 
 
-def open_model(model_dir, dtype="auto"):
+def open_model(model_dir, dtype="auto", check_weights: bool = False):
     """Everything before reading weights: (architecture module, args, meta-device net,
     checkpoint, dtype, name renames). A checkpoint written by `moerun quantize` (a
     `quantization` entry in config.json) gets its quantized modules here, and its tensors
-    already carry our names."""
+    already carry our names. check_weights: `check_finite` on the checkpoint."""
     model_dir = Path(model_dir)
     if not model_dir.exists():
         raise MoerunError(f"model path {model_dir} does not exist")
@@ -72,7 +74,12 @@ def open_model(model_dir, dtype="auto"):
     args = module.ModelArgs.from_dict(module.text_config(cfg) if hasattr(module, "text_config") else cfg)
     ckpt = Checkpoint(model_dir)
     dtype = resolve_dtype(dtype, cfg, ckpt)
-    net = build_on_meta(module, args)
+    try:
+        net = build_on_meta(module, args)
+    except (ValueError, TypeError, KeyError, IndexError, ArithmeticError) as e:  # a setting no check above caught
+        raise MoerunError(f"config.json is not valid for {cfg['model_type']}: {one_line(e)}") from None
+    if check_weights:
+        check_finite(ckpt)
     renames = getattr(net, "checkpoint_renames", ())
     if "quantization" in cfg:
         from ..quant.checkpoint import make_quantized_modules
@@ -168,7 +175,41 @@ def _sources(name: str, p: torch.Tensor, names: dict[str, TensorRef], net) -> li
     raise MoerunError(f"checkpoint is missing tensor {name!r}")
 
 
+def check_finite(ckpt: Checkpoint) -> None:
+    """`--check-weights`: every float tensor of the checkpoint holds only finite values; the
+    first with a NaN or an Inf is refused by name. Reads every byte (a progress bar on
+    stderr for a large model), in pieces, so memory holds one piece's flags at a time."""
+    refs = sorted((r for r in ckpt.tensors.values() if r.dtype.is_floating_point and r.nbytes),
+                  key=lambda r: (str(r.path), r.offset))
+    total = sum(r.nbytes for r in refs)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="checking weights", file=sys.stderr,
+              disable=total < PROGRESS_BYTES, leave=False) as bar:
+        for ref in refs:
+            flat = ckpt.view(ref).reshape(-1)
+            for i in range(0, flat.numel(), SCAN_ELEMENTS):
+                piece = flat[i : i + SCAN_ELEMENTS]
+                if piece.dtype.itemsize == 1:  # float8: no isfinite kernel of its own
+                    piece = piece.float()
+                if not bool(torch.isfinite(piece).all()):
+                    raise MoerunError(f"tensor {ref.name!r} in {ref.path.name} holds NaN or infinite values")
+            ckpt.drop_pages(ref)
+            bar.update(ref.nbytes)
+
+
+def check_dtype(ref: TensorRef, want: torch.dtype, name: str) -> None:
+    """A float weight may be read from any float dtype (it is cast); an integer tensor where
+    a float weight belongs, or a float or another integer type where a quantized buffer's
+    packed integers belong, is refused by name."""
+    ok = ref.dtype.is_floating_point if want.is_floating_point else ref.dtype == want
+    if ok:
+        return
+    needs = "a floating-point dtype" if want.is_floating_point else FILE_DTYPES[want]
+    raise MoerunError(f"tensor {ref.name!r} has dtype {FILE_DTYPES[ref.dtype]}, but {name} needs {needs}")
+
+
 def materialize(ckpt: Checkpoint, srcs: list[TensorRef], shape, dtype, name) -> torch.Tensor:
+    for ref in srcs:
+        check_dtype(ref, dtype, name)
     if len(srcs) == 1 and not (srcs[0].name.endswith("gate_up_proj") and not name.endswith("gate_up_proj")):
         ref = srcs[0]
         if ref.shape != shape:
