@@ -1,5 +1,9 @@
 """Decode state for every layer of a batch of sequences, preallocated once.
 
+Preallocated for the positions a run asks for (its prompts plus the tokens it may generate),
+never for the model's whole context window; a cache that would not fit in the memory this
+machine has available is refused before it is allocated.
+
 A model describes what each layer keeps (`KVSpec` for attention, `StateSpec` for
 recurrent layers such as Gated DeltaNet); the engine allocates it here and decides the
 storage format (for example int8 keys and values). Rows of the cache are *slots*: a
@@ -261,6 +265,7 @@ class Cache:
         self.batch = batch
         self.max_len = max_len
         kv_dtype = kv_dtype or dtype
+        check_fits(cache_bytes(specs, batch, max_len, dtype, kv_dtype), batch, max_len)
         self.layers = [self._make(s, batch, max_len, dtype, kv_dtype) for s in specs]
         self.lengths = torch.zeros(batch, dtype=torch.long)
 
@@ -307,6 +312,49 @@ def kv_cache_dtype(name: str) -> torch.dtype | None:
 def kv_bytes_per_token(specs: list, kv_dtype: torch.dtype) -> int:
     """Bytes of keys and values (scales included) one token adds to a sequence's cache."""
     return sum(_kv_class(kv_dtype).bytes_per_token(s, kv_dtype) for s in specs if isinstance(s, KVSpec))
+
+
+def cache_bytes(specs: list, batch: int, max_len: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
+    """Bytes a `Cache` of these specs, slots and positions holds."""
+    n = batch * max_len * kv_bytes_per_token(specs, kv_dtype)
+    for s in specs:
+        if isinstance(s, StateSpec):
+            fixed = dict(s.dtypes)
+            n += batch * sum(math.prod(shape) * fixed.get(name, dtype).itemsize for name, shape in s.shapes)
+    return n
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process can still take: the kernel's MemAvailable, lowered to
+    what a cgroup (v2) limit leaves beyond the group's anonymous memory when one is set (its
+    page cache, mapped weights included, can be reclaimed); None where neither is known."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.stat") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                anon = next(int(line.split()[1]) for line in g if line.startswith("anon "))
+                left = max(int(limit) - anon, 0)
+                avail = left if avail is None else min(avail, left)
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    return avail
+
+
+def check_fits(nbytes: int, batch: int, max_len: int) -> None:
+    """Refuse (one sentence) a cache of `nbytes` that would not fit in the available memory."""
+    avail = available_memory()
+    if avail is not None and nbytes > avail:
+        from .info import human_bytes
+
+        rows = f"{batch} sequences" if batch > 1 else "a sequence"
+        raise MoerunError(f"the KV cache for {rows} of {max_len} tokens needs {human_bytes(nbytes)}, but this machine has "
+                          f"{human_bytes(avail)} of memory available; ask for fewer tokens or sequences")
 
 
 def _kv_class(kv_dtype: torch.dtype):
