@@ -40,12 +40,22 @@ class Overloaded(Exception):
     """Every slot is busy and the waiting queue is full."""
 
 
+class ShuttingDown(Exception):
+    """The server has stopped taking requests (it is draining before it exits)."""
+
+
+SHUTDOWN = "the server is shutting down"
+
+
 @dataclass
 class Event:
     """What the worker tells a request: a text piece, the end, or a failure."""
 
     kind: str  # "piece" | "done" | "error"
     text: str = ""
+    # an error's kind: "request" (this request could not run: the client's to fix),
+    # "shutdown" (cut by the server's shutdown), "server" (generation failed)
+    reason: str = "server"
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -121,6 +131,8 @@ class Scheduler:
         self._running = 0
         self._ids = itertools.count(1)
         self._stop = threading.Event()
+        self.admitting = True  # False once draining: submit refuses, running requests go on
+        self._abort: str | None = None  # set by abort(): the worker fails everything it holds
         self.steps = 0
         self.batch_rows = 0  # sum of batch sizes over decode steps
         self._thread = threading.Thread(target=self._worker, name="moerun-scheduler", daemon=True)
@@ -138,6 +150,8 @@ class Scheduler:
     def submit(self, prompt_ids: list[int], params: SamplingParams, decoder=None, ignore_eos: bool = False) -> Request:
         """Queue a request (from the event loop's thread); raises Overloaded past the queue."""
         with self._lock:
+            if not self.admitting:
+                raise ShuttingDown(SHUTDOWN)
             if self._running + self._pending >= self.max_concurrency + self.max_queue:
                 raise Overloaded(
                     f"the server is busy: {self._running} requests running and {self._pending} waiting "
@@ -155,18 +169,46 @@ class Scheduler:
         req.cancelled = True
         self.inbox.put(None)  # wake the worker if it is idle
 
+    def stop_admitting(self) -> None:
+        """Refuse new requests from now on (ShuttingDown); those already in go on."""
+        with self._lock:
+            self.admitting = False
+
+    def abort(self, reason: str = SHUTDOWN) -> None:
+        """End every request held, running or waiting, with an error event (the worker does
+        it between steps); the scheduler itself goes on."""
+        self._abort = reason
+        self.inbox.put(None)
+
     def close(self) -> None:
         """Stop the worker; requests still running or waiting get an error event."""
+        self.stop_admitting()
         self._stop.set()
         self.inbox.put(None)
         self._thread.join(timeout=30)
         if self._thread.is_alive():
             return  # stuck in a long forward pass; it is a daemon thread
         self._drain_inbox(block=False)
+        self._fail_all(SHUTDOWN, "shutdown")
+
+    def _fail_all(self, text: str, reason: str) -> None:
         for req in list(self.live) + list(self.prefilling):
-            self._finish(req, error="the server is shutting down")
+            self._finish(req, error=text, reason=reason)
         while self.waiting:
-            self.waiting.popleft().emit(Event("error", text="the server is shutting down"))
+            req = self.waiting.popleft()
+            with self._lock:
+                self._pending -= 1
+            if self.metrics is not None:
+                self.metrics.finished(req)
+            req.emit(Event("error", text=text, reason=reason))
+
+    def check(self) -> None:
+        """The slot books balance (tests call it when the server is idle): every slot is free
+        or held by a running request, and none is free twice."""
+        with self._lock:
+            running = self._running
+        assert len(self.free) + running == self.max_concurrency, (self.free, running, self.max_concurrency)
+        assert len(set(self.free)) == len(self.free), self.free
 
     # -- worker thread --------------------------------------------------------
     def _worker(self) -> None:
@@ -175,13 +217,18 @@ class Scheduler:
             while not self._stop.is_set():
                 try:
                     self._drain_inbox(block=not (self.live or self.waiting or self.prefilling))
+                    if self._abort is not None:
+                        reason, self._abort = self._abort, None
+                        self._fail_all(reason, "shutdown")
+                        continue
                     if self.speculative is not None:
                         self._run_speculative()
                         continue
                     self._admit()
                     if self.live:
                         self._step()
-                except Exception as e:  # noqa: BLE001 - fail the batch, keep the worker alive
+                except Exception as e:  # noqa: BLE001 - a bug outside any one request's work:
+                    # fail what is held, free its slots, keep the worker alive
                     log.exception("scheduler step failed")
                     for req in list(self.live) + list(self.prefilling):
                         self._finish(req, error=f"generation failed: {e}")
@@ -252,7 +299,7 @@ class Scheduler:
             log.warning("request refused at admission: %s", e)
             if self.metrics is not None:
                 self.metrics.finished(req)
-            req.emit(Event("error", text=f"the request could not start: {e}"))
+            req.emit(Event("error", text=f"the request could not start: {e}", reason="request"))
             return False
         with self._lock:
             self._running += 1
@@ -299,9 +346,9 @@ class Scheduler:
         ids = torch.tensor([[r.next_token] for r in batch], dtype=torch.long)  # [B, 1]
         try:
             logits = self.net(ids, self.cache, slots, last_only=True, **self.plans)[:, -1]  # [B, V]
-        except Exception as e:  # noqa: BLE001
-            for req in batch:
-                self._finish(req, error=f"decode failed: {e}")
+        except Exception as e:  # noqa: BLE001 - find the row(s) it was, fail only them
+            log.warning("a decode step of %d rows failed (%s); each row goes on alone", len(batch), e)
+            self._step_alone(batch, e)
             return
         self.steps += 1
         self.batch_rows += len(batch)
@@ -310,6 +357,26 @@ class Scheduler:
         n = sum(self._take(req, logits[i]) for i, req in enumerate(batch))
         if self.metrics is not None:
             self.metrics.generated(n)
+
+    def _step_alone(self, batch: list[Request], error: Exception) -> None:
+        """After a failed decode step, each row on its own: its slot is reset and its tokens so
+        far (prompt and output, the step's token last) are prefilled again, since the failed
+        pass may have left part of its work in the cache (a recurrent state updated by some
+        layers and not others). A row that fails alone gets the error; the others go on."""
+        if len(batch) == 1:
+            self._finish(batch[0], error=f"decode failed: {error}")
+            return
+        for req in batch:
+            tokens = req.prompt_ids + req.seq.out_ids  # out_ids[-1] is the step's token
+            try:
+                self.cache.reset(req.slot)
+                ids = torch.tensor([tokens], dtype=torch.long)
+                logits = self.net(ids, self.cache, torch.tensor([req.slot]), last_only=True, **self.plans)[0, -1]
+            except Exception as e:  # noqa: BLE001
+                self._finish(req, error=f"decode failed: {e}")
+                continue
+            if self._take(req, logits) and self.metrics is not None:
+                self.metrics.generated(1)
 
     def _run_speculative(self) -> None:
         """The next waiting request, from its prompt to its end, through the speculative loop;
@@ -343,7 +410,7 @@ class Scheduler:
                         self.metrics.generated(len(seq.out_ids) - counted)
                     counted = len(seq.out_ids)
                     self._drain_inbox(block=False)  # arrivals queue; a cancel wakes nothing here
-                    if req.cancelled or self._stop.is_set():
+                    if req.cancelled or self._stop.is_set() or self._abort is not None:
                         break
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
                 steps.close()
@@ -351,6 +418,9 @@ class Scheduler:
                 continue
             steps.close()
             req.sampled = len(seq.out_ids)
+            if self._abort is not None and not seq.finished:
+                self._finish(req, error=self._abort, reason="shutdown")
+                continue
             if self.metrics is not None:
                 self.metrics.generated(req.sampled - counted)
                 self.metrics.speculative(stats)
@@ -358,7 +428,7 @@ class Scheduler:
                 seq.finish_reason = seq.finish_reason or "length"
             self._finish(req)
 
-    def _finish(self, req: Request, error: str | None = None) -> None:
+    def _finish(self, req: Request, error: str | None = None, reason: str = "server") -> None:
         if req in self.live:
             self.live.remove(req)
         if req in self.prefilling:
@@ -373,7 +443,7 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.finished(req)
         if error is not None:
-            req.emit(Event("error", text=error))
+            req.emit(Event("error", text=error, reason=reason))
             return
         seq = req.seq
         req.emit(Event(
