@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from .config import read_json, regular_file
 from .errors import MoerunError
 
 
@@ -28,18 +31,23 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise MoerunError(f"{path} could not be read: {e}") from None
         cfg_path = Path(model_dir) / "tokenizer_config.json"
-        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        cfg = read_json(cfg_path) if regular_file(cfg_path) else {}
+        if not isinstance(cfg, dict):
+            raise MoerunError(f"{cfg_path} must hold a JSON object")
         template = cfg.get("chat_template")
         jinja_file = Path(model_dir) / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-        self.chat_template: str | None = template
+        self.chat_template: str | None = _pick_template(template, cfg_path)
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.add_bos = bool(cfg.get("add_bos_token", False))
         self._template = None
+        # the same tokenizer with its special tokens' texts read as plain text: what a
+        # message's content is encoded with (`encode_chat`)
+        self._plain = HFTokenizer.from_str(self.tok.to_str())
+        self._plain.encode_special_tokens = True
+        self.special_texts = sorted(t.content for t in self.tok.get_added_tokens_decoder().values() if t.special)
 
     @property
     def vocab_size(self) -> int:
@@ -49,11 +57,62 @@ class Tokenizer:
         return None if text is None else self.tok.token_to_id(text)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """`text` as token ids; special tokens' texts in it become those tokens (a raw prompt
+        is the caller's own; chat messages go through `encode_chat`)."""
+        ids = _ids(self.tok, text, add_special_tokens)
         bos = self.token_id(self.bos_token)
         if add_special_tokens and self.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids = [bos] + ids
         return ids
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """The chat template's rendering of `messages` as token ids, where only the template's
+        own text can make special tokens: a user who types `<|im_end|>` gets those characters,
+        never the marker (no forged turns).
+
+        Contents that could make one (they hold a special token's text, or begin or end with
+        part of one) are rendered as unique placeholders; the rendering is cut there, the
+        template's pieces are encoded with special tokens and those contents as plain text.
+        That must join up to the real rendering: a template that trims or edits such a content
+        cannot be encoded safely, and the messages are refused. Other contents are rendered
+        and encoded as they are."""
+        self._check_messages(messages)
+        nonce = secrets.token_hex(8)
+        marks, shown = {}, []
+        for i, m in enumerate(messages):
+            c = m["content"]
+            if isinstance(c, str) and self._could_make_special(c):
+                mark = f"MOERUNCONTENT{i}X{nonce}"
+                marks[mark] = c
+                m = {**m, "content": mark}
+            shown.append(m)
+        real = self.apply_chat_template(messages, add_generation_prompt)
+        if not marks:
+            return _ids(self.tok, real, False)
+        pieces = re.split(f"(MOERUNCONTENT\\d+X{nonce})", self.apply_chat_template(shown, add_generation_prompt))
+        texts = [(marks.get(p, p), p not in marks) for p in pieces if p]
+        if sorted(pieces[1::2]) != sorted(marks) or "".join(t for t, _ in texts) != real:
+            raise MoerunError("a message's content holds a special token's text, and this model's chat template "
+                              "edits that content, so it cannot be encoded as plain text")
+        return [i for enc in _encode_many(self, texts) for i in enc]
+
+    def _could_make_special(self, text: str) -> bool:
+        """Whether `text` holds a special token's text, or could complete one with the text
+        around it (it starts with the end of one, or ends with the start of one)."""
+        for t in self.special_texts:
+            if t in text or any(text.endswith(t[:k]) or text.startswith(t[-k:]) for k in range(1, len(t))):
+                return True
+        return False
+
+    def _check_messages(self, messages) -> None:
+        if not isinstance(messages, list):
+            raise MoerunError("chat messages must be a list")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise MoerunError("each chat message must be a dict with 'role' and 'content'")
+            for k, v in m.items():  # what the template prints besides contents (roles, names)
+                if k != "content" and isinstance(v, str) and any(t in v for t in self.special_texts):
+                    raise MoerunError(f"a chat message's {k} holds a special token's text")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -73,15 +132,40 @@ class Tokenizer:
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise MoerunError("each chat message must be a dict with 'role' and 'content'")
+        self._check_messages(messages)
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+def _pick_template(template, path: Path) -> str | None:
+    """A tokenizer_config's chat_template: a string, or a list of named ones (the default)."""
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list) and template and all(
+            isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
+        return next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    raise MoerunError(f"{path}'s chat_template must be a string or a list of {{name, template}} objects")
+
+
+def _ids(tok, text: str, add_special_tokens: bool) -> list[int]:
+    # encode_batch lets go of the GIL while it works (encode holds it): a long prompt
+    # tokenized on a server's worker thread must not stall the event loop's streams
+    return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def _encode_many(t: Tokenizer, texts: list[tuple[str, bool]]) -> list[list[int]]:
+    """Each (text, is_template) encoded: template text with special tokens, content without."""
+    out: list[list[int] | None] = [None] * len(texts)
+    for tok, want in ((t.tok, True), (t._plain, False)):
+        idx = [i for i, (_, is_template) in enumerate(texts) if is_template == want]
+        if idx:
+            for i, enc in zip(idx, tok.encode_batch([texts[i][0] for i in idx], add_special_tokens=False)):
+                out[i] = enc.ids
+    return out
 
 
 class IncrementalDecoder:

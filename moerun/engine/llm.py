@@ -151,7 +151,7 @@ class LLM:
         if isinstance(prompt, str):
             return tok.encode(prompt)
         if isinstance(prompt, list):
-            return tok.encode(tok.apply_chat_template(prompt), add_special_tokens=False)
+            return tok.encode_chat(prompt)  # contents as plain text: no special tokens from users
         raise MoerunError("a prompt is a string or a list of chat messages")
 
     def sampling_params(self, **overrides) -> SamplingParams:
