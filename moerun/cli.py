@@ -396,11 +396,16 @@ def cmd_random_model(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    from .server import serve
+    from .experts.store import parse_budget
+    from .server import check_settings, serve
 
+    max_body = parse_budget(a.max_body, 0, "--max-body")
+    settings = dict(api_key=a.api_key, max_concurrency=a.max_concurrency, max_queue=a.max_queue, max_len=a.max_len,
+                    max_body=max_body, max_prompt_tokens=a.max_prompt_tokens, shutdown_timeout=a.shutdown_timeout)
+    check_settings(port=a.port, **settings)  # before gigabytes of weights load
     llm = _load(a)
-    serve(llm, a.host, a.port, api_key=a.api_key, max_concurrency=a.max_concurrency, max_queue=a.max_queue,
-          max_len=a.max_len, **_spec_kwargs(a))
+    serve(llm, a.host, a.port, allowed_hosts=tuple(a.allowed_hosts), cors_origins=tuple(a.cors_origin),
+          **settings, **_spec_kwargs(a))
     return 0
 
 
@@ -477,6 +482,15 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-concurrency", type=int, default=4, help="requests decoded together (cache slots)")
     sv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; then 429")
     sv.add_argument("--max-len", type=int, default=None, help="tokens per request (prompt + completion)")
+    sv.add_argument("--max-prompt-tokens", type=int, default=None,
+                    help="the longest prompt taken, in tokens (default: what --max-len leaves room for)")
+    sv.add_argument("--max-body", default="4MiB", help="the largest request body (default 4MiB); 413 past it")
+    sv.add_argument("--allowed-hosts", nargs="+", default=[], metavar="HOST",
+                    help="Host header names answered besides loopback's ('*': any; see docs/security.md)")
+    sv.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                    help="let pages from this origin call the API (repeatable; '*': any). Default: none")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds running requests get to finish on SIGTERM or Ctrl-C (default 30)")
     _speculative(sv)  # requests then run one at a time
     sv.set_defaults(func=cmd_serve)
 
