@@ -48,6 +48,27 @@ def llm(tmp_path_factory):
     return moerun.load(path, dtype="float32", threads=1)
 
 
+LIVE = []  # the apps of the servers running now
+
+
+def books_balance(app, timeout: float = 30.0) -> None:
+    """The scheduler's invariant, once the server is idle: free slots + running = slots."""
+    sched = app.state.server.scheduler
+    deadline = time.time() + timeout
+    while sched.running or sched.queue_depth:
+        assert time.time() < deadline, f"the server did not go idle: {sched.running} running"
+        time.sleep(0.02)
+    sched.check()
+
+
+@pytest.fixture(autouse=True)
+def slot_books():
+    """After every test, every running server's slot books balance."""
+    yield
+    for app in list(LIVE):
+        books_balance(app)
+
+
 @contextmanager
 def running_server(llm, **kw):
     """uvicorn in a background thread on a socket bound beforehand (no port race)."""
@@ -62,9 +83,11 @@ def running_server(llm, **kw):
     while not server.started:
         assert thread.is_alive() and time.time() < deadline, "the server did not start"
         time.sleep(0.02)
+    LIVE.append(app)
     try:
         yield f"http://127.0.0.1:{port}", app.state.server.model_name
     finally:
+        LIVE.remove(app)
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
