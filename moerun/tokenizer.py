@@ -9,13 +9,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .config import read_json, regular_file
+from .config import one_line, read_json, regular_file
 from .errors import MoerunError
 
 
-def _token_text(tok) -> str | None:
+def _token_text(tok, name: str, path: Path) -> str | None:
+    """A tokenizer_config token: a string, {"content": string}, or null."""
     if isinstance(tok, dict):
-        return tok.get("content")
+        tok = tok.get("content")
+    if tok is not None and not isinstance(tok, str):
+        raise MoerunError(f"{path}'s {name} must be a string, not {tok!r:.40}")
     return tok
 
 
@@ -39,10 +42,12 @@ class Tokenizer:
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
         self.chat_template: str | None = _pick_template(template, cfg_path)
-        self.bos_token = _token_text(cfg.get("bos_token"))
-        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.bos_token = _token_text(cfg.get("bos_token"), "bos_token", cfg_path)
+        self.eos_token = _token_text(cfg.get("eos_token"), "eos_token", cfg_path)
         self.add_bos = bool(cfg.get("add_bos_token", False))
         self._template = None
+        if self.chat_template:
+            self._compile()  # a template that is not valid Jinja is said at load, not at the first chat
         # the same tokenizer with its special tokens' texts read as plain text: what a
         # message's content is encoded with (`encode_chat`)
         self._plain = HFTokenizer.from_str(self.tok.to_str())
@@ -120,6 +125,19 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise MoerunError("this model's tokenizer has no chat template")
+        self._check_messages(messages)
+        try:
+            return self._compile().render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except Exception as e:  # noqa: BLE001 - raise_exception(), or the template's own failure
+            raise MoerunError(f"the chat template rejected the messages: {one_line(e)}") from None
+
+    def _compile(self):
+        """The chat template, compiled once in a sandbox (a model's template is its author's code)."""
         if self._template is None:
             from jinja2.exceptions import TemplateError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -131,14 +149,11 @@ class Tokenizer:
             env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
-        self._check_messages(messages)
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+            try:
+                self._template = env.from_string(self.chat_template)
+            except TemplateError as e:
+                raise MoerunError(f"this model's chat template is not valid Jinja: {one_line(e)}") from None
+        return self._template
 
 
 def _pick_template(template, path: Path) -> str | None:

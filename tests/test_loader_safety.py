@@ -319,3 +319,24 @@ def test_sampling_flags_are_checked_before_loading(unloadable, capsys, flags, ne
 def test_budgets_are_checked_when_the_options_are_made(budget):
     with pytest.raises(MoerunError, match="--ram-budget"):
         StoreOptions(ram_budget=budget)
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"eos_token": 5}, "eos_token must be a string"),
+    ({"bos_token": {"content": ["x"]}}, "bos_token must be a string"),
+    ({"chat_template": [{"name": "default"}]}, "chat_template must be a string or a list"),
+    ({"chat_template": 7}, "chat_template must be a string or a list"),
+    ({"chat_template": "{% for m in messages %}{{ m.content }"}, "chat template is not valid Jinja"),
+], ids=["eos-int", "bos-list", "named-without-template", "template-int", "template-syntax"])
+def test_malformed_tokenizer_config(tiny, tmp_path, capsys, change, needle):
+    d = copy(tiny, tmp_path)
+    edit_json(d / "tokenizer_config.json", **change)
+    assert_refused(capsys, d, needle)
+
+
+def test_a_template_that_raises_is_one_moerun_error(tiny, tmp_path):
+    d = copy(tiny, tmp_path)
+    edit_json(d / "tokenizer_config.json", chat_template="{{ raise_exception('roles must alternate') }}")
+    llm = moerun.load(d, threads=1)
+    with pytest.raises(MoerunError, match="roles must alternate"):
+        llm.encode_prompt([{"role": "user", "content": "hi"}])
