@@ -44,7 +44,28 @@ static std::map<std::string, bool> cpu_features() {
     };
 }
 
+// Native ops run one at a time: they share their workspaces and the thread pool. An op that
+// calls back into Python (an expert source, a route observer) holds the lock meanwhile, and a
+// native op called from that callback on the same thread would wait for itself forever: it is
+// refused with an error instead.
 static std::mutex g_op_mutex;
+static thread_local bool t_in_op = false;
+
+struct OpLock {
+    OpLock() {
+        if (t_in_op)
+            throw std::runtime_error("a native op was called from inside another (an expert source or a route "
+                                     "observer must not call moerun's native ops)");
+        g_op_mutex.lock();
+        t_in_op = true;
+    }
+    ~OpLock() {
+        t_in_op = false;
+        g_op_mutex.unlock();
+    }
+    OpLock(const OpLock&) = delete;
+    OpLock& operator=(const OpLock&) = delete;
+};
 
 namespace {
 
@@ -210,7 +231,7 @@ void qlinear(Array x, Array w, Array scales, Array out, int fmt) {
     check_dtype(out, dtype_code::Float, 32, "out");
     check_shape(out, {M, N}, "out");
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     moerun::qlinear(fmt, (int)M, (int)K, (int)N, (const float*)x.data(), (const uint8_t*)w.data(),
                     (const uint16_t*)scales.data(), (float*)out.data());
 }
@@ -292,7 +313,7 @@ void moe_experts(Array x, Array ids, Array weights, std::vector<Array> gq, std::
     ActIn xin(x, "x");
     ActOut o(out, "out");
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     moerun::moe_experts(fmt, (int)T, (int)H, (int)I, (int)ex.size(), (int)K, xin.p, (const int64_t*)ids.data(),
                         (const float*)weights.data(), ex.data(), o.p);
     o.finish();
@@ -313,7 +334,7 @@ void moe_experts_float(Array x, Array ids, Array weights, std::vector<Array> gat
     ActIn xin(x, "x");
     ActOut o(out, "out");
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     moerun::moe_experts(fmt, (int)T, (int)H, (int)I, (int)ex.size(), (int)K, xin.p, (const int64_t*)ids.data(),
                         (const float*)weights.data(), ex.data(), o.p);
     o.finish();
@@ -356,7 +377,7 @@ void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::opt
         vs = (const float*)v_scale->data();
     }
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     moerun::attn_decode((int)Hq, (int)Hkv, (int)S, (int)D, (int)Dv, (const float*)q.data(), k.data(),
                         (long)k.stride(0), (long)k.stride(1), v.data(), (long)v.stride(0), (long)v.stride(1), scale,
                         (float*)out.data(), i8 ? moerun::KV_I8 : bf16 ? moerun::KV_BF16 : moerun::KV_F32, ks, st[0],
@@ -376,7 +397,7 @@ void rms_norm(Array x, Array w, Array out, float eps, float w_offset) {
     ActIn xin(x, "x");
     ActOut o(out, "out");
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     moerun::rms_norm((int)M, (int)D, xin.p, (const float*)w.data(), w_offset, eps, o.p, (int)G);
     o.finish();
 }
@@ -394,7 +415,7 @@ void norm_rope_heads(Array x, Array w, Array cos, Array sin, Array out, float ep
     check_shape(sin, {T, rd}, "sin");
     check_shape(out, {H, T, D}, "out");
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     const float* wp = w.shape(0) ? (const float*)w.data() : nullptr;
     moerun::norm_rope_heads((int)T, (int)H, (int)D, (const float*)x.data(), wp, w_offset, eps, (const float*)cos.data(),
                             (const float*)sin.data(), (int)rd, (float*)out.data());
@@ -434,7 +455,7 @@ void qlinear_multi(Array x, std::vector<Array> weights, std::vector<Array> scale
     ActIn xin(x, "x");
     ActOut o(out, "out");
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     moerun::qlinear_multi((int)M, (int)K, (int)P, qw.data(), rows.data(), xin.p, o.p);
     o.finish();
 }
@@ -503,7 +524,7 @@ void route_softmax_topk(Array x, Array router, Array ids, Array weights, bool re
     check_shape(weights, {T, K}, "weights");
     ActIn xin(x, "x");
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     moerun::route_softmax_topk((int)T, (int)H, (int)E, (int)K, renorm, xin.p,
                                (const float*)router.data(), (int64_t*)ids.data(), (float*)weights.data());
 }
@@ -524,7 +545,7 @@ void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf,
     ActIn xin(x, "x");
     ActOut o(out, "out");
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     moerun::swiglu_mlp((int)M, (int)H, (int)I, g, u, d, xin.p, o.p,
                        gate_vec.shape(0) ? (const float*)gate_vec.data() : nullptr);
     o.finish();
@@ -593,6 +614,32 @@ struct PyExpertSource final : moerun::ExpertSource {
     }
 };
 
+// Watches a MoE half's routing for a Python callable (`layers.routes.RouteObservers`):
+// obj(h [T, H] float32, ids [T, K] int64, weights [T, K] float32), fresh copies it may keep,
+// called with the GIL taken again (the pass released it).
+struct PyRouteObserver final : moerun::RouteObserver {
+    nb::object obj;
+
+    explicit PyRouteObserver(nb::object o) : obj(std::move(o)) {}
+    ~PyRouteObserver() override {
+        nb::gil_scoped_acquire g;
+        obj.reset();
+    }
+
+    template <typename V>
+    static nb::ndarray<nb::numpy, V, nb::ndim<2>> copy(const V* p, size_t rows, size_t cols) {
+        auto* c = new V[rows * cols];
+        std::memcpy(c, p, rows * cols * sizeof(V));
+        nb::capsule owner(c, [](void* q) noexcept { delete[] (V*)q; });
+        return nb::ndarray<nb::numpy, V, nb::ndim<2>>(c, {rows, cols}, owner);
+    }
+
+    void routed(int T, int H, int K, const float* h, const int64_t* ids, const float* w) override {
+        nb::gil_scoped_acquire g;
+        obj(copy(h, T, H), copy(ids, T, K), copy(w, T, K));
+    }
+};
+
 // A MoE half's weights and settings for T tokens of H, checked (moe_block's norm_w ...
 // shared_gate) into `a` (x, y and the observed outputs left null); `ex` and `sw` hold the
 // experts' table and the shared expert's weights it points into, `src` the experts' source
@@ -601,6 +648,7 @@ struct MoeCall {
     moerun::MoeBlockArgs a{};
     std::vector<moerun::ExpertW> ex;
     std::unique_ptr<PyExpertSource> src;
+    std::unique_ptr<PyRouteObserver> obs;
     std::vector<moerun::QWeight> sw;
     // h_out, ids_out, w_out (`observe`): a bf16 model's h and weights before their (exact) rounding
     std::optional<ActOut> ho, wo;
@@ -611,7 +659,8 @@ void moe_block_args(MoeCall& c, size_t T, size_t H, bool round_bf16, const Array
                     const std::vector<Array>& gate, const std::vector<Array>& gs, const std::vector<Array>& up,
                     const std::vector<Array>& us, const std::vector<Array>& down, const std::vector<Array>& ds,
                     const nb::object& source, const std::vector<Array>& shared, const std::vector<Array>& shared_s,
-                    const std::vector<int>& shared_fmts, const Array& shared_gate) {
+                    const std::vector<int>& shared_fmts, const Array& shared_gate,
+                    const nb::object& observer = nb::none()) {
     check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
     check_shape(norm_w, {H}, "norm_w");
     check_dtype(router, dtype_code::Float, 32, "router");
@@ -667,6 +716,10 @@ void moe_block_args(MoeCall& c, size_t T, size_t H, bool round_bf16, const Array
         a.sd = &c.sw[2];
     }
     a.shared_gate = shared_gate.shape(0) ? (const float*)shared_gate.data() : nullptr;
+    if (!observer.is_none()) {
+        c.obs = std::make_unique<PyRouteObserver>(observer);
+        a.observer = c.obs.get();
+    }
 }
 
 // the outputs a MoE half fills for whoever watches its experts, when not empty: h_out [T, H]
@@ -713,13 +766,13 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
                std::vector<Array> gate, std::vector<Array> gs, std::vector<Array> up, std::vector<Array> us,
                std::vector<Array> down, std::vector<Array> ds, nb::object source, std::vector<Array> shared,
                std::vector<Array> shared_s, std::vector<int> shared_fmts, Array shared_gate, Array out, Array h_out,
-               Array ids_out, Array w_out, Array seen) {
+               Array ids_out, Array w_out, Array seen, nb::object observer) {
     MOERUN_CHECK(x.ndim() == 2, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
     MOERUN_CHECK(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
     MoeCall c;
     moe_block_args(c, T, H, is_bf16(out), norm_w, eps, norm_offset, router, K, renorm, efmt, gate, gs, up, us, down, ds,
-                   source, shared, shared_s, shared_fmts, shared_gate);
+                   source, shared, shared_s, shared_fmts, shared_gate, observer);
     check_shape(out, {T, H}, "out");
     moe_observe(c, h_out, ids_out, w_out, seen);
     ActIn xin(x, "x");
@@ -727,7 +780,7 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
     c.a.x = xin.p;
     c.a.y = o.p;
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     moerun::moe_block_decode(c.a);
     o.finish();
     moe_observed_finish(c);
@@ -819,7 +872,7 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
     ActIn xin(x, "x");
     ActOut o(out, "out");
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     moerun::attn_block_decode(a, xin.p, o.p);
     o.finish();
 }
@@ -864,7 +917,7 @@ void attn_block_rows(Array x, Array qw, Array qs, int qf, Array kw, Array ks, in
     ActIn xin(x, "x");
     ActOut o(out, "out");
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     moerun::attn_block_decode(a, xin.p, o.p);
     o.finish();
 }
@@ -944,7 +997,7 @@ class NativeMtp {
         a.logits = lo.p;
         {
             nb::gil_scoped_release release;
-            std::lock_guard<std::mutex> lk(g_op_mutex);
+            OpLock lk;
             moerun::mtp_step_decode(a);
         }
         ho.finish();
@@ -1274,7 +1327,7 @@ void deltanet_decode(Strided qkv, Array conv_w, Array conv, std::optional<Array>
     take(xz, d.z, d.z_sb, d.z_st);
     d.out = o.p;
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     moerun::deltanet_decode(d);
     o.finish();
 }
@@ -1331,7 +1384,7 @@ void deltanet_block(Array x, Array norm_w, float norm_offset, float norm_eps, st
     a.x = xin.p;
     a.y = o.p;
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     moerun::deltanet_block_decode(a);
     o.finish();
 }
@@ -1376,11 +1429,12 @@ class NativeStack {
                  std::vector<Array> gate, std::vector<Array> gs, std::vector<Array> up, std::vector<Array> us,
                  std::vector<Array> down, std::vector<Array> ds, std::optional<nb::object> source,
                  std::vector<Array> shared, std::vector<Array> shared_s, std::vector<int> shared_fmts,
-                 Array shared_gate) {
+                 Array shared_gate, std::optional<nb::object> observer) {
         MOERUN_CHECK(!layers_.empty() && !layers_.back().moe, "a MoE half follows an attention or DeltaNet half");
         auto c = std::make_unique<MoeCall>();
         moe_block_args(*c, T_, H_, bf16_, norm_w, eps, norm_offset, router, K, renorm, efmt, gate, gs, up, us, down, ds,
-                       source.value_or(nb::none()), shared, shared_s, shared_fmts, shared_gate);
+                       source.value_or(nb::none()), shared, shared_s, shared_fmts, shared_gate,
+                       observer.value_or(nb::none()));
         keep_.insert(keep_.end(), {norm_w, router, shared_gate});
         for (const auto* v : {&gate, &gs, &up, &us, &down, &ds, &shared, &shared_s}) keep_.insert(keep_.end(), v->begin(), v->end());
         layers_.back().moe = std::move(c);
@@ -1433,7 +1487,7 @@ class NativeStack {
         MOERUN_CHECK(!draft || (in_lanes && T_ == 2), "draft: a pass of 2 tokens in lanes (on two threads or more) only");
         MOERUN_CHECK(!draft || draft->staged(), "draft: nothing staged (NativeMtp.stage)");
         nb::gil_scoped_release release;
-        std::lock_guard<std::mutex> lk(g_op_mutex);
+        OpLock lk;
         if (in_lanes) {
             run_lanes(pass, x, b, draft);
             return;
@@ -1629,14 +1683,14 @@ std::vector<std::string> available_isas() {
 }
 
 void set_isa(const std::string& name) {
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     if (!moerun::set_isa(name.c_str())) throw std::invalid_argument("ISA " + name + " is unknown or not supported by this CPU");
 }
 
 void set_threads(int n) {
     MOERUN_CHECK(n >= 1, "threads must be at least 1");
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lk(g_op_mutex);
+    OpLock lk;
     moerun::set_threads(n);
 }
 
@@ -1705,9 +1759,9 @@ NB_MODULE(_native, m) {
           nb::arg("router"), nb::arg("k"), nb::arg("renorm"), nb::arg("efmt"), nb::arg("gate"), nb::arg("gate_scales"),
           nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"),
           nb::arg("source").none(), nb::arg("shared"), nb::arg("shared_scales"), nb::arg("shared_fmts"), nb::arg("shared_gate"), nb::arg("out"), nb::arg("h_out"),
-          nb::arg("ids_out"), nb::arg("w_out"), nb::arg("seen"),
+          nb::arg("ids_out"), nb::arg("w_out"), nb::arg("seen"), nb::arg("observer").none() = nb::none(),
           "the MoE half of a decoder layer for a few tokens: out = x + experts(h) [+ shared expert(h)], h = RMSNorm(x), "
-          "softmax top-k routing");
+          "softmax top-k routing; observer(h, ids, weights) is called once the router has picked");
     m.def("deltanet_block", &deltanet_block, nb::arg("x"), nb::arg("norm_w"), nb::arg("norm_offset"),
           nb::arg("norm_eps"), nb::arg("proj"), nb::arg("proj_scales"), nb::arg("proj_fmts"), nb::arg("ow"),
           nb::arg("os"), nb::arg("of"), nb::arg("conv_w"), nb::arg("conv"), nb::arg("conv_every").none(),
@@ -1719,7 +1773,11 @@ NB_MODULE(_native, m) {
         .def(nb::init<size_t, size_t, bool>(), nb::arg("T"), nb::arg("H"), nb::arg("bf16"))
         .def("add_attention", &NativeStack::add_attention)
         .def("add_deltanet", &NativeStack::add_deltanet)
-        .def("add_moe", &NativeStack::add_moe)
+        .def("add_moe", &NativeStack::add_moe, nb::arg("norm_w"), nb::arg("eps"), nb::arg("norm_offset"),
+             nb::arg("router"), nb::arg("k"), nb::arg("renorm"), nb::arg("efmt"), nb::arg("gate"), nb::arg("gate_scales"),
+             nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"), nb::arg("source").none(),
+             nb::arg("shared"), nb::arg("shared_scales"), nb::arg("shared_fmts"), nb::arg("shared_gate"),
+             nb::arg("observer").none() = nb::none())
         .def("run", &NativeStack::run, nb::arg("x"), nb::arg("a"), nb::arg("b"), nb::arg("cos"), nb::arg("sin"),
              nb::arg("pos"), nb::arg("lanes") = false, nb::arg("draft").none() = nb::none())
         .def("bind_states", &NativeStack::bind_states, nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"));

@@ -273,6 +273,7 @@ void moe_block_decode(const MoeBlockArgs& a) {
         a.seen[a.E] = (uint8_t)a.K;
     }
     round_bf16_if(a.round_bf16, w, nk);
+    if (a.observer) a.observer->routed(a.T, a.H, a.K, h, ids, w);
     if (a.source) {
         // the source's experts are handed back however the pass ends
         struct Back {

@@ -189,6 +189,14 @@ struct ExpertSource {
     virtual void done(bool ok) = 0;
 };
 
+// Watches a MoE half's routing (a predictor or a profiler: `layers.routes`): called once the
+// router has picked, before the experts run, with h [T, H] (the half's normed input; a bf16
+// model's values rounded to bf16), ids and weights [T, K]. It may throw: the pass then fails.
+struct RouteObserver {
+    virtual ~RouteObserver() = default;
+    virtual void routed(int T, int H, int K, const float* h, const int64_t* ids, const float* w) = 0;
+};
+
 struct MoeBlockArgs {
     int T, H, E, K, I, Is;
     bool renorm, round_bf16;
@@ -206,6 +214,7 @@ struct MoeBlockArgs {
     int64_t* ids_out;
     float* w_out;
     uint8_t* seen;
+    RouteObserver* observer = nullptr;  // or null: nobody watches
 };
 void moe_block_decode(const MoeBlockArgs& a);
 

@@ -686,6 +686,84 @@ def test_store_experts_take_the_native_stack(tiny_sparse, monkeypatch, opts):
     assert stats[0] == stats[1] and stats[0]["requests"] > 0
 
 
+def test_route_observers_keep_the_native_stack(tiny_sparse, monkeypatch):
+    """A route observer (`layers.routes.observe_routes`, what predictors and profilers use)
+    is called by the native stack between layers with the (h, ids, weights) the experts'
+    modules are handed, bit for bit, on every path (the stack, one call per layer in a batch,
+    the modules for a prompt); the tokens do not change; once removed it is called no more."""
+    import moerun
+    from moerun.layers.routes import observe_routes
+    from moerun.experts.profile import moe_blocks
+
+    path, prompts, greedy = tiny_sparse
+    ran = _stack_passes(monkeypatch)
+    seen = {}
+    for how in ("observer", "hook"):
+        llm = moerun.load(path, dtype="float32", threads=1)
+        calls, handles = seen.setdefault(how, []), []
+        for i, (_, blk) in enumerate(moe_blocks(llm.net)):
+            if how == "observer":
+                handles.append(observe_routes(blk.experts, lambda h, ids, w, i=i: calls.append((i, h, ids, w))))
+            else:  # a forward pre-hook: the modules' own arguments (the stack steps aside)
+                blk.experts.register_forward_pre_hook(lambda m, args, i=i: calls.append((i, *args)))
+        ran.clear()
+        assert llm.generate_ids(prompts[:1], max_tokens=8, temperature=0.0)[0] == greedy[0]
+        assert any(ran) == (how == "observer")
+        assert llm.generate_ids(prompts, max_tokens=4, temperature=0.0) == [g[:4] for g in greedy]  # a batch
+        if how == "observer":
+            n = len(calls)
+            for h in handles:
+                h.remove()
+            ran.clear()
+            assert llm.generate_ids(prompts[:1], max_tokens=8, temperature=0.0)[0] == greedy[0]
+            assert len(calls) == n and any(ran)
+    obs, hooks = seen["observer"], seen["hook"]
+    assert len(obs) == len(hooks) > 2 * 8
+    for (i, h, ids, w), (j, h2, ids2, w2) in zip(obs, hooks):
+        assert i == j and torch.equal(ids, ids2) and torch.equal(w, w2)
+        assert torch.equal(h.reshape(h2.shape), h2)
+
+
+def test_a_native_op_inside_an_observer_is_an_error_not_a_hang(tiny_sparse):
+    """A route observer runs inside the native pass, which holds the native ops' lock: a
+    native op it calls would wait for itself. It is refused with an error, and the model
+    then runs as before."""
+    import moerun
+    from moerun import kernels
+    from moerun.experts.profile import moe_blocks
+    from moerun.layers.routes import observe_routes
+
+    path, prompts, greedy = tiny_sparse
+    llm = moerun.load(path, dtype="float32", threads=1)
+    blk = moe_blocks(llm.net)[0][1]
+    handle = observe_routes(blk.experts, lambda h, ids, w: kernels.rms_norm(h, torch.ones(h.shape[-1]), 1e-6))
+    with pytest.raises(RuntimeError, match="called from inside another"):
+        llm.generate_ids(prompts[:1], max_tokens=8, temperature=0.0)
+    handle.remove()
+    assert llm.generate_ids(prompts[:1], max_tokens=8, temperature=0.0)[0] == greedy[0]
+
+
+def test_a_predictor_keeps_the_native_stack(tiny_sparse, monkeypatch):
+    """With a prefetch predictor attached, decode passes still run as one native call over
+    the stack (it watches through route observers), it issues prefetches, and the tokens are
+    those of resident experts."""
+    from moerun.experts import StoreOptions, load
+    from moerun.experts.predict import attach_predictor
+
+    path, prompts, greedy = tiny_sparse
+    ran = _stack_passes(monkeypatch)
+    llm = load(path, dtype="float32", threads=1, options=StoreOptions(ram_budget="40%"))
+    try:
+        llm.predictor = attach_predictor(llm.net, llm.store, "layer_ahead1")
+        ran.clear()
+        assert llm.generate_ids(prompts[:1], max_tokens=8, temperature=0.0)[0] == greedy[0]
+        stats = llm.store.stats()
+    finally:
+        llm.store.close()
+    assert any(ran)
+    assert stats["prefetch_issued"] > 0
+
+
 def test_an_expert_source_that_fails_releases_its_experts(tiny_sparse, monkeypatch):
     """A store that fails inside a native pass (here: its get raises) surfaces the error, and
     the experts a pass held are handed back: the next pass runs."""

@@ -22,7 +22,7 @@ from torch import nn
 from .. import kernels
 from ..errors import MoerunError
 from ..layers.moe import Experts, dispatch, group_by_expert, native_float_experts, swiglu
-from ..layers.routes import note_routes
+from ..layers.routes import routed
 from ..quant.formats import FORMATS
 from ..quant.modules import QuantizedExperts
 from .store import ExpertStore, LayerExperts, StoreOptions, expert_pieces, quantized_expert_pieces
@@ -69,7 +69,7 @@ class StoreExperts(nn.Module):
         return kernels.ExpertViews(code, [], [], [], [], [], [], source)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        note_routes(self, ids)
+        routed(self, x, ids, weights)
         N, K = ids.shape
         order, counts = group_by_expert(ids, self.num_experts)
         needed = [e for e, c in enumerate(counts) if c]
@@ -184,7 +184,7 @@ class QuantStoreExperts(StoreExperts):
         return f"{super().extra_repr()}, fmt={self.fmt}"
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        note_routes(self, ids)
+        routed(self, x, ids, weights)
         counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         needed = counts.nonzero().flatten().tolist()  # ascending
         counts = counts.tolist()

@@ -48,6 +48,7 @@ import time
 import numpy as np
 
 from ..errors import MoerunError
+from ..layers.routes import observe_routes
 
 # N tokens, L MoE layers, K experts per token, E experts, H hidden
 
@@ -465,9 +466,10 @@ class PrefetchDriver:
     """Feeds a predictor from a live model and turns its predictions into
     `ExpertStore.prefetch` hints.
 
-    Hooks: the token embedding (the `token` signal: the input token's embedding through
-    every router), each trunk MoE block's router input (the `layer_ahead` signal) and its
-    experts call (the routing). At a pass's start it hints the layers whose prediction
+    It watches the token embedding (a forward hook: the `token` signal, the input token's
+    embedding through every router) and each trunk MoE block's routing (a route observer,
+    `layers.routes.observe_routes`, which keeps passes on the native path: the routing, and
+    the router's input for the `layer_ahead` signal). At a pass's start it hints the layers whose prediction
     exists at token start; after the routing of layer l, those whose prediction exists at
     that moment (per `lead`); after the last layer, `temporal`'s hints for the next token.
     MTP-based predictors need the engine to call `mtp_step(hidden, next_ids)` (or
@@ -487,7 +489,6 @@ class PrefetchDriver:
         self.budget = max(1, int(round(factor * top_k)))
         self.D = getattr(predictor, "d", 0)
         self.wants_token = isinstance(predictor, (Token, TokenAhead))
-        self._router_in: dict[int, object] = {}
         self._handles = []
         self._torch = torch
         self._begun = False
@@ -498,9 +499,7 @@ class PrefetchDriver:
         if self.wants_token:
             self._handles.append(net.model.embed_tokens.register_forward_hook(self._embed_hook))
         for i, (_, blk) in enumerate(self.blocks):
-            if self.D:
-                self._handles.append(blk.gate.register_forward_pre_hook(self._gate_hook(i)))
-            self._handles.append(blk.experts.register_forward_pre_hook(self._experts_hook(i)))
+            self._handles.append(observe_routes(blk.experts, self._observer(i)))
 
     def on_mtp(self, info: dict) -> None:
         """The MTP head's view of the token after the one just sampled (`mtp_route` [L, E],
@@ -555,28 +554,24 @@ class PrefetchDriver:
             r = mtp_route_scores(self.net, self.blocks, None, self._torch.ones(1, 1), emb=emb)[0].float().numpy()
         self._start({"token_route": r})
 
-    def _gate_hook(self, i):
-        def hook(mod, args):
-            self._router_in[i] = args[0]
-        return hook
-
-    def _experts_hook(self, i):
-        def hook(mod, args):
-            ids = args[1][-1:]  # prefill or a batch: observe the last row
+    def _observer(self, i):
+        def observe(h, ids, weights):
+            ids = ids[-1:]  # prefill or a batch: observe the last row
             if i == 0 and not self._begun:
                 self._start(None)
             ahead = None
-            if self.D and i in self._router_in:
-                h = self._router_in.pop(i)
+            if self.D:  # the router's input (the experts' input) through the next D routers
                 h = h.reshape(-1, h.shape[-1])[-1:]
                 ahead = {}
                 with self._torch.inference_mode():
                     for d in range(1, self.D + 1):
                         if i + d < self.L:
                             g = self.blocks[i + d][1].gate
-                            ahead[d] = g(h.to(g.weight.dtype)).float()[0].numpy()
+                            # plain torch: this runs inside the native pass, which
+                            # refuses a native op called from within it
+                            ahead[d] = self._torch.nn.functional.linear(h.to(g.weight.dtype), g.weight).float()[0].numpy()
             self.pred.observe(i, ids[0].tolist(), ahead)
-            # the store starts a step inside layer 0's call, after this hook
+            # the store starts a step inside layer 0's call, after this observer
             step = self.store.step + (1 if i == 0 else 0)
             for l in range(i + 1, self.L):
                 if self.pred.lead(l) == (0, l - i):
@@ -586,7 +581,7 @@ class PrefetchDriver:
                 for l in range(self.L):  # temporal: the next token's layers
                     if self.pred.lead(l) == (1, 0):
                         self._hint(l, step=self.store.step + 1)
-        return hook
+        return observe
 
     def _hint(self, l, step):
         ids = self.pred.predict(l, self.budget)

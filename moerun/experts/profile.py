@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ..errors import MoerunError
+from ..layers.routes import observe_routes
 
 # N tokens, L MoE layers, K experts per token, E experts, C MTP candidates, H hidden
 
@@ -203,10 +204,9 @@ class RoutingRecorder:
         self.inputs = [[] for _ in range(L)]
 
     def __enter__(self):
+        # route observers, not forward hooks: the passes stay on the native path
         for i, (_, blk) in enumerate(self.blocks):
-            self._handles.append(blk.experts.register_forward_pre_hook(self._experts_hook(i)))
-            if self.router_inputs:
-                self._handles.append(blk.gate.register_forward_pre_hook(self._gate_hook(i)))
+            self._handles.append(observe_routes(blk.experts, self._observer(i)))
         return self
 
     def __exit__(self, *exc):
@@ -214,18 +214,14 @@ class RoutingRecorder:
             h.remove()
         self._handles.clear()
 
-    def _experts_hook(self, i):
-        def hook(mod, args):
+    def _observer(self, i):
+        def observe(h, ids, weights):
             if self.enabled:
-                self.ids[i].append(args[1].detach().to(torch.int16).cpu())
-                self.weights[i].append(args[2].detach().to(torch.float16).cpu())
-        return hook
-
-    def _gate_hook(self, i):
-        def hook(mod, args):
-            if self.enabled:
-                self.inputs[i].append(args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu())
-        return hook
+                self.ids[i].append(ids.detach().to(torch.int16).cpu())
+                self.weights[i].append(weights.detach().to(torch.float16).cpu())
+                if self.router_inputs:  # the router's input: the experts' (the normed hidden state)
+                    self.inputs[i].append(h.detach().reshape(-1, h.shape[-1]).float().cpu())
+        return observe
 
     def take(self):
         """(ids [N, L, K], weights [N, L, K], router inputs list[L] of [N, H] or None)."""

@@ -674,20 +674,22 @@ def moe_block_args(norm_weight: torch.Tensor, eps: float, norm_offset: float, ro
             _EMPTY_NP if shared_gate is None else _np(shared_gate))
 
 
-def moe_block_run(x: torch.Tensor, args: tuple, observe: bool = False, seen=None):
+def moe_block_run(x: torch.Tensor, args: tuple, observe: bool = False, seen=None, observer=None):
     """x [T, H] through the MoE half whose weights and settings `moe_block_args` made. Out in
     x's dtype (float32 or bf16); a bf16 x has every intermediate rounded where the separate
     ops (`rms_norm`, `route_softmax_topk`, `moe_experts*`, `swiglu_mlp` and two adds, each in
     bf16) round it: bit-identical to them. With `observe`: (out, h, ids, weights) as the
     separate ops hand them on (h and weights in x's dtype), for the experts' hooks. `seen`: a
-    route mask to mark (`layers.routes`), or None."""
+    route mask to mark (`layers.routes`), or None. `observer`: called natively once the
+    router has picked, with numpy (h [T, H] float32, ids [T, k], weights [T, k] float32)
+    (`layers.routes.native_observer`), or None."""
     nat = _native()
     T, H = x.shape
     x = x.contiguous()  # (a row slice of a wider batch is not), in its dtype: out has it too
     out = _out(x.shape, x.dtype)
     observed, obs = _moe_observed(T, H, args[4], x.dtype) if observe else (None, _NOT_OBSERVED)
     _sync_threads(nat)
-    nat.moe_block(_np(_act(x)), *args, _np(out), *obs, _EMPTY_U8_NP if seen is None else seen)
+    nat.moe_block(_np(_act(x)), *args, _np(out), *obs, _EMPTY_U8_NP if seen is None else seen, observer)
     return (out, *observed) if observe else out
 
 

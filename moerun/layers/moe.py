@@ -15,7 +15,7 @@ from torch import nn
 from .. import kernels
 from .linear import packed_views, plain_float_linear, project
 from .norm import RMSNorm
-from .routes import note_routes, routes_seen
+from .routes import native_observer, route_observers, routed, routes_seen
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
 
@@ -33,7 +33,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]. Decode-sized passes
         run as one native call (`kernels.moe_experts_float`), the rest expert by expert."""
-        note_routes(self, ids)
+        routed(self, x, ids, weights)
         if native_float_experts(x, self.gate_proj):
             views = kernels.native_views(self, EXPERT_WEIGHTS, kernels.expert_views)
             return kernels.moe_experts_float(x, ids, weights, self.gate_proj, self.up_proj, self.down_proj,
@@ -134,27 +134,33 @@ def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module, plans: dict
     top-k MoE block (`gate`: the router, `top_k`, `norm_topk_prob`, `experts`, and maybe a
     shared expert with its gate, `shared_expert` and `shared_expert_gate`) whose parts all
     run natively, one native call (`kernels.moe_block_run`) instead of four and two torch adds:
-    bit-identical to the modules one by one, which run otherwise (`moe_fusable`). Forward
-    pre-hooks on the experts (predictors, profilers) are then called after it with the
-    arguments the experts would have had; one that returns new arguments cannot be honoured
-    there and raises. A route mask on the experts (`layers.routes`) is marked natively.
+    bit-identical to the modules one by one, which run otherwise (`moe_fusable`). Route
+    observers on the experts (predictors, profilers: `layers.routes`) are called by the
+    native op once the router has picked. Forward pre-hooks on the experts are called after
+    it with the arguments the experts would have had; one that returns new arguments cannot
+    be honoured there and raises. A route mask on the experts is marked natively.
     `plans`: a run's (`kernels.run_plan`)."""
     plan = kernels.run_plan(plans, block, (x.shape, x.dtype), lambda: moe_fusable(x, norm, block))
     if plan is None:
         return x + block(norm(x))
     experts, args = plan
     hooks = experts._forward_pre_hooks
-    r = kernels.moe_block_run(x.reshape(-1, x.shape[-1]), args, observe=bool(hooks), seen=routes_seen(experts))
+    r = kernels.moe_block_run(x.reshape(-1, x.shape[-1]), args, observe=bool(hooks), seen=routes_seen(experts),
+                              observer=native_observer(experts, x.dtype))
     if not hooks:
         return r.view(x.shape)
-    call_observers(experts, r[1:])
+    call_observers(experts, r[1:], routes=False)
     return r[0].view(x.shape)
 
 
-def call_observers(experts: nn.Module, args: tuple) -> None:
-    """Call the experts' forward pre-hooks (predictors, profilers) with the arguments (h, ids,
-    weights) a fused op (`moe_residual`) ran them on in their stead; a hook that returns new
-    arguments cannot be honoured there and raises."""
+def call_observers(experts: nn.Module, args: tuple, routes: bool = True) -> None:
+    """Call the experts' route observers (`layers.routes`; unless `routes` is False: the op
+    called them) and forward pre-hooks with the arguments (h, ids, weights) a fused op ran
+    them on in their stead; a hook that returns new arguments cannot be honoured there and
+    raises."""
+    if routes:
+        for fn in route_observers(experts):
+            fn(*args)
     for key, hook in list(experts._forward_pre_hooks.items()):
         kw = key in experts._forward_pre_hooks_with_kwargs
         if (hook(experts, args, {}) if kw else hook(experts, args)) is not None:

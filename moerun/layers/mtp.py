@@ -21,6 +21,7 @@ from .. import kernels
 from .attention import attn_half_fuses
 from .linear import native_call_views
 from .moe import call_observers, moe_fusable, routes_seen
+from .routes import route_observers
 from .norm import RMSNorm, stacked_norm_weights
 
 # tokens per native call at most: a catch-up over a long prompt's pairs goes in calls of this
@@ -65,7 +66,7 @@ class Drafter:
 
     def __init__(self, step: kernels.MtpStep, bound: tuple, rope, experts: nn.Module, H: int, dtype: torch.dtype):
         self.step, self.bound, self.rope, self.experts, self.H, self.dtype = step, bound, rope, experts, H, dtype
-        self.observe = bool(experts._forward_pre_hooks)
+        self.observe = bool(experts._forward_pre_hooks or route_observers(experts))
 
     def run(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int) -> tuple | None:
         """`native_step`'s result for hidden [1, T, H] and tokens [1, T] at positions pos..; None

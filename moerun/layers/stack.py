@@ -21,7 +21,7 @@ import torch
 
 from .. import kernels
 from .deltanet import DELTA_WEIGHTS
-from .routes import routes_seen
+from .routes import native_observer, route_observers, routes_seen
 
 _UNSET, _SEEN = object(), object()
 
@@ -66,13 +66,16 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
     nat = kernels._native()
     rope = kernels._rope_rows(cos_sin, T) if rope is None else rope
     p = int(pos0[0]) if pos is None else pos
-    if stack is _SEEN:
+    if stack is _SEEN or (type(stack) is tuple and plans.get(("observers", key)) != _observed(stack[1])):
+        # built now, or again: route observers came or went since (their calls are bound in)
         stack = plans[key] = _build(layers, x, cache, s, plans, rope, p)
+        if stack is not None:
+            plans[("observers", key)] = _observed(stack[1])
     if stack is None:
         return _why(plans, plans.get(_WHY_BUILD, "a layer half does not run natively"))
     native, experts, deltanets, small, kept_views = stack
     if _hooked(experts):
-        return _why(plans, "hooks on the routed experts (a predictor or profiler): the modules call them")
+        return _why(plans, "forward hooks on the routed experts, or global ones: the modules call them")
     kernels._sync_threads(nat)
     lanes = _lanes(small, T)
     # two buffers taking turns: each first half writes a, each MoE half b
@@ -139,9 +142,15 @@ def _stack_key(shape, dtype: torch.dtype, s: int, cache) -> tuple:
 
 
 def _hooked(experts) -> bool:
-    """Hooks added since the stack was made (a predictor on the experts, a global one): the
-    modules call them."""
+    """Forward hooks added since the stack was made (on the experts, or global ones): the
+    modules call them. (Predictors and profilers watch through route observers instead,
+    which the stack calls: `layers.routes`.)"""
     return kernels.has_hooks() or any(e._forward_pre_hooks for e in experts)
+
+
+def _observed(experts) -> tuple:
+    """Which layers' experts have route observers (a stack binds their calls when built)."""
+    return tuple(bool(route_observers(e)) for e in experts)
 
 
 _ATTN, _DELTA = "attention", "deltanet"
@@ -190,7 +199,7 @@ def _build(layers, x: torch.Tensor, cache, s: int, plans: dict, rope: tuple, pos
             native.add_deltanet(*head, conv, *tail[:2], S, *tail[2:])
             deltanets.append(state)
         e, moe_args = moe_plan
-        native.add_moe(*moe_args)
+        native.add_moe(*moe_args, native_observer(e, x.dtype))
         experts.append(e)
         # (an expert store's experts are fetched by the pass's own thread: never in lanes)
         small = small and getattr(e, "store", None) is None and _token_bytes(layer, e, moe_args[4]) <= LANES_LAYER_BYTES

@@ -9,7 +9,7 @@ from torch import nn
 
 from .. import kernels
 from . import formats
-from ..layers.routes import note_routes
+from ..layers.routes import routed
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
 
@@ -107,7 +107,7 @@ class QuantizedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]."""
-        note_routes(self, ids)
+        routed(self, x, ids, weights)
         views = kernels.native_views(self, BUFFERS, kernels.expert_views) if kernels.native() else None
         y = kernels.moe_experts(x, ids, weights, self.gate_q, self.gate_scales, self.up_q, self.up_scales,
                                 self.down_q, self.down_scales, self.fmt, self.intermediate_size, views, dtype=x.dtype)
