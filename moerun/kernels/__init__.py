@@ -395,23 +395,6 @@ def split_threads(net: torch.nn.Module, threads: int | None = None, max_tokens: 
     return True
 
 
-def call_hooks(net: torch.nn.Module):
-    """For a caller that runs a net's decode pass past its call (speculative decoding's drafted
-    passes, `layers.stack.draft_pass`): a function of the pass's input ids that does what
-    calling the net would before its forward (split_threads' pre-hook, where it has one), or
-    None where the net or torch holds any other hook (the call must run them)."""
-    if net._forward_hooks or has_hooks():
-        return None
-    pre = net._forward_pre_hooks
-    handle = getattr(net, "_split_threads", None)
-    if not pre:
-        return lambda ids: None
-    if handle is None or list(pre) != [handle.id]:
-        return None
-    hook = pre[handle.id]
-    return lambda ids: hook(net, (ids,), {})
-
-
 # -- quantized linear ----------------------------------------------------------------------
 
 def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: str, in_features: int,
@@ -746,21 +729,6 @@ class MtpStep:
         native.run(_np(tokens), _np(hidden), *rope, pos, *obs, seen, _np(h), _np(logits))
         return logits, h, observed
 
-    def bind_draft(self, bound: tuple, trunk_embed: np.ndarray, final: tuple, lm: Packed) -> tuple:
-        """For drafts made inside 2-token trunk passes (`NativeMtp.bind_draft`): the bound
-        `NativeMtp` (`bind`'s) takes the trunk's embedding (as `layers.stack.model_pass` reads
-        it), final norm (`norm_args`) and LM head, and the arrays each such pass fills ->
-        (native, hidden [1, 2, H], logits [1, 2, V] in the model's dtype, picks [2] int64,
-        pick [1] int64, prob [1] float32, q [V] float32: a sampled draft's distribution)."""
-        native, seen, _ = bound
-        norm_w, eps, offset = final
-        V = lm.w.shape[0]
-        hidden, logits = torch.empty(1, 2, self.H, dtype=self.dtype), torch.empty(1, 2, V, dtype=self.dtype)
-        picks, pick, prob = np.empty(2, dtype=np.int64), np.empty(1, dtype=np.int64), np.empty(1, dtype=np.float32)
-        q = np.empty(self.V, dtype=np.float32)
-        native.bind_draft(seen, trunk_embed, norm_w, float(eps), float(offset), lm.w, lm.s, lm.code, _np(hidden[0]),
-                          _np(logits[0]), picks, pick, prob, q)
-        return native, hidden, logits, picks, pick, prob, q
 
 
 def expert_views(*weights) -> tuple:
