@@ -43,7 +43,8 @@ import torch
 import moerun
 from moerun.engine.generate import Sequence, run_plans
 from moerun.engine.llm import DEMO_MODEL
-from moerun.engine.speculative import SpeculativeStats, draft_head, new_draft_length, run_speculative, store_figures
+from moerun.engine.draft_extras import draft_head, store_figures
+from moerun.engine.speculative import SpeculativeStats, new_draft_length, run_speculative
 from moerun.errors import MoerunError
 
 PROMPTS = [

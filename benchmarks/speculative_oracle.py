@@ -11,10 +11,6 @@ cause. Decoding stays lossless (the output is checked against plain decoding). W
 real is the acceptance, and with it how often rejections fall: the demo model's own head is
 accepted 0.76 of the time at one draft, and 0.78 top-8 is claimed for Qwen3.6's.
 
-Drafts made inside their verification pass (`SpeculativeDecoder._draft_in_pass`, small
-models on two threads) bypass the head's Python call, so they are turned off here; a
-model this size splits its passes by rows anyway (`layers.stack.LANES_LAYER_BYTES`).
-
     python benchmarks/speculative_oracle.py -m /var/tmp/q36-20l-e64 --quant int4 --acceptance 0.76
 """
 
@@ -85,12 +81,7 @@ def main(argv=None) -> int:
     vocab = net.lm_head.out_features
     prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     drafts = [int(d) for d in args.drafts.split(",")]
-    in_pass = SpeculativeDecoder._draft_in_pass
-    SpeculativeDecoder._draft_in_pass = lambda self, *a: None  # (see the module doc)
-    try:
-        return run(args, llm, prompt, drafts, vocab)
-    finally:
-        SpeculativeDecoder._draft_in_pass = in_pass
+    return run(args, llm, prompt, drafts, vocab)
 
 
 def run(args, llm, prompt: list[int], drafts: list[int], vocab: int) -> int:
@@ -145,7 +136,7 @@ def pass_times(llm, prompt: list[int], repeats: int = 7) -> dict:
     (all ids, and the first 32768: `--draft-vocab`), taking turns."""
     from moerun.engine.cache import Cache, RecurrentState
     from moerun.engine.generate import run_plans
-    from moerun.engine.speculative import draft_head
+    from moerun.engine.draft_extras import draft_head
 
     net = llm.net
     cache = Cache(net.cache_spec(), 1, len(prompt) + 16, llm.dtype, llm.kv_dtype)

@@ -1005,181 +1005,8 @@ class NativeMtp {
         moe_observed_finish(c);
     }
 
-    // Drafts made inside a stack's 2-token verification pass (NativeStack.run(..., draft=)):
-    // `stage` readies `run`'s call on the pending pairs (checked, inputs widened); the pass's
-    // lane 1 makes it while lane 0 takes the pass's first token through the trunk, picks the
-    // draft from the head's logits (the repetition penalty on `history`; greedy as
-    // greedy_picks picks from the logits as a bf16 model's array holds them, or sampled)
-    // into pick [1] int64 and prob [1] float32 (its probability), and takes the pick's row of the
-    // trunk's embedding through the trunk as the pass's second token; after the pass, both
-    // positions' final norm, LM head and checks (greedy picks, the second's penalty on the
-    // draft too, or a sampled draft's test: `stage`) are what model_pass and the samplers
-    // would give: hidden_out [2, H] and logits_out [2, V] in the model's dtype, picks_out [2]
-    // int64. `bind_draft` takes what stays the same
-    // from step to step (seen: the head's experts' route mask, or empty; the trunk's
-    // embedding [V, H], final norm and LM head).
-    void bind_draft(Array seen, Array trunk_embed, Array norm_w, float norm_eps, float norm_offset, Array lm_w,
-                    Array lm_s, int lm_fmt, Array hidden_out, Array logits_out, Array picks_out, Array pick, Array prob,
-                    Array q) {
-        const size_t H = H_;
-        draft_ = std::make_unique<Draft>();
-        Draft& d = *draft_;
-        d.c.a = c_.a;
-        d.c.a.seen = nullptr;
-        if (seen.size() > 0) {
-            MOERUN_CHECK(seen.dtype() == nb::dtype<uint8_t>(), "seen: must be uint8");
-            check_shape(seen, {(size_t)c_.a.E + 1}, "seen");
-            d.c.a.seen = (uint8_t*)seen.data();
-        }
-        for (const Array* t : {&trunk_embed, &hidden_out, &logits_out})
-            MOERUN_CHECK(t->dtype() == embed_.dtype(), "trunk_embed, hidden_out, logits_out: in the model's dtype");
-        check_dtype(norm_w, dtype_code::Float, 32, "norm_w");
-        check_shape(norm_w, {H}, "norm_w");
-        MOERUN_CHECK(lm_w.ndim() == 2, "lm_w must be [rows, bytes per row]");
-        const size_t V = lm_w.shape(0);
-        d.lm = qweight_of(lm_w, lm_s, lm_fmt, V, H, "lm_w");
-        MOERUN_CHECK(V >= V_, "lm_w: a row for every logit of the head");
-        MOERUN_CHECK(trunk_embed.ndim() == 2 && trunk_embed.shape(1) == H && trunk_embed.shape(0) >= V_,
-                     "trunk_embed must be [V, H] with a row for every logit of the head");
-        check_shape(hidden_out, {2, H}, "hidden_out");
-        check_shape(logits_out, {2, V}, "logits_out");
-        check_dtype(picks_out, dtype_code::Int, 64, "picks_out");
-        check_shape(picks_out, {2}, "picks_out");
-        check_dtype(pick, dtype_code::Int, 64, "pick");
-        check_shape(pick, {1}, "pick");
-        check_dtype(prob, dtype_code::Float, 32, "prob");
-        check_shape(prob, {1}, "prob");
-        check_dtype(q, dtype_code::Float, 32, "q");
-        check_shape(q, {V_}, "q");
-        d.q = (float*)q.data();
-        d.V = V;
-        d.norm_w = (const float*)norm_w.data();
-        d.norm_eps = norm_eps;
-        d.norm_offset = norm_offset;
-        d.trunk_embed = trunk_embed.data();
-        d.hidden_out = hidden_out.data();
-        d.logits_out = logits_out.data();
-        d.picks_out = (int64_t*)picks_out.data();
-        d.pick = (int64_t*)pick.data();
-        d.prob = (float*)prob.data();
-        d.hf.resize(H);
-        d.lf.resize(V_);
-        d.yf.resize(2 * H);
-        d.vf.resize(2 * V);
-        d.keep = {seen, trunk_embed, norm_w, lm_w, lm_s, hidden_out, logits_out, picks_out, pick, prob, q};
-    }
-
-    // The next draft (`bind_draft`): the head's call on tokens [T] and hidden [T, H] (the
-    // pending pairs) at positions pos.. (cos, sin [T, rd]), its pick penalised on history
-    // (int64 ids). Greedy for u < 0; else sampled as sample_row samples with u, temperature,
-    // top-k, top-p and min-p (the head's distribution into q [V] float32, the draft's
-    // probability under it into prob), and checked after the pass as speculative sampling
-    // checks it with the row's next two uniforms: accepted when check_u * q[draft] <
-    // p[draft] (p the trunk's distribution at the first position, sample_row's), then the
-    // token after it sampled from the second position's distribution with next_u; else its
-    // replacement drawn from norm(max(0, p - q)) with next_u (residual_draw): picks_out =
-    // [drafts accepted (0 or 1), the token that follows] in place of the greedy picks.
-    void stage(Array tokens, Array hidden, Array cos, Array sin, int pos, Array history, float penalty, float u,
-               float temperature, int top_k, float top_p, float min_p, double check_u, double next_u) {
-        MOERUN_CHECK(draft_, "stage: no draft bound (NativeMtp.bind_draft)");
-        Draft& d = *draft_;
-        check_dtype(history, dtype_code::Int, 64, "history");
-        MOERUN_CHECK(history.ndim() == 1, "history must be 1-D");
-        moerun::MtpStepArgs& a = d.a;
-        a = prepare(tokens, hidden, cos, sin, pos, d.u);
-        a.moe = d.c.a;
-        a.h = d.hf.data();
-        a.logits = d.lf.data();
-        d.history = (const int64_t*)history.data();
-        d.n_history = history.shape(0);
-        d.penalty = penalty;
-        MOERUN_CHECK(u < 0 || d.V == V_, "a sampled draft: the head's logits are the trunk's vocabulary");
-        d.uniform = u;
-        d.check_u = check_u;
-        d.next_u = next_u;
-        d.temperature = temperature;
-        d.top_k = top_k;
-        d.top_p = top_p;
-        d.min_p = min_p;
-        d.step_keep = {cos, sin, history};
-        d.staged = true;
-    }
-
-    bool staged() const { return draft_ && draft_->staged; }
-
-    // The staged draft (`stage`), on the calling thread (a stack pass's lane 1, under the op
-    // mutex): the head's call and pick, and the pick's trunk embedding row into row [H].
-    void draft_staged(float* row) {
-        Draft& d = *draft_;
-        d.staged = false;
-        const size_t H = H_, V = V_;
-        moerun::mtp_step_decode(d.a);
-        if (bf16_)  // the logits as a bf16 array holds them
-            for (size_t j = 0; j < V; ++j) d.lf[j] = moerun::bf16_round(d.lf[j]);
-        if (d.uniform < 0) {
-            moerun::greedy_picks(d.lf.data(), 1, V, d.history, d.n_history, nullptr, 0, d.penalty, false, d.pick,
-                                 d.prob);
-        } else {
-            d.pick[0] = moerun::sample_row(d.lf.data(), V, d.history, d.n_history, nullptr, 0, d.penalty,
-                                           d.temperature, d.top_k, d.top_p, d.min_p, d.uniform, d.q);
-            d.prob[0] = d.q[d.pick[0]];
-        }
-        d.draft = d.pick[0];
-        const size_t e = (size_t)d.draft * H;
-        if (bf16_)
-            widen_bf16((const uint16_t*)d.trunk_embed + e, row, H);
-        else
-            std::memcpy(row, (const float*)d.trunk_embed + e, H * 4);
-    }
-
-    // After the pass: its two positions' outputs y[t] (float32, row t at y + t * stride)
-    // through the final norm and the LM head, as model_pass computes them (a bf16 model's
-    // normed state and logits rounded where its bf16 arrays hold them), and the checks: the
-    // greedy picks at both (the second penalised on the draft too, greedy_picks' extra per
-    // row), or a sampled draft's test (`stage`).
-    void finish_staged(const float* y, size_t stride) {
-        Draft& d = *draft_;
-        const size_t H = H_, V = d.V;
-        for (size_t t = 0; t < 2; ++t) std::memcpy(d.yf.data() + t * H, y + t * stride, H * 4);
-        moerun::rms_norm(2, (int)H, d.yf.data(), d.norm_w, d.norm_offset, d.norm_eps, d.yf.data());
-        if (bf16_) {
-            for (size_t j = 0; j < 2 * H; ++j) {
-                const uint16_t b = moerun::bf16_bits(d.yf[j]);
-                ((uint16_t*)d.hidden_out)[j] = b;
-                d.yf[j] = moerun::bf16_round(d.yf[j]);
-            }
-        } else {
-            std::memcpy(d.hidden_out, d.yf.data(), 2 * H * 4);
-        }
-        const int rows = (int)V;
-        moerun::qlinear_multi(2, (int)H, 1, &d.lm, &rows, d.yf.data(), d.vf.data());
-        if (bf16_) {
-            for (size_t j = 0; j < 2 * V; ++j) {
-                ((uint16_t*)d.logits_out)[j] = moerun::bf16_bits(d.vf[j]);
-                d.vf[j] = moerun::bf16_round(d.vf[j]);
-            }
-        } else {
-            std::memcpy(d.logits_out, d.vf.data(), 2 * V * 4);
-        }
-        if (d.uniform < 0) {
-            moerun::greedy_picks(d.vf.data(), 2, V, d.history, d.n_history, &d.draft, 1, d.penalty, true,
-                                 d.picks_out, nullptr);
-            return;
-        }
-        d.p.resize(V);
-        moerun::sample_row(d.vf.data(), V, d.history, d.n_history, nullptr, 0, d.penalty, d.temperature, d.top_k,
-                           d.top_p, d.min_p, -1.f, d.p.data());
-        const int64_t dr = d.draft;
-        const bool accepted = d.q[dr] > 0 && d.check_u * (double)d.q[dr] < (double)d.p[dr];
-        d.picks_out[0] = accepted;
-        d.picks_out[1] = accepted ? moerun::sample_row(d.vf.data() + V, V, d.history, d.n_history, &dr, 1, d.penalty,
-                                                       d.temperature, d.top_k, d.top_p, d.min_p, (float)d.next_u,
-                                                       nullptr)
-                                  : moerun::residual_draw(d.p.data(), d.q, V, d.next_u);
-    }
-
   private:
-    // `run`'s and `stage`'s: the checks of tokens [T] (int64), hidden [T, H] (the model's
+    // `run`'s: the checks of tokens [T] (int64), hidden [T, H] (the model's
     // dtype), the rope rows and the position; per token its embedding row and hidden state
     // widened into u (float32, exact); -> the call's arguments but the MoE half's and the outputs.
     moerun::MtpStepArgs prepare(const Array& tokens, const Array& hidden, const Array& cos, const Array& sin, int pos,
@@ -1216,31 +1043,6 @@ class NativeMtp {
         return a;
     }
 
-    struct Draft {
-        bool staged = false;
-        moerun::MtpStepArgs a{};
-        MoeCall c;
-        std::vector<float> u, hf, lf, yf, vf;
-        moerun::QWeight lm{};
-        size_t V = 0;
-        const float* norm_w = nullptr;
-        float norm_eps = 0.f, norm_offset = 0.f;
-        const void* trunk_embed = nullptr;
-        void *hidden_out = nullptr, *logits_out = nullptr;
-        int64_t* picks_out = nullptr;
-        const int64_t* history = nullptr;
-        size_t n_history = 0;
-        float penalty = 1.f, uniform = -1.f, temperature = 1.f, top_p = 1.f, min_p = 0.f;
-        double check_u = 0.0, next_u = 0.0;
-        std::vector<float> p;  // the trunk's distribution at a sampled draft's position
-        int top_k = 0;
-        float* q = nullptr;
-        int64_t draft = 0;
-        int64_t* pick = nullptr;
-        float* prob = nullptr;
-        std::vector<Array> keep, step_keep;  // the bound arrays; the staged step's
-    };
-    std::unique_ptr<Draft> draft_;
     Array embed_;
     bool bf16_ = false;
     size_t H_ = 0, V_ = 0;
@@ -1441,13 +1243,12 @@ class NativeStack {
     }
 
     // x, a, b [1, T, H] in the stack's dtype; cos, sin [T, rd]: the pass's rope rows; pos its
-    // first position; the kept-state buffers and route masks are the ones `bind_states` took.
-    // lanes (T > 1, a pool of two threads or more): the pass split by tokens instead of each
-    // op's rows (`run_lanes`).
-    // draft (a NativeMtp with a staged draft step, `NativeMtp.stage`; a 2-token pass in lanes
-    // only): lane 1 makes the draft step first and takes its pick through the trunk as the
-    // pass's second token (x's second row is not read).
-    void run(Array x, Array a, Array b, Array cos, Array sin, int pos, bool lanes, NativeMtp* draft) {
+    // first position. conv_every, S_every: one each per DeltaNet layer (every token's states,
+    // kept for a rollback; T > 1) or none (in place); seen: per layer its experts' route mask
+    // [E + 1] uint8 or empty, or none at all (no layer has one).
+    void run(Array x, Array a, Array b, Array cos, Array sin, int pos, std::vector<Array> conv_every,
+             std::vector<Array> S_every, std::vector<Array> seen) {
+        check_states(conv_every, S_every, seen);
         for (const Array* t : {&x, &a, &b}) {
             if (bf16_)
                 MOERUN_CHECK(is_bf16(*t), "x, a, b: the stack's dtype (bf16, as uint16)");
@@ -1474,24 +1275,15 @@ class NativeStack {
             } else {
                 c.dn = l.dn;
                 moerun::DeltaArgs& d = c.dn.d;
-                d.conv_every = bound_conv_.empty() ? nullptr : (float*)bound_conv_[j].data();
-                d.S_every = bound_S_.empty() ? nullptr : (float*)bound_S_[j].data();
+                d.conv_every = conv_every.empty() ? nullptr : (float*)conv_every[j].data();
+                d.S_every = S_every.empty() ? nullptr : (float*)S_every[j].data();
                 ++j;
             }
             c.moe_args = l.moe->a;
-            c.moe_args.seen = bound_seen_.empty() || bound_seen_[i].size() == 0 ? nullptr : (uint8_t*)bound_seen_[i].data();
+            c.moe_args.seen = seen.empty() || seen[i].size() == 0 ? nullptr : (uint8_t*)seen[i].data();
         }
-        const bool in_lanes = lanes && T_ > 1 && moerun::pool().size() >= moerun::kLanes;
-        for (const Layer& l : layers_)  // a source's fetch runs in the pass's own thread, one layer at a time
-            MOERUN_CHECK(!in_lanes || !l.moe || !l.moe->src, "lanes: not with experts from a source");
-        MOERUN_CHECK(!draft || (in_lanes && T_ == 2), "draft: a pass of 2 tokens in lanes (on two threads or more) only");
-        MOERUN_CHECK(!draft || draft->staged(), "draft: nothing staged (NativeMtp.stage)");
         nb::gil_scoped_release release;
         OpLock lk;
-        if (in_lanes) {
-            run_lanes(pass, x, b, draft);
-            return;
-        }
         const Array* cur = &x;
         for (Layer& l : pass) {
             {
@@ -1516,12 +1308,10 @@ class NativeStack {
         }
     }
 
-    // The kept-state buffers and route masks of the passes to come, checked once and held until
-    // the next binding (where converting ~20 arrays at every pass cost ~30 us): conv_every,
-    // S_every: one each per DeltaNet layer (every token's states, kept for a rollback; T > 1)
-    // or none (in place); seen: per layer its experts' route mask [E + 1] uint8 or empty, or
-    // none at all (no layer has one).
-    void bind_states(std::vector<Array> conv_every, std::vector<Array> S_every, std::vector<Array> seen) {
+  private:
+    // `run`'s kept-state buffers and route masks, checked against the layers
+    void check_states(const std::vector<Array>& conv_every, const std::vector<Array>& S_every,
+                      const std::vector<Array>& seen) const {
         MOERUN_CHECK(conv_every.size() == S_every.size() && (conv_every.empty() || conv_every.size() == deltanets_),
                      "conv_every, S_every: one each per DeltaNet layer, or none");
         MOERUN_CHECK(seen.empty() || seen.size() == layers_.size(), "seen: one per layer, or none");
@@ -1540,122 +1330,6 @@ class NativeStack {
                 MOERUN_CHECK(l.moe != nullptr, "every layer needs its MoE half");
                 MOERUN_CHECK(seen[i].dtype() == nb::dtype<uint8_t>(), "seen: must be uint8");
                 check_shape(seen[i], {(size_t)l.moe->a.E + 1}, "seen");
-            }
-        }
-        bound_conv_ = std::move(conv_every);
-        bound_S_ = std::move(S_every);
-        bound_seen_ = std::move(seen);
-    }
-
-  private:
-    std::vector<Array> bound_conv_, bound_S_, bound_seen_;
-    struct Layer;
-
-    // The pass split by tokens: token t on lane t % 2, each lane one thread of the pool whose
-    // ops run their tasks themselves (t_pool_inline) with workspaces of their own (op_lane).
-    // Token t's first half of layer l waits for token t - 1's (the keys and values, or the
-    // DeltaNet state after it, that it reads); its MoE half reads nothing of the others'.
-    // Each token goes through every half as a one-token call, which computes exactly what its
-    // row of the T-token call does (each op runs a pass's tokens one after another through
-    // the same per-token arithmetic: tests/test_stack.py compares the two), so the bits are
-    // the same; what changes is that a pass of a small model, whose ops are too small to
-    // split well over threads, keeps both cores busy (demo model, 2 threads: a 2-token pass
-    // ~1.5x a one-token one split by rows).
-    void run_lanes(std::vector<Layer>& pass, const Array& x, Array& b, NativeMtp* draft) {
-        const size_t T = T_, H = H_, L = pass.size();
-        // per token: its input row, then the halves' outputs taking turns (float32)
-        thread_local std::vector<float> rows_buf;  // (named apart: a lambda on another thread
-        std::vector<float>& rows = rows_buf;        // would see its own thread's thread_local)
-        rows.resize(T * 3 * H);
-        for (size_t t = 0; t < T; ++t)
-            if (bf16_)
-                widen_bf16((const uint16_t*)x.data() + t * H, rows.data() + t * 3 * H, H);
-            else
-                std::memcpy(rows.data() + t * 3 * H, (const float*)x.data() + t * H, H * sizeof(float));
-        // lane 1's route masks, ORed into the pass's after (both lanes mark experts)
-        thread_local std::vector<uint8_t> seen1_buf;
-        std::vector<uint8_t>& seen1 = seen1_buf;
-        size_t seen_n = 0;
-        for (const Layer& l : pass)
-            if (l.moe_args.seen) seen_n = std::max(seen_n, (size_t)l.moe_args.E + 1);
-        seen1.assign(L * seen_n, 0);
-        std::unique_ptr<std::atomic<int>[]> done(new std::atomic<int>[T]);  // first halves done per token
-        for (size_t t = 0; t < T; ++t) done[t].store(0, std::memory_order_relaxed);
-        std::atomic<bool> failed{false};
-        std::exception_ptr error[moerun::kLanes];
-        // one task per lane on a pool of two or more threads: each lane runs on a thread of its
-        // own (a thread takes a task at a time and keeps it to the end), so lane 0 may wait on
-        // lane 1 (its token 2 on token 1) without the two ever sharing a thread
-        moerun::pool().parallel_for(moerun::kLanes, [&](int lane) {
-            struct LaneScope {  // this thread's ops run inline, on lane `lane`'s workspaces, until it returns
-                bool was_inline = moerun::t_pool_inline;
-                int was_lane = moerun::op_lane();
-                explicit LaneScope(int lane) {
-                    moerun::t_pool_inline = true;
-                    moerun::op_lane() = lane;
-                }
-                ~LaneScope() {
-                    moerun::t_pool_inline = was_inline;
-                    moerun::op_lane() = was_lane;
-                }
-            } scope(lane);
-            try {
-                if (draft && lane == 1) draft->draft_staged(rows.data() + 3 * H);  // token 1's input row
-                for (size_t i = 0; i < L && !failed.load(std::memory_order_relaxed); ++i) {
-                    const Layer& l = pass[i];
-                    for (size_t t = lane; t < T; t += moerun::kLanes) {
-                        float* in = rows.data() + t * 3 * H;
-                        float *x_t = i == 0 ? in : in + 2 * H, *mid = in + H, *out = in + 2 * H;
-                        while (t > 0 && done[t - 1].load(std::memory_order_acquire) <= (int)i)
-                            if (failed.load(std::memory_order_relaxed)) return;
-                            else __builtin_ia32_pause();
-                        if (l.attn) {
-                            moerun::AttnBlockArgs at = l.at;
-                            at.T = 1;
-                            at.cos += t * at.rd;
-                            at.sin += t * at.rd;
-                            at.pos += (int)t;
-                            moerun::attn_block_decode(at, x_t, mid);
-                        } else {
-                            moerun::DeltaBlockArgs dn = l.dn;
-                            moerun::DeltaArgs& d = dn.d;
-                            d.T = 1;
-                            if (d.conv_every) d.conv_every += t * d.C * (d.K - 1);
-                            if (d.S_every) d.S_every += t * d.Hv * d.Dk * d.Dv;
-                            dn.x = x_t;
-                            dn.y = mid;
-                            moerun::deltanet_block_decode(dn);
-                        }
-                        done[t].store((int)i + 1, std::memory_order_release);
-                        moerun::MoeBlockArgs m = l.moe_args;
-                        m.T = 1;
-                        m.x = mid;
-                        m.y = out;
-                        if (m.h_out) m.h_out += t * H;
-                        if (m.ids_out) m.ids_out += t * m.K;
-                        if (m.w_out) m.w_out += t * m.K;
-                        if (m.seen && lane > 0) m.seen = seen1.data() + i * seen_n;
-                        moerun::moe_block_decode(m);
-                    }
-                }
-            } catch (...) {
-                error[lane] = std::current_exception();
-                failed.store(true);
-            }
-        });
-        for (auto& e : error)
-            if (e) std::rethrow_exception(e);
-        for (size_t i = 0; i < L; ++i)
-            if (uint8_t* sm = pass[i].moe_args.seen)
-                for (size_t e = 0; e < seen_n; ++e) sm[e] |= seen1[i * seen_n + e];
-        if (draft) draft->finish_staged(rows.data() + 2 * H, 3 * H);
-        for (size_t t = 0; t < T; ++t) {
-            const float* o = rows.data() + t * 3 * H + 2 * H;
-            if (bf16_) {
-                uint16_t* d = (uint16_t*)b.data() + t * H;
-                for (size_t j = 0; j < H; ++j) d[j] = moerun::bf16_bits(o[j]);
-            } else {
-                std::memcpy((float*)b.data() + t * H, o, H * sizeof(float));
             }
         }
     }
@@ -1779,8 +1453,7 @@ NB_MODULE(_native, m) {
              nb::arg("shared"), nb::arg("shared_scales"), nb::arg("shared_fmts"), nb::arg("shared_gate"),
              nb::arg("observer").none() = nb::none())
         .def("run", &NativeStack::run, nb::arg("x"), nb::arg("a"), nb::arg("b"), nb::arg("cos"), nb::arg("sin"),
-             nb::arg("pos"), nb::arg("lanes") = false, nb::arg("draft").none() = nb::none())
-        .def("bind_states", &NativeStack::bind_states, nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"));
+             nb::arg("pos"), nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"));
     nb::class_<NativeMtp>(m, "NativeMtp", "a one-layer MTP head's calls on one cache slot: its arguments checked once")
         .def(nb::init<Array, Array, float, Array, Array, int, Array, Array, int, Array, Array, int, Array, Array, int,
                       Array, Array, int, Array, Array, float, Array, Array, Array, Array, int, float, bool, Array, float,
@@ -1791,14 +1464,7 @@ NB_MODULE(_native, m) {
         .def("run", &NativeMtp::run, nb::arg("tokens"), nb::arg("hidden"), nb::arg("cos"), nb::arg("sin"),
              nb::arg("pos"), nb::arg("h_out"), nb::arg("ids_out"), nb::arg("w_out"), nb::arg("seen"), nb::arg("h"),
              nb::arg("logits"), "one draft step over T tokens (moerun::mtp_step_decode)")
-        .def("bind_draft", &NativeMtp::bind_draft, nb::arg("seen"), nb::arg("trunk_embed"), nb::arg("norm_w"),
-             nb::arg("norm_eps"), nb::arg("norm_offset"), nb::arg("lm_w"), nb::arg("lm_s"), nb::arg("lm_fmt"),
-             nb::arg("hidden_out"), nb::arg("logits_out"), nb::arg("picks_out"), nb::arg("pick"), nb::arg("prob"),
-             nb::arg("q"), "what a run's drafts made inside 2-token passes keep from step to step (NativeStack.run(draft=))")
-        .def("stage", &NativeMtp::stage, nb::arg("tokens"), nb::arg("hidden"), nb::arg("cos"), nb::arg("sin"),
-             nb::arg("pos"), nb::arg("history"), nb::arg("penalty"), nb::arg("u"), nb::arg("temperature"),
-             nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"), nb::arg("check_u") = 0.0, nb::arg("next_u") = 0.0,
-             "the next draft step for a stack's 2-token pass to make (NativeStack.run(draft=))");
+;
     m.def("moe_experts_float", &moe_experts_float, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),
           nb::arg("up"), nb::arg("down"), nb::arg("out"), "fused routed experts with float32 or bf16 weights");
     m.def("moe_experts", &moe_experts, nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("gate"),

@@ -29,10 +29,9 @@ struct DeltaWork {
     std::vector<float> conv_ext;  // the conv's inputs position-major [K-1+T, C]
     std::vector<float> h, proj, o;  // deltanet_block_decode's normed input, projections and DeltaNet output
 };
-DeltaWork& delta_work() {  // one op at a time per lane (bindings hold a mutex; op_lane)
-    static_assert(kLanes == 2, "one DeltaWork per lane");
-    static DeltaWork* w[kLanes] = {new DeltaWork(), new DeltaWork()};
-    return *w[op_lane()];
+DeltaWork& delta_work() {  // one op at a time (bindings hold a mutex)
+    static DeltaWork* w = new DeltaWork();
+    return *w;
 }
 
 }  // namespace

@@ -101,10 +101,9 @@ struct Workspace {
     std::vector<int64_t> route_ids;
     std::vector<float> mtp[4];  // an MTP step's normed inputs, fc's output, the attention half's, the MoE half's
 };
-Workspace& ws() {  // one per lane (op_lane)
-    static_assert(kLanes == 2, "one Workspace per lane");
-    static Workspace* w[kLanes] = {new Workspace(), new Workspace()};
-    return *w[op_lane()];
+Workspace& ws() {  // one op at a time (bindings hold a mutex)
+    static Workspace* w = new Workspace();
+    return *w;
 }
 
 }  // namespace
@@ -116,10 +115,6 @@ bool set_isa(const char* name) {
     return true;
 }
 const char* current_isa() { return kern().name; }
-int& op_lane() {
-    thread_local int lane = 0;
-    return lane;
-}
 void set_threads(int n) { pool().resize(n); }
 int get_threads() { return pool().size(); }
 void set_spin_us(int us) { pool().set_spin_us(us); }

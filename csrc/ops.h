@@ -42,11 +42,6 @@ void set_threads(int n);
 int get_threads();
 void set_spin_us(int us);
 int get_spin_us();
-// Which of the two op workspaces (and DeltaNet's) the ops on this thread use: 0, except on a
-// thread running lane 1 of a pass split by tokens (NativeStack's lanes), whose ops run
-// alongside lane 0's. kLanes such lanes at most.
-constexpr int kLanes = 2;
-int& op_lane();
 
 // y[M, N] = x[M, K] @ W^T, W quantized in fmt with nb = blocks_of(K).
 void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, const uint16_t* ws, float* y);

@@ -22,10 +22,6 @@
 
 namespace moerun {
 
-// Set on a thread while it runs one lane of a pass split by tokens (NativeStack's lanes):
-// the ops it calls run their tasks on that thread, in order, and never hand out a job.
-inline thread_local bool t_pool_inline = false;
-
 class ThreadPool {
 public:
     explicit ThreadPool(int n = 1) { resize(n); }
@@ -51,7 +47,7 @@ public:
     void parallel_for(int n_tasks, const std::function<void(int)>& f) {
         if (n_tasks <= 0) return;
         if (pid_ != getpid()) resize(n_);  // a forked child: its workers stayed in the parent
-        if (n_ == 1 || n_tasks == 1 || t_pool_inline) {
+        if (n_ == 1 || n_tasks == 1) {
             for (int t = 0; t < n_tasks; ++t) f(t);
             return;
         }

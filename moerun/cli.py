@@ -197,8 +197,7 @@ def _decode_path_line(llm) -> str:
     """How the last generation run's decode passes ran (`layers.stack.decode_path`)."""
     from .layers.stack import decode_path
 
-    kept = llm.net.__dict__.get("_kept_runs", {}).get("generate")
-    d = decode_path(kept[2].get("plans") if kept else None)
+    d = getattr(llm.last_stats, "decode_path", None) or decode_path(None)
     line = f"{d['native_stack_passes']} passes as one native call over the layer stack"
     if d["module_passes"] is not None:
         line += f", {d['module_passes']} through the layers' modules"

@@ -138,20 +138,18 @@ def test_logits_close_to_the_float_cache(model, request):
 
 @pytest.fixture
 def allocated(monkeypatch):
-    """Every Cache the generate loops run on (made for the run, or kept from an earlier one:
-    `generate.kept_run`), each once, so a test can check the loops used int8."""
+    """Every Cache the generate loops make for their runs, so a test can check the loops
+    used int8."""
     caches = []
     from moerun.engine import generate, speculative
 
-    real = generate.kept_run
+    class Recorded(Cache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            caches.append(self)
 
-    def recorded(*args, **kwargs):
-        got = real(*args, **kwargs)
-        caches.extend(c for c in got[0] if not any(c is d for d in caches))
-        return got
-
-    monkeypatch.setattr(generate, "kept_run", recorded)
-    monkeypatch.setattr(speculative, "kept_run", recorded)
+    monkeypatch.setattr(generate, "Cache", Recorded)
+    monkeypatch.setattr(speculative, "Cache", Recorded)
     return caches
 
 
@@ -172,8 +170,8 @@ def test_batch_of_different_lengths_equals_one_by_one(model, request, allocated)
     finally:
         llm.kv_dtype = None
     assert batched == singles and all(len(o) == 8 for o in batched)
-    # the batch's caches and the single runs' (kept from one to the next: generate.kept_run)
-    assert len(allocated) == 2 and all_int8(allocated)
+    # the batch's cache and each single run's
+    assert len(allocated) == 4 and all_int8(allocated)
 
 
 @pytest.mark.parametrize("draft_tokens", [1, 3, "auto"])

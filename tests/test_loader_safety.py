@@ -208,14 +208,23 @@ def test_tokenizer_past_the_vocabulary_is_refused(tiny, tmp_path, capsys):
 # -- the KV cache -----------------------------------------------------------------------------
 
 
-def test_huge_context_allocates_by_what_a_run_asks(tiny, tmp_path, capsys):
+def test_huge_context_allocates_by_what_a_run_asks(tiny, tmp_path, capsys, monkeypatch):
+    from moerun.engine import generate
+
+    made = []
+
+    class Recorded(generate.Cache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(generate, "Cache", Recorded)
     d = copy(tiny, tmp_path)
     edit_json(d / "config.json", max_position_embeddings=1e12)
     llm = moerun.load(d, threads=1)
     assert llm.context_length == 10**12
     assert len(llm.generate_ids([[1, 2, 3]], max_tokens=4)[0]) == 4
-    (cache,) = llm.net._kept_runs["generate"][1]
-    assert cache.max_len <= 256  # the run's 7 tokens, rounded up: not the context window
+    assert [c.max_len for c in made] == [7]  # the run's 7 tokens: not the context window
     with pytest.raises(MoerunError, match="KV cache .* needs .* memory available"):
         llm.generate_ids([[1, 2, 3]], max_tokens=10**11)
     assert_one_line_error(cli(capsys, "generate", "-m", d, "hi", "--max-tokens", 10**11), "KV cache", "available")

@@ -12,7 +12,8 @@ from torch import nn
 import moerun
 from moerun import kernels
 from moerun.engine.cache import Cache
-from moerun.engine.speculative import ExpertTracker, draft_head
+from moerun.engine.draft_extras import ExpertTracker
+from moerun.engine.draft_extras import draft_head
 from moerun.layers import mtp as mtp_layers
 from moerun.models import qwen3_5_moe
 

@@ -73,26 +73,6 @@ def test_greedy_picks_the_first_of_tied_maxima():
     assert sample(logits, SamplingParams(), [[], []], None).tolist() == [1, 0]
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_greedy_token_probability(native):
-    """The pick is greedy_token's, and its probability torch's softmax of the raw row at it
-    (not the penalised one), natively and through the reference; bf16 rows too, a row whose
-    logits span far more than the 30 the native sum leaves out, and a NaN row."""
-    g = torch.Generator().manual_seed(3)
-    rows = [torch.randn(500, generator=g) * 4, torch.randn(500, generator=g) * 40, torch.zeros(17)]
-    rows[0][11] = 9.0
-    with kernels.use_isa(kernels.isa() if native else "torch"):
-        for row in rows:
-            for dtype in (torch.float32, torch.bfloat16):
-                x = row.to(dtype)
-                for seen, penalty in (([], 1.0), ([11, 3], 1.3), ([11], 50.0)):
-                    tok, p = sampling.greedy_token_probability(x, seen, penalty, [4])
-                    assert tok == greedy_token(x, seen, penalty, [4])
-                    assert p == pytest.approx(float(x.float().softmax(-1)[tok]), rel=1e-5, abs=1e-30)
-        tok, p = sampling.greedy_token_probability(torch.full((5,), float("nan")), [], 1.0)
-        assert tok == 0 and p != p
-
-
 def test_greedy_token_is_the_argmax_of_the_penalized_row():
     """greedy_token: argmax(apply_repetition_penalty(row)) for penalties above and below 1,
     none, an empty history, a bf16 row and a token the penalty knocks off the top; the row
@@ -328,8 +308,7 @@ def test_eos_and_max_tokens():
 def test_residual_draw_matches_its_reference_and_its_law(monkeypatch):
     """A rejected draft's replacement from norm(max(0, p - q)): the native draw equals the
     numpy reference for every uniform (q below p at some ids, q covering p at all of them:
-    then p itself), never picks an id without weight, and follows the residual's law; and
-    `Uniforms.put_back` gives the same uniform again."""
+    then p itself), never picks an id without weight, and follows the residual's law."""
     from moerun.engine.sampling import residual_draw
 
     g = torch.Generator().manual_seed(7)
@@ -347,7 +326,3 @@ def test_residual_draw_matches_its_reference_and_its_law(monkeypatch):
     u = torch.rand(20000, generator=g, dtype=torch.float64).tolist()
     counts = np.bincount([residual_draw(p, q, x) for x in u], minlength=40) / len(u)
     assert np.abs(counts - (w / w.sum()).numpy()).max() < 0.015
-    un = Uniforms(torch.Generator().manual_seed(3))
-    first = un.next()
-    un.put_back(first)
-    assert un.next() == first

@@ -266,7 +266,7 @@ def test_draft_vocabulary_rows_and_output(qwen, monkeypatch, quant):
     """draft_vocab N: the draft head is the LM head's first N rows (views; its logits the full
     head's first N, bit for bit), drafts come from them only, and greedy output is the plain
     output; bad values are refused."""
-    from moerun.engine.speculative import draft_head
+    from moerun.engine.draft_extras import draft_head
 
     llm = qwen if quant is None else moerun.load(qwen.path, dtype="float32", threads=1, quant=quant)
     torch.set_num_threads(1)
@@ -354,64 +354,46 @@ def test_deepseek_v3_greedy_identical(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [3, 1])
-@pytest.mark.parametrize("every", [32, 6])
-def test_plain_steps_feed_the_head_in_backlogs_settled_before_drafting(qwen, monkeypatch, every, rows):
-    """A run of plain steps ("auto" choosing N=0) feeds the MTP head its pending pairs every
-    PLAIN_CATCH_UP_PAIRS steps; before the next drafting step the backlog (and the prompt's)
-    is fed apart (`_settle`), all but its last pair, so the drafting step's own catch-up is
-    one pair, one native call. The output stays plain greedy's. (One row runs its plain steps
-    in stretches, `_plain_steps`; several rows step by step.)"""
+def test_plain_steps_backlog_fed_before_drafting(qwen, monkeypatch, rows):
+    """A run of plain steps ("auto" choosing N=0) leaves the MTP head its pending pairs;
+    before the next drafting step the backlog is fed apart (`_feed_backlog`), all but its
+    last pair, so the drafting step's own catch-up is at most a drafting step's pairs. The
+    output stays plain greedy's."""
     from moerun.engine import speculative
     from moerun.engine.speculative import DraftLength
 
     class PlainThenTwo(DraftLength):  # 12 plain steps, then two drafts a step
         def choose(self):
             self.steps += 1
-            self.forced = True
             return 0 if self.steps <= 12 else 2
 
-    monkeypatch.setattr(speculative, "PLAIN_CATCH_UP_PAIRS", every)
-    calls = []  # (pairs of the catch-up call, made by _settle)
-    original_catch_up, original_settle = SpeculativeDecoder._catch_up, SpeculativeDecoder._settle
-    settling = []
+    fed = []  # (pairs a row gave the head in one call, whether it was a backlog's)
+    original = SpeculativeDecoder._feed
 
-    def _catch_up(dec, active, slots, L, pend_h, pend_t):
-        calls.extend((pend_h[b].shape[0], bool(settling)) for b in active)
-        return original_catch_up(dec, active, slots, L, pend_h, pend_t)
+    def _feed(dec, rows_, pend_h, pend_t, keep=0):
+        fed.extend((pend_h[b].shape[0] - keep, keep == 1) for b in rows_)
+        return original(dec, rows_, pend_h, pend_t, keep)
 
-    def _settle(dec, *a):
-        settling.append(1)
-        try:
-            return original_settle(dec, *a)
-        finally:
-            settling.pop()
-
-    monkeypatch.setattr(SpeculativeDecoder, "_catch_up", _catch_up)
-    monkeypatch.setattr(SpeculativeDecoder, "_settle", _settle)
+    monkeypatch.setattr(SpeculativeDecoder, "_feed", _feed)
     prompts = random_prompts(rows, 300, seed=3, max_len=4)
     plain = [Sequence(p, SamplingParams(max_tokens=24, temperature=0.0)) for p in prompts]
     list(run(qwen.net, plain, set(), qwen.dtype))  # no EOS: every row runs all 24 steps
     seqs = [Sequence(p, SamplingParams(max_tokens=24, temperature=0.0)) for p in prompts]
     list(run_speculative(qwen.net, seqs, set(), qwen.dtype, draft_tokens="auto", chooser=PlainThenTwo()))
     assert [s.out_ids for s in seqs] == [s.out_ids for s in plain]
-    unsettled = [c for c, settle in calls if not settle]
     most = speculative.MAX_DRAFT_TOKENS + 1  # what a drafting step leaves pending
-    assert unsettled and all(c <= most for c in unsettled if c != every)
-    assert (every in unsettled) == (every < 12)  # fed during the plain run only when it is that long
-    if every >= 12:  # the whole plain run's backlog, fed apart
-        assert any(settle and c > most for c, settle in calls)
+    assert all(c <= most for c, backlog in fed if not backlog)
+    assert any(backlog and c >= 12 for c, backlog in fed)  # the plain run's backlog, fed apart
 
 
 def test_a_rows_plain_steps_count_its_experts_and_steps(qwen):
-    """One row's plain steps in stretches (`_plain_steps`): each counted as a step of its
-    own, one token's expert bytes each (without the pass's masks once those are known), and
-    the chooser's step count as if it had chosen every one."""
+    """One row's plain steps ("auto" choosing N=0 throughout): each counted as a step of its
+    own, one token's expert bytes each, and priced by its own time."""
     from moerun.engine.speculative import DraftLength
 
     class Plain(DraftLength):
         def choose(self):
             self.steps += 1
-            self.forced = False
             return 0
 
     prompt = random_prompts(1, 300, seed=4, max_len=4)
@@ -455,97 +437,38 @@ def test_auto_draft_length_follows_acceptance_and_cost():
         chosen.append(d.choose())
         d.observe_time(chosen[-1], 1.0 + 0.1 * chosen[-1])
     assert chosen == [0, 1]
-    for n in (2, 3, 4):  # (as tries of them would measure them)
-        d.observe_time(n, 1.0 + 0.1 * n)
-    for _ in range(200):  # (the acceptance EMAs average ~30 drafts: accept_decay)
+    assert d.step_time(3) == pytest.approx(1.3)  # unmeasured: along the line through N = 0 and 1
+    for _ in range(200):  # (the acceptance EMAs average ~30 drafts)
         d.update(4, 4)
     assert d.choose() == 4
     for _ in range(200):
         d.update(4, 0)
     assert d.choose() == 0  # drafts never accepted: plain steps
-    d = DraftLength(explore_every=10**9)
-    for n in range(5):
-        d.observe_time(n, 1.0 + 0.1 * n)
     for _ in range(200):
         d.update(4, 2)  # drafts 1 and 2 accepted, 3 rejected
     assert d.choose() == 2
-    for _ in range(20):  # experts far away: a long pass now costs more than it returns
+    for _ in range(20):  # experts far away (waits included in the times): a long pass costs more than it returns
         for n in (2, 3, 4):
             d.observe_time(n, 4.0)
         d.observe_time(1, 1.5)
     assert d.choose() == 1
-    # the expert store's waits: each byte of a verification union costs a measured wait, so
-    # the farther the experts, the fewer drafts (unions here grow almost a token's bytes per draft)
-    d = DraftLength(explore_every=10**9)
-    d.accept = [0.7, 0.5, 0.3, 0.2]
-    for n in range(5):
-        d.observe_union(n, 1.0 + 0.95 * n, 4 / 32, token_bytes=1000)
-        d.observe_time(n, 1.0 + 0.05 * n)
-    chosen = [d.choose()]
-    for wait in (0.5, 5.0):  # seconds per 1000 union bytes
-        for _ in range(200):
-            d.observe_time(1, 1.05 + wait * 1.95, wait_s=wait * 1.95, union_bytes=1950)
-        assert d.wait_s_per_byte == pytest.approx(wait / 1000, rel=0.01)
-        assert d.step_s[1] == pytest.approx(1.05)  # compute alone: waits are modelled apart
-        chosen.append(d.choose())
-    assert chosen == [3, 1, 0]
 
 
-def test_auto_explores_less_while_the_best_holds():
-    """Tries of a neighbouring N come every `explore_every` steps at first and ever more
-    rarely while they leave the best N unchanged (drafts never accepted: plain steps win);
-    a change of the best N brings the short gap back."""
+def test_auto_explores_the_neighbours_of_the_best():
+    """Every `explore_every` steps "auto" tries a neighbour of its best N, alternately above
+    and below (above only from plain steps), so that their figures stay current."""
     from moerun.engine.speculative import DraftLength
 
     d = DraftLength(explore_every=4)
-    cost = {n: 1.0 + 0.3 * n for n in range(5)}
-    for _ in range(5):  # every N measured once first
-        d.observe_time(n := d.choose(), cost[n])
-    for _ in range(60):
-        d.update(4, 0)
-    chosen = []
+    for n in range(5):
+        d.observe_time(n, 1.0 + 0.1 * n)
     for _ in range(200):
-        chosen.append(d.choose())
-        d.observe_time(chosen[-1], cost[chosen[-1]])
-    # each try a burst of EXPLORE_BURST drafting steps (the first not priced)
-    tries = [i for i, n in enumerate(chosen) if n != 0 and (i == 0 or chosen[i - 1] == 0)]
-    assert all(chosen[i : i + d.EXPLORE_BURST] == [1] * d.EXPLORE_BURST for i in tries)
-    assert 5 <= len(tries) <= 10  # ~40 at a fixed gap of 4
-    assert tries[1] - tries[0] < tries[-1] - tries[-2] == 32
-    for _ in range(60):  # drafts now always accepted: drafting wins, and tries come often again
-        d.update(4, 4)
-    chosen = []
-    for _ in range(40):
-        chosen.append(d.choose())
-        d.observe_time(chosen[-1], cost[chosen[-1]])
-    assert chosen[0] != 0 and any(n != chosen[0] for n in chosen[1:10])  # not 32 steps away
-
-
-def test_auto_drafts_while_the_heads_confidence_pays():
-    """"auto" learns how often drafts of each confidence (probability under the head) are
-    accepted, and drafts one more only while the chance that all so far are accepted makes
-    it worth its measured cost; measuring or exploring steps draft exactly their N."""
-    from moerun.engine.speculative import DraftLength
-
-    d = DraftLength(explore_every=10**9)
-    for n in range(5):
-        d.observe_time(n, 1.0 + 0.2 * n)  # each draft costs a fifth of a plain step
-    for _ in range(200):  # confident drafts are accepted, unsure ones not (the EMAs: ~30 drafts)
-        d.update(2, 2, [0.95, 0.95])
-        d.update(2, 1, [0.95, 0.05])
-    assert d.confidence_accept(0.95) > 0.99 and d.confidence_accept(0.05) < 0.01
-    assert d.confidence_accept(0.4) == pytest.approx(0.6)  # a bin never seen keeps the prior
-    n = d.choose()
-    assert n >= 1 and not d.forced
-    assert d.more(1, d.confidence_accept(0.95)) and not d.more(1, d.confidence_accept(0.05))
-    assert not d.more(d.max_n, 1.0)
-    slow = DraftLength(explore_every=10**9)
-    slow.accept, slow.calibration = list(d.accept), list(d.calibration)
-    for n in range(5):
-        slow.observe_time(n, 1.0 + 3.0 * n)  # drafts far dearer than they return
-    assert not slow.more(1, slow.confidence_accept(0.95))
-    fresh = DraftLength()
-    assert fresh.choose() == 0 and fresh.forced  # measuring N = 0 first
+        d.update(4, 2)
+    chosen = [d.choose() for _ in range(16)]
+    assert chosen == [2, 2, 2, 1, 2, 2, 2, 3, 2, 2, 2, 1, 2, 2, 2, 3]
+    for _ in range(200):
+        d.update(4, 0)
+    assert {d.choose() for _ in range(8)} == {0, 1}
 
 
 def test_short_conv_and_delta_rule_passes_match_long_ones():
@@ -632,7 +555,7 @@ def test_expert_tracker_counts_the_union_per_module():
     """A pass's routed-expert bytes are each Experts module's union of ids times one expert's
     bytes; one token's are K experts per module; a draft pass counts apart, and calls outside
     a pass count nowhere."""
-    from moerun.engine.speculative import ExpertTracker
+    from moerun.engine.draft_extras import ExpertTracker
     from moerun.layers.moe import Experts
 
     net = torch.nn.ModuleList([Experts(8, 4, 2), Experts(8, 4, 2)])
@@ -648,7 +571,6 @@ def test_expert_tracker_counts_the_union_per_module():
         net[1](x, ids=torch.tensor([[5, 5], [5, 5], [7, 5]]), weights=w)  # {5, 7}
         tracker.end_pass()
         assert tracker.pass_bytes == 5 * per and tracker.token_bytes == 2 * 2 * per
-        assert (tracker.top_k, tracker.num_experts) == (2, 8)
         tracker.start_pass("draft")
         net[1](x[:1], torch.tensor([[3, 4]]), w[:1])
         tracker.end_pass()
@@ -665,17 +587,6 @@ def test_expert_tracker_counts_the_union_per_module():
         assert not any("routes_seen" in m.__dict__ for m in net)
     finally:
         tracker.close()
-    # without per-pass figures (fixed N): the same totals, one token's bytes from the first pass
-    lazy = ExpertTracker(net, per_pass=False)
-    try:
-        for ids in ([[0, 1], [1, 2], [2, 0]], [[3, 4], [3, 4], [3, 4]]):
-            lazy.start_pass("verify")
-            net[0](x, torch.tensor(ids), w)
-            lazy.end_pass()
-        assert lazy.bytes == {"verify": 5 * per, "draft": 0}
-        assert lazy.pass_bytes == 3 * per and lazy.token_bytes == 2 * per  # the first pass's
-    finally:
-        lazy.close()
     bare = ExpertTracker(torch.nn.Linear(4, 4))  # no experts at all: passes count nothing
     bare.start_pass("verify")
     bare.end_pass()
@@ -701,115 +612,3 @@ def test_roll_back_restores_the_kept_state_of_a_slot():
         assert torch.equal(t[2], every[n][1, 2])
         assert torch.equal(t[:2], before[n][:2])
         assert torch.equal(st.positions[n], every[n])
-
-
-@pytest.mark.parametrize("dtype,sampled", [("bfloat16", False), ("float32", False), ("bfloat16", True)])
-def test_a_draft_made_inside_its_verification_pass(dtype, sampled, monkeypatch):
-    """On two threads, one draft on one row is made inside its verification pass
-    (`SpeculativeDecoder._draft_in_pass`: the head's call in the pass's lane 1, the draft
-    following t_L through the trunk): the same tokens, acceptance, expert bytes, trunk caches
-    (keys, values, DeltaNet states) and head cache as drafting first, with the demo model's
-    repetition penalty, greedy or sampled with its generation config (seeded); `auto` (which
-    takes that path where it picks one draft) gives the plain greedy text too."""
-    from moerun import kernels
-
-    if not kernels.native():
-        pytest.skip("needs the native extension")
-    llm = moerun.load(None, dtype=dtype, threads=2)  # the demo model
-    torch.set_num_threads(2)
-    try:
-        prompts = [llm.encode_prompt(p) for p in ("def fibonacci(n):", "The river", "import numpy as np\n")]
-        made = []
-        real = SpeculativeDecoder._draft_in_pass
-
-        def run_one(ids, fused):
-            spy = (lambda self, *a: made.append(real(self, *a)) or made[-1]) if fused else (lambda self, *a: None)
-            monkeypatch.setattr(SpeculativeDecoder, "_draft_in_pass", spy)
-            params = llm.sampling_params(max_tokens=24, seed=7) if sampled else \
-                llm.sampling_params(max_tokens=24, temperature=0.0)
-            seq = Sequence(list(ids), params)
-            dec = SpeculativeDecoder(llm.net, llm.dtype, draft_tokens=1)
-            stats = SpeculativeStats()
-            list(dec.run([seq], llm.eos_ids(), stats))
-            caches = [t.clone() for c in (dec.cache, dec.mtp_cache) for layer in c.layers
-                      for t in (layer.tensors.values() if isinstance(layer, RecurrentState) else (layer.k, layer.v))]
-            caches += [dec.cache.lengths.clone(), dec.mtp_cache.lengths.clone()]
-            return seq.out_ids, (stats.drafted, stats.accepted, stats.verify_expert_bytes, stats.draft_expert_bytes), caches
-
-        for ids in prompts:
-            got, want = run_one(ids, True), run_one(ids, False)
-            assert got[0] == want[0] and got[1] == want[1] and want[1][1] > 0
-            assert len(got[2]) == len(want[2]) and all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
-        assert sum(m is not None for m in made) > 20  # (a run's first passes of a width go through the modules)
-        monkeypatch.undo()
-        plain = llm.generate_ids(prompts, max_tokens=24, temperature=0.0)
-        assert llm.generate_ids(prompts, max_tokens=24, temperature=0.0, speculative="mtp", draft_tokens="auto") == plain
-    finally:
-        torch.set_num_threads(1)
-
-
-def test_runs_keep_their_caches_and_plans(qwen):
-    """`generate.kept_run`: a run's caches and plans serve the next run of its kind, reset
-    (lengths and recurrent states zero), while it is not taken, holds the batch, dtypes and
-    length asked and the modules' hooks are as they were; and the output is the same as
-    with fresh ones."""
-    from moerun.engine.generate import kept_run
-
-    net = qwen.net
-    specs = [net.cache_spec()]
-    (c1,), p1, release1 = kept_run(net, "test", specs, 1, 40, torch.float32, None)
-    (other,), _, release_other = kept_run(net, "test", specs, 1, 40, torch.float32, None)
-    assert other is not c1  # taken: a run at the same time makes its own
-    release_other()
-    release1()  # (the last run given back is the one kept)
-    c1.lengths[0] = 7
-    state = next(layer for layer in c1.layers if isinstance(layer, RecurrentState))
-    for t in state.tensors.values():
-        t.fill_(1.0)
-    (c2,), p2, release2 = kept_run(net, "test", specs, 1, 30, torch.float32, None)
-    assert c2 is c1 and p2 is p1 and int(c2.lengths[0]) == 0
-    assert all(not t.any() for t in state.tensors.values())
-    release2()
-    assert kept_run(net, "test", specs, 1, 4000, torch.float32, None)[0][0] is not c1  # too short
-    assert kept_run(net, "test", specs, 2, 30, torch.float32, None)[0][0] is not c1  # another batch
-    (c3,), _, release3 = kept_run(net, "test", specs, 1, 30, torch.float32, torch.int8)
-    assert c3 is not c1  # another KV cache type
-    release3()
-    handle = net.model.layers[0].register_forward_hook(lambda *a: None)
-    try:
-        assert kept_run(net, "test", specs, 1, 30, torch.float32, torch.int8)[0][0] is not c3  # a hook since
-    finally:
-        handle.remove()
-    prompts = random_prompts(3, 300, seed=21)
-    first = [qwen.generate_ids([p], max_tokens=10, temperature=0.0)[0] for p in prompts]
-    net.__dict__.pop("_kept_runs")  # fresh caches and plans for every run
-    again = []
-    for p in prompts:
-        again.append(qwen.generate_ids([p], max_tokens=10, temperature=0.0)[0])
-        net.__dict__.pop("_kept_runs")
-    assert again == first
-
-
-def test_call_hooks_stand_for_a_call_only_where_they_can():
-    """`kernels.call_hooks`: a no-op for a net without hooks, split_threads' pre-hook called as
-    the net's call would, and None (the call must run) for any other hook on it or torch's."""
-    from moerun import kernels
-
-    net = torch.nn.Linear(2, 2)
-    assert kernels.call_hooks(net) is not None
-    calls = []
-    handle = net.register_forward_pre_hook(lambda m, a, k: calls.append(a[0].shape), with_kwargs=True)
-    net._split_threads = handle  # (as split_threads registers its own)
-    kernels.call_hooks(net)(torch.zeros(1, 2, dtype=torch.long))
-    assert calls == [torch.Size([1, 2])]
-    other = net.register_forward_pre_hook(lambda m, a: None)
-    assert kernels.call_hooks(net) is None
-    other.remove()
-    after = net.register_forward_hook(lambda m, a, o: None)
-    assert kernels.call_hooks(net) is None
-    after.remove()
-    glob = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: None)
-    try:
-        assert kernels.call_hooks(net) is None
-    finally:
-        glob.remove()

@@ -228,8 +228,8 @@ def test_a_bad_token_id_is_an_error_in_the_native_pass_too(qwen3_path):
 
 
 def test_native_stack_refuses_bad_arguments(qwen3_path):
-    """`NativeStack.run` checks what a pass brings (activations, rope rows, position) and
-    `bind_states` the kept states and route masks: one clear ValueError each, nothing run."""
+    """`NativeStack.run` checks what a pass brings (activations, rope rows, position, the
+    kept states and route masks): one clear ValueError each, nothing run."""
     import numpy as np
 
     import moerun
@@ -246,65 +246,43 @@ def test_native_stack_refuses_bad_arguments(qwen3_path):
     x, a, b = (np.zeros((1, 1, H), dtype=np.float32) for _ in range(3))
     rope = net.model.rope.float_rows(6, 1, torch.float32)
     seen = [np.zeros(0, dtype=np.uint8)] * len(experts)
-    native.bind_states([], [], seen)
-    native.run(x, a, b, *rope, 6)  # as a pass makes it: runs
-    native.bind_states([], [], [])
-    native.run(x, a, b, *rope, 6)  # (no route masks at all: the same)
+    native.run(x, a, b, *rope, 6, [], [], seen)  # as a pass makes it: runs
+    native.run(x, a, b, *rope, 6, [], [], [])  # (no route masks at all: the same)
 
     def bad(match, **change):
-        args = dict(x=x, a=a, b=b, cos=rope[0], sin=rope[1], pos=6)
+        args = dict(x=x, a=a, b=b, cos=rope[0], sin=rope[1], pos=6, conv_every=[], S_every=[], seen=seen)
         args.update(change)
         with pytest.raises(ValueError, match=match):
             native.run(**args)
-
-    def bad_states(match, **change):  # the kept states and route masks: checked as they are bound
-        args = dict(conv_every=[], S_every=[], seen=seen)
-        args.update(change)
-        with pytest.raises(ValueError, match=match):
-            native.bind_states(**args)
 
     bad("x, a, b", x=np.zeros((1, 2, H), dtype=np.float32))
     bad("x, a, b", b=np.zeros((1, 1, H), dtype=np.float64))
     bad("cos, sin", cos=np.zeros((2, rope[0].shape[1]), dtype=np.float32))
     bad("position outside the cache", pos=16)
-    bad_states("seen: one per layer", seen=seen[:1])
-    bad_states("seen", seen=[np.zeros(3, dtype=np.uint8)] * len(experts))
-    bad_states("conv_every, S_every", conv_every=[np.zeros(1, dtype=np.float32)])
+    bad("seen: one per layer", seen=seen[:1])
+    bad("seen", seen=[np.zeros(3, dtype=np.uint8)] * len(experts))
+    bad("conv_every, S_every", conv_every=[np.zeros(1, dtype=np.float32)])
 
 
 @pytest.mark.parametrize("dtype,quant", [("float32", None), ("bfloat16", None), ("float32", "int4")])
-def test_lanes_are_bit_identical_to_the_modules(qwen3_5_path, dtype, quant, monkeypatch):
-    """On two threads, a pass of an even number of tokens through small layers runs token by
-    token in two lanes (`NativeStack.run(lanes=True)`): the same logits, hidden states,
-    recurrent states, per-token states kept for a rollback and route masks as the modules,
-    and as the stack split by rows (lanes off)."""
+def test_stack_on_two_threads_with_route_masks_is_bit_identical_to_the_modules(qwen3_5_path, dtype, quant):
+    """On two threads, passes of 1 to 4 tokens through the stack give the same logits, hidden
+    states, recurrent states, per-token states kept for a rollback and route masks as the
+    modules."""
     import moerun
 
     net = moerun.load(qwen3_5_path, dtype=dtype, threads=2, quant=quant).net
     torch.set_num_threads(2)
     experts = [layer.mlp.experts for layer in net.model.layers]
-    chose = []
-    real = stack._lanes
-    monkeypatch.setattr(stack, "_lanes", lambda small, T: chose.append((T, real(small, T))) or chose[-1][1])
 
     def run(plans):
         return qwen3_5_passes(net, plans, 1, (1, 2, 4, 2, 4, 3, 2, 1, 4), seed=5, masks=experts)
 
     try:
         with torch.inference_mode():
-            want = run(None)
-            monkeypatch.setattr(stack, "LANES_LAYER_BYTES", -1)  # the stack split by rows
-            rows = run({})
-            assert chose and not any(lanes for _, lanes in chose)
-            chose.clear()
-            monkeypatch.undo()
-            monkeypatch.setattr(stack, "_lanes", lambda small, T: chose.append((T, real(small, T))) or chose[-1][1])
-            got = run({})
+            want, got = run(None), run({})
     finally:
         torch.set_num_threads(1)
-    # every later pass of 2 or 4 tokens ran in lanes; those of 1 and 3 split by rows
-    assert {T for T, lanes in chose if lanes} == {2, 4} and not any(lanes for T, lanes in chose if T % 2)
-    for a, b, c in zip(got, rows, want, strict=True):
-        assert len(a) == len(b) == len(c)
+    for a, c in zip(got, want, strict=True):
+        assert len(a) == len(c)
         assert all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) for x, y in zip(a, c))
-        assert all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) for x, y in zip(b, c))

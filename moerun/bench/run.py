@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from ..engine.cache import kv_cache_summary
-from ..engine.generate import kept_run
+from ..engine.cache import Cache, kv_cache_summary
+from ..engine.generate import run_plans
 from ..layers.stack import decode_path
 from ..errors import MoerunError
 
@@ -24,39 +24,31 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, sp
     vocab = net.args.vocab_size
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (1, prompt_tokens), generator=g)
-    specs = [net.cache_spec()]
     with torch.inference_mode():
-        # warm-up, on the caches and plans the timed run then takes as a generation run would
-        # take an earlier run's (`kept_run`): first calls allocate and pick kernels, a run's
-        # first decode passes make its plans and native stack
+        # warm-up on the cache and plans the timed run then takes: first calls allocate and pick
+        # kernels, a run's first decode passes make its plans and native stack
         def step(ids, cache, plans):
             return net(ids, cache, last_only=True, **plans)[:, -1].argmax(-1, keepdim=True)
 
-        run = (net, "bench", specs, 1, prompt_tokens + gen_tokens, llm.dtype, llm.kv_dtype)
-        (warm,), plans, release = kept_run(*run)
-        try:
-            tok = step(torch.randint(0, vocab, (1, 4), generator=g), warm, plans)
-            for _ in range(3):
-                tok = step(tok, warm, plans)
-        finally:
-            release()
-        (cache,), plans, release = kept_run(*run)
-        try:
-            t0 = time.perf_counter()
-            logits = net(prompt, cache, last_only=True, **plans)
-            prefill_s = time.perf_counter() - t0
-            tok = logits[:, -1].argmax(-1, keepdim=True)
-            before = decode_path(plans.get("plans"))
-            t0 = time.perf_counter()
-            for _ in range(gen_tokens):
-                tok = step(tok, cache, plans)
-            decode_s = time.perf_counter() - t0
-            path = decode_path(plans.get("plans"))  # the timed passes' alone
-            for k in ("native_stack_passes", "module_passes"):
-                if path[k] is not None:
-                    path[k] -= before[k]
-        finally:
-            release()
+        cache = Cache(net.cache_spec(), 1, max(prompt_tokens + gen_tokens, 7), llm.dtype, llm.kv_dtype)  # (warm-up: 7)
+        plans = run_plans(net)
+        tok = step(torch.randint(0, vocab, (1, 4), generator=g), cache, plans)
+        for _ in range(3):
+            tok = step(tok, cache, plans)
+        cache.reset(0)
+        t0 = time.perf_counter()
+        logits = net(prompt, cache, last_only=True, **plans)
+        prefill_s = time.perf_counter() - t0
+        tok = logits[:, -1].argmax(-1, keepdim=True)
+        before = decode_path(plans.get("plans"))
+        t0 = time.perf_counter()
+        for _ in range(gen_tokens):
+            tok = step(tok, cache, plans)
+        decode_s = time.perf_counter() - t0
+        path = decode_path(plans.get("plans"))  # the timed passes' alone
+        for k in ("native_stack_passes", "module_passes"):
+            if path[k] is not None:
+                path[k] -= before[k]
     return {
         "model": str(llm.path),
         "architecture": llm.model_type,
@@ -75,8 +67,8 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, sp
 def bench_speculative(llm, prompt_tokens: int, gen_tokens: int, seed: int, speculative: str, draft_tokens,
                       draft_vocab: int | None = None) -> dict:
     """Greedy generation through the speculative loop; stops early at EOS like a user would.
-    A short run first warms it up, as `bench` warms plain decoding up (the timed run then
-    takes its caches, plans and stacks: `generate.kept_run`)."""
+    A short run first warms it up (kernels, allocations); the timed run makes its own plans
+    and native stacks in its first passes, as a user's run does."""
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, llm.net.args.vocab_size, (prompt_tokens,), generator=g).tolist()
     kw = dict(temperature=0.0, speculative=speculative, draft_tokens=draft_tokens, draft_vocab=draft_vocab)

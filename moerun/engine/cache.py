@@ -210,8 +210,7 @@ class RecurrentState:
         turns: 0.08 against 0.21 ms a pass). Its contents live until the next pass asks for it
         again. The view made for a (name, shape, dtype) is kept too, until the buffer grows: a
         verification pass asks for two per DeltaNet layer, and slicing and viewing anew took
-        ~10 us a call on this machine, against 0.35 us looked up. `scratch_epoch` counts the
-        buffers made: a caller that keeps a view (`layers.stack`) asks again when it moved."""
+        ~10 us a call on this machine, against 0.35 us looked up."""
         shape = tuple(shape)
         views = self.__dict__.setdefault("_scratch_views", {})
         v = views.get((name, shape, dtype))
@@ -222,7 +221,6 @@ class RecurrentState:
         t = bufs.get(name)
         if t is None or t.numel() < n or t.dtype != dtype:
             t = bufs[name] = torch.empty(n, dtype=dtype)
-            self.scratch_epoch = self.__dict__.get("scratch_epoch", 0) + 1
             for key in [key for key in views if key[0] == name]:  # views of the buffer it replaces
                 del views[key]
         v = views[(name, shape, dtype)] = t[:n].view(shape)

@@ -9,6 +9,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from ..layers.stack import decode_path
 from .cache import Cache
 from .sampling import History, SamplingParams, Uniforms, sample
 
@@ -21,6 +22,7 @@ class GenerationStats:
     decode_s: float = 0.0
     decode_steps: int = 0
     decode_rows_started: int = 0  # rows whose first token came out of prefill
+    decode_path: dict | None = None  # how the run's decode passes ran (`layers.stack.decode_path`)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -134,48 +136,6 @@ def run_plans(net) -> dict:
     return {"plans": {}} if getattr(net, "takes_plans", False) else {}
 
 
-KEPT_LEN_STEP = 256  # a kept run's caches hold a multiple of this many positions
-
-
-def _stamp(net) -> tuple:
-    """What a run's plans depend on besides the caches they point into: the modules (each
-    kept by the plans, so an id is not reused while they are), their hooks and the global
-    ones, and where every weight's memory lies (~0.1 ms on the demo model)."""
-    mod = torch.nn.modules.module
-    return (len(mod._global_forward_hooks), len(mod._global_forward_pre_hooks),
-            tuple((id(m), len(m._forward_hooks), len(m._forward_pre_hooks)) for m in net.modules()),
-            tuple(t.data_ptr() for t in net.parameters()), tuple(t.data_ptr() for t in net.buffers()))
-
-
-def kept_run(net, kind: str, specs: list, batch: int, max_len: int, dtype: torch.dtype,
-             kv_dtype: torch.dtype | None) -> tuple[list[Cache], dict, object]:
-    """Caches (one per cache spec list) and forward keyword arguments (`run_plans`) for a run,
-    kept on the net from one run of this `kind` to the next -> (caches, plans, release: call it
-    when the run ends). A run's first passes of each width run the modules and build the
-    native stack (`layers.stack`), ~1-2 ms a run on the demo model, and speculative decoding's
-    "auto" priced a width mostly by them; a kept run's plans and stacks serve the next run
-    as they are. Kept only while the last run of the kind has given them back (a run at the
-    same time makes its own), they hold the batch and dtypes asked and at least max_len
-    positions (made with up to KEPT_LEN_STEP - 1 more, so that runs of about the same length
-    share them), and the modules, their hooks and their weights' memory are as they were
-    (`_stamp`); its caches are then reset (lengths and recurrent states to zero)."""
-    kept = net.__dict__.setdefault("_kept_runs", {})
-    stamp = _stamp(net)
-    got = kept.pop(kind, None)  # taken for this run
-    if got is not None:
-        (was, b, n, dt, kv), caches, plans = got
-        if was == stamp and b == batch and n >= max_len and dt == dtype and kv == kv_dtype:
-            for c in caches:
-                for slot in range(batch):
-                    c.reset(slot)
-            return caches, plans, lambda: kept.__setitem__(kind, got)
-    max_len = -(-max_len // KEPT_LEN_STEP) * KEPT_LEN_STEP  # room for runs of about the same length
-    caches = [Cache(spec, batch, max_len, dtype, kv_dtype) for spec in specs]
-    plans = run_plans(net)
-    entry = ((stamp, batch, max_len, dtype, kv_dtype), caches, plans)
-    return caches, plans, lambda: kept.__setitem__(kind, entry)
-
-
 def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats: GenerationStats | None = None,
         after_sample=None, kv_dtype: torch.dtype | None = None) -> Iterator[tuple[int, str]]:
     """Generate for every sequence; yields (row, text piece) as tokens are accepted.
@@ -187,11 +147,12 @@ def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats:
     stats = stats if stats is not None else GenerationStats()
     B = len(seqs)
     max_len = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs)
-    (cache,), plans, release = kept_run(net, "generate", [net.cache_spec()], B, max_len, dtype, kv_dtype)
+    cache = Cache(net.cache_spec(), B, max_len, dtype, kv_dtype)
+    plans = run_plans(net)
     try:
         yield from _decode(net, seqs, eos_ids, stats, after_sample, cache, plans)
     finally:
-        release()
+        stats.decode_path = decode_path(plans.get("plans"))
 
 
 def _decode(net, seqs: list[Sequence], eos_ids: set[int], stats: GenerationStats, after_sample, cache: Cache,

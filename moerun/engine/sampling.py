@@ -115,17 +115,6 @@ def greedy_token(logits: torch.Tensor | np.ndarray, history, penalty: float, ext
     return greedy_tokens(logits[None], history, penalty, list(extra), extra_per_row=False)[0]
 
 
-def greedy_token_probability(logits: torch.Tensor, history, penalty: float, extra: list[int] = ()) -> tuple[int, float]:
-    """greedy_token, and the pick's probability under softmax(logits) (the raw row: no
-    penalty), in the same native call where the extension runs (`kernels.greedy_picks`)."""
-    prob = np.empty(1, dtype=np.float32)
-    picks = kernels.greedy_picks(logits[None], _id_array(history), list(extra), penalty, False, prob)
-    if picks is not None:
-        return picks[0], float(prob[0])
-    tok = greedy_token(logits, history, penalty, extra)
-    return tok, float(torch.as_tensor(logits).float().softmax(-1)[tok])
-
-
 def greedy_tokens(rows: torch.Tensor | np.ndarray, history, penalty: float, extra: list[int],
                   extra_per_row: bool = True) -> list[int]:
     """greedy_token for each row j of rows [n+1, V] with the history followed by extra[:j]
@@ -241,10 +230,6 @@ class Uniforms:
         if not self._left:
             self._left = torch.rand(64, generator=self.generator, dtype=torch.float64).tolist()[::-1]
         return self._left.pop()
-
-    def put_back(self, u: float) -> None:
-        """Undo the last `next` (it gave u): the next call gives u again."""
-        self._left.append(u)
 
 
 def uniform(generator: torch.Generator | Uniforms | None) -> float:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -81,31 +80,6 @@ class Drafter:
         if self.observe:
             call_observers(self.experts, observed)
         return logits.view(1, 1, -1), h.view(1, 1, H)
-
-    def bind_draft(self, trunk_embed: np.ndarray, final: tuple, lm: kernels.Packed) -> tuple | None:
-        """Ready this drafter for drafts made inside 2-token trunk passes (`stage`,
-        `layers.stack.draft_pass`): `kernels.MtpStep.bind_draft`'s (native, hidden, logits,
-        picks, pick, prob), or None where its calls would call the experts' hooks."""
-        if self.observe:
-            return None
-        return self.step.bind_draft(self.bound, trunk_embed, final, lm)
-
-    def stage(self, native, hidden: torch.Tensor, tokens: np.ndarray, pos: int, history: np.ndarray, params,
-              u: float = -1.0, check_u: float = 0.0, next_u: float = 0.0) -> bool:
-        """`run`'s call on hidden [T, H] and tokens [T] (int64) at positions pos.., and the
-        draft picked from its logits with the repetition penalty on history (int64 ids) and
-        the rest of `params` (`SamplingParams`): greedy for u < 0, else sampled with u as
-        `engine.sampling.draw` samples, and checked after the pass with check_u and next_u
-        (`NativeMtp.stage`); staged on `bind_draft`'s native for the next `draft_pass` to
-        make in its lane 1. False (nothing staged) for more than `MAX_TOKENS` tokens."""
-        T = hidden.shape[0]
-        if T > MAX_TOKENS:
-            return False
-        x = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
-        native.stage(tokens, kernels._np(x.contiguous()), *self.rope.float_rows(pos, T, self.dtype), pos, history,
-                     float(params.repetition_penalty), float(u), float(params.temperature), int(params.top_k),
-                     float(params.top_p), float(params.min_p), float(check_u), float(next_u))
-        return True
 
 
 def prepare(owner: nn.Module, parts: MtpParts, kv, slot: int, rope) -> Drafter | None:

@@ -41,16 +41,13 @@ def run_layers(layers, x: torch.Tensor, cos_sin: tuple, cache, slots, pos0, plan
 
 
 def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torch.Tensor, pos0: torch.Tensor | None,
-              plans: dict | None, rope: tuple | None = None, pos: int | None = None, draft=None) -> torch.Tensor | None:
+              plans: dict | None, rope: tuple | None = None, pos: int | None = None) -> torch.Tensor | None:
     """x [1, T, H] (the embeddings) through `layers` at positions pos0.. of cache slot
     slots[0] -> [1, T, H]; None where the stack does not apply, and the caller runs the
     modules. A layer is input_layernorm, self_attn or linear_attn, post_attention_layernorm
     and mlp. The first pass of each shape in a run returns None: its modules make the plans
     that the next one reads. `rope` and `pos` (`model_pass`): the rope rows as the native
-    calls take them and the first position, in place of cos_sin and pos0. `draft` (a
-    `NativeMtp` with a draft step staged, `NativeMtp.stage`): the pass is of 2 tokens, the
-    second the draft that the pass's lane 1 makes (x's second row unread); None, with nothing
-    run or made, unless the stack for it is built and runs in lanes."""
+    calls take them and the first position, in place of cos_sin and pos0."""
     if plans is None or cache is None or x.shape[0] != 1:
         return _why(plans, "a batch of rows: each layer's halves are native calls, made one by one") \
             if plans is not None and x.shape[0] != 1 else None
@@ -58,8 +55,6 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
     s = int(slots[0])
     key = _stack_key(x.shape, x.dtype, s, cache)
     stack = plans.get(key, _UNSET)
-    if draft is not None and (type(stack) is not tuple or T != 2 or not _lanes(stack[3], T)):
-        return None
     if stack is _UNSET:
         plans[key] = _SEEN
         return None
@@ -73,36 +68,26 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
             plans[("observers", key)] = _observed(stack[1])
     if stack is None:
         return _why(plans, plans.get(_WHY_BUILD, "a layer half does not run natively"))
-    native, experts, deltanets, small, kept_views = stack
+    native, experts, deltanets = stack
     if _hooked(experts):
         return _why(plans, "forward hooks on the routed experts, or global ones: the modules call them")
     kernels._sync_threads(nat)
-    lanes = _lanes(small, T)
     # two buffers taking turns: each first half writes a, each MoE half b
     a, b = kernels._out((1, T, H), x.dtype), kernels._out((1, T, H), x.dtype)
-    # the pass's kept-state buffers (a verification pass: every token's states, for a
-    # rollback) and route masks (an expert tracker's, where there are any), bound to the
-    # native stack while they stay the same objects: the states' scratch views until a
-    # buffer moves (`scratch_epoch`), the masks while the same tracker's
-    kept = []
-    epochs = [state.__dict__.get("scratch_epoch", 0) for state in deltanets] if T > 1 else None
+    # a pass of several tokens keeps every token's DeltaNet states (for a rollback); an expert
+    # tracker's route masks, where there are any
+    kept, conv_every, S_every = [], [], []
+    if T > 1:
+        for state in deltanets:
+            conv_all = state.scratch("conv", (1, T, *state.tensors["conv"].shape[1:]))
+            S_all = state.scratch("recurrent", (1, T, *state.tensors["recurrent"].shape[1:]))
+            conv_every.append(kernels._np(conv_all))
+            S_every.append(kernels._np(S_all))
+            kept.append((state, conv_all, S_all))
     masks = list(map(routes_seen, experts))
-    if kept_views and kept_views[0] == epochs and all(m is n for m, n in zip(masks, kept_views[1])):
-        kept = kept_views[2]
-    else:
-        conv_every, S_every = [], []
-        if T > 1:
-            for state in deltanets:
-                conv_all = state.scratch("conv", (1, T, *state.tensors["conv"].shape[1:]))
-                S_all = state.scratch("recurrent", (1, T, *state.tensors["recurrent"].shape[1:]))
-                conv_every.append(kernels._np(conv_all))
-                S_every.append(kernels._np(S_all))
-                kept.append((state, conv_all, S_all))
-            epochs = [state.__dict__.get("scratch_epoch", 0) for state in deltanets]
-        seen = [kernels._EMPTY_U8_NP if m is None else m for m in masks] if any(m is not None for m in masks) else []
-        native.bind_states(conv_every, S_every, seen)
-        kept_views[:] = [epochs, masks, kept]
-    native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope, p, lanes, draft)
+    seen = [kernels._EMPTY_U8_NP if m is None else m for m in masks] if any(m is not None for m in masks) else []
+    native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope, p, conv_every, S_every,
+               seen)
     _path(plans)["native_stack_passes"] += 1
     for state, conv_all, S_all in kept:
         state.keep_every(conv=conv_all, recurrent=S_all)
@@ -155,29 +140,14 @@ def _observed(experts) -> tuple:
 
 _ATTN, _DELTA = "attention", "deltanet"
 
-# A pass of an even number of tokens on a pool of two threads runs token by token in two
-# lanes, one per thread (`NativeStack.run(lanes=True)`), where every layer's weights that a
-# token reads come to at most this many bytes (about a core's L2): a small model's ops are
-# too small to split their rows well over two threads (the demo model in bf16, at most 0.6
-# MB a layer: a 2-token pass 0.47 against 0.54 ms, 4 tokens 0.72 against 0.77; 3 tokens,
-# two on one lane, 0.69 against 0.66, so odd passes stay split by rows; in float32, 1.2 MB,
-# speculation with one draft 1.04x plain decoding against 0.91x), while a large model's pass
-# reads each weight once for all its tokens and two lanes would read it twice (8
-# Qwen3-30B-shaped int4 layers, ~30 MB each, 2 tokens: 38 against 29 ms). The bits are the
-# same either way.
-LANES_LAYER_BYTES = 2 << 20
-LANES_THREADS = 2
-
 
 def _build(layers, x: torch.Tensor, cache, s: int, plans: dict, rope: tuple, pos: int) -> tuple | None:
     """The native stack (`NativeStack`: per layer its first half's and its MoE half's
     arguments, from the run's plans, checked once), the layers' experts modules and the
-    DeltaNet layers' states, and whether each layer's weights that a token reads fit in
-    LANES_LAYER_BYTES; None unless every layer has both plans and no hooks."""
+    DeltaNet layers' states; None unless every layer has both plans and no hooks."""
     T, H = x.shape[1], x.shape[2]
     native = kernels._native().NativeStack(T, H, x.dtype == torch.bfloat16)
     experts, deltanets = [], []
-    small = True
     for i, layer in enumerate(layers):
         mods = layer._modules
         block = mods.get("mlp")
@@ -201,28 +171,7 @@ def _build(layers, x: torch.Tensor, cache, s: int, plans: dict, rope: tuple, pos
         e, moe_args = moe_plan
         native.add_moe(*moe_args, native_observer(e, x.dtype))
         experts.append(e)
-        # (an expert store's experts are fetched by the pass's own thread: never in lanes)
-        small = small and getattr(e, "store", None) is None and _token_bytes(layer, e, moe_args[4]) <= LANES_LAYER_BYTES
-    return native, experts, deltanets, small, []  # (the last: `stack_run`'s kept-state views)
-
-
-def _lanes(small: bool, T: int) -> bool:
-    """Whether a pass of T tokens through a stack of small layers (`_build`) runs in lanes."""
-    return small and T % LANES_THREADS == 0 and kernels._state["threads"] == LANES_THREADS
-
-
-def _token_bytes(layer, experts, k: int) -> int:
-    """The bytes of a layer's weights that one token reads: all but its routed experts', and
-    k of those. Kept on the layer for its experts module and k (counting took ~0.3 ms a
-    stack, each run's; it only picks the faster of two schedules with the same bits)."""
-    key = (id(experts), k)
-    got = layer.__dict__.get("_token_bytes")
-    if got is None or got[0] != key:
-        total = sum(t.nbytes for t in layer.state_dict().values())
-        routed = sum(t.nbytes for t in experts.state_dict().values())
-        read = total - routed + routed * k // max(1, getattr(experts, "num_experts", 1))
-        got = layer.__dict__["_token_bytes"] = key, read
-    return got[1]
+    return native, experts, deltanets
 
 
 def _attention(attn, x, kv, s: int, plans: dict) -> tuple | None:
@@ -294,54 +243,6 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     logits = kernels._out((1, rows_out.shape[0], lm.w.shape[0]), dtype)
     nat.qlinear_multi(rows_out, [lm.w], [lm.s], [lm.code], kernels._np(logits).reshape(rows_out.shape[0], -1))
     return logits, hidden
-
-
-def draft_pass_ready(model, cache, slot: int, plans: dict | None) -> bool:
-    """Whether `draft_pass` would run now: the run's 2-token stack is built and runs in lanes
-    (asked before a draft is staged for it)."""
-    if plans is None or cache is None:
-        return False
-    stack = plans.get(_stack_key((1, 2, model.model.embed_tokens.embedding_dim), model.model.embed_tokens.weight.dtype,
-                                 slot, cache))
-    return type(stack) is tuple and _lanes(stack[3], 2)
-
-
-def draft_pass(model, first: int, cache, slots: torch.Tensor, plans: dict | None, native) -> bool:
-    """A 2-token verification pass of `model` (as `model_pass` runs it) whose second token is
-    the draft that `native` (a `NativeMtp` with a draft staged: `layers.mtp.Drafter.stage`)
-    makes in the pass's lane 1, the first `first`; the final norm, LM head and checks of both
-    positions made natively too (`NativeMtp.stage`), into the arrays `Drafter.bind_draft`
-    gave. True when
-    run; False, with nothing run, where the pass would not be one native call in lanes (its
-    stack not built yet, hooks, a batch)."""
-    if plans is None or cache is None:
-        return False
-    s = int(slots[0])
-    m = model.model
-    head = plans.get(("head", 2, s, cache), _UNSET)
-    if head is _UNSET or head is None or kernels.has_hooks(m.embed_tokens, m.norm, model.lm_head):
-        return False
-    emb, dtype, lengths, _, _ = head
-    p = int(lengths[s])
-    x = torch.from_numpy(emb[first : first + 1].repeat(2, 0)).view(dtype).view(1, 2, emb.shape[1])  # (row 2 unread)
-    y = stack_run(m.layers, x, None, cache, slots, None, plans, rope=m.rope.float_rows(p, 2, dtype), pos=p, draft=native)
-    if y is None:
-        return False
-    lengths[s] += 2  # cache.advance
-    return True
-
-
-def draft_head_args(model, cache) -> tuple | None:
-    """What `layers.mtp.Drafter.bind_draft` takes of the trunk for `draft_pass`: its
-    embedding as `model_pass` reads it, its final norm's arguments and its LM head's
-    `kernels.Packed`; None where `model_pass` would not run natively."""
-    if not hasattr(model, "model") or not hasattr(model.model, "embed_tokens"):
-        return None
-    head = _head(model, 2, cache)
-    if head is None:
-        return None
-    emb, _, _, final, lm = head
-    return emb, final, lm
 
 
 def _head(model, T: int, cache) -> tuple | None:
