@@ -1696,6 +1696,9 @@ NB_MODULE(_native, m) {
     m.def("get_spin_us", &moerun::get_spin_us, "how long idle workers spin before they sleep");
     m.def("pool_check", &pool_check, nb::arg("n_tasks"), nb::arg("jobs") = 1, nb::arg("hold") = false,
           nb::arg("throw_task") = -1, nb::arg("worker_sleep_us") = 0, "tests: jobs on the pool, each task counted");
+    m.def("pool_stats", [] { return moerun::pool().stats(); },
+          "the pool's counts: [signs of a shared CPU: gaps in a spin, the calling thread's run delay, a worker's; "
+          "tasks run by workers; stuck jobs a napping worker took; jobs that woke sleeping workers]");
     m.def("cpu_shared", [] { return moerun::pool().cpu_shared(); },
           "whether a pool thread saw the CPU shared (descheduled while it waited or worked) within the last 200 ms");
     m.def("qlinear", &qlinear, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("out"), nb::arg("fmt"),

@@ -14,19 +14,20 @@
 // Every wait is bounded, then blocks (docs/design/thread-pool.md):
 // - an idle worker spins for the next job for spin_us (50 us by default, milliseconds while
 //   torch runs on one thread during decode under kernels.split_threads: a decode step issues
-//   dozens of small jobs back to back and waking a sleeping thread costs tens of
-//   microseconds), yielding its core after the first few microseconds, then sleeps on a
-//   condition variable;
-// - the calling thread, its own tasks done, spins for the others' tasks in flight for a while,
-//   yielding, then sleeps until the last of them wakes it.
-// When a pool thread finds it was descheduled (a gap in its own spinning, or, for the calling
-// thread, a new involuntary context switch), the CPU is shared: for the next 200 ms every wait
-// spins for a few microseconds only, so that a spinning thread does not keep a core from a
-// thread of ours that has work, and the workers sleep between jobs.
+//   dozens of small jobs back to back, and waking a sleeping thread costs tens of
+//   microseconds), yielding its core after the first 20 us, then sleeps on a condition variable;
+// - the calling thread, its own tasks done, spins for tasks in flight on other threads for
+//   200 us at most, yielding, then sleeps until the thread that ends the last one wakes it.
+// When a pool thread finds it was descheduled (a gap in its spinning, or its run delay in
+// /proc/thread-self/schedstat), the CPU is shared (another process wants our cores): for the
+// next 200 ms every wait spins 5 us at most, and sleeping workers are no longer woken for
+// jobs, so the calling thread runs them as one thread would, with the workers that happen
+// to be awake; a sleeping worker looks every millisecond and takes a job it finds stuck
+// (its calling thread descheduled, or in a task that waits for another task).
 #pragma once
 
+#include <fcntl.h>
 #include <sched.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,6 +35,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <mutex>
@@ -99,6 +101,15 @@ public:
         }
         if (!on) cv_.notify_all();
     }
+    // Counts since the pool was made, for benchmarks: signs of a shared CPU (gaps in a spin,
+    // run delay of the calling thread, of a worker), tasks run by workers, stuck jobs a
+    // napping worker took, jobs that woke sleeping workers.
+    enum { kGap, kDelayCaller, kDelayWorker, kWorkerTasks, kRescues, kWakes, kStats };
+    std::vector<long> stats() const {
+        std::vector<long> out;
+        for (const auto& c : stats_) out.push_back(c.load(std::memory_order_relaxed));
+        return out;
+    }
     // For tests: the thread running the current task is the calling thread of its job.
     static bool on_caller() { return t_caller; }
 
@@ -118,11 +129,21 @@ private:
     // reading, so a thread of ours queued on this core runs at once.
     static constexpr int kCheckEvery = 32;
     static constexpr int64_t kYieldAfterNs = 20000;
-    static constexpr int64_t kGapNs = 300000;          // a gap this long in a spin: we were descheduled
-    static constexpr int64_t kSharedHoldNs = 200000000;  // shared mode lasts this long after a sign of it
-    static constexpr int64_t kSharedSpinNs = 5000;     // ... and every wait spins this long, then blocks
-    static constexpr int64_t kCallerSpinNs = 200000;   // the calling thread's wait for tasks in flight
-    static constexpr int64_t kRusageEveryNs = 1000000;   // a thread reads its context switches this often
+    static constexpr int64_t kCallerSpinNs = 200000;  // the calling thread's spin for tasks in flight
+    // The CPU is shared when a pool thread was descheduled: a gap of kGapNs in its spinning, or
+    // a run delay (time runnable but off the CPU) over 1/kDelayShare of two windows in a row
+    // of at least kProbeEveryNs (the calling thread looks as a job starts, a worker after the
+    // tasks it ran; one look a window at most).
+    static constexpr int64_t kGapNs = 300000;
+    static constexpr int64_t kDelayShare = 4;
+    static constexpr int64_t kProbeEveryNs = 10000000;
+    // Shared mode lasts kSharedHoldNs after the last sign of it; then a wait spins kSharedSpinNs at
+    // most, and a sleeping worker is not woken for jobs: it looks every kSharedNapNs and takes a
+    // job it finds stuck at kStuckLooks looks in a row.
+    static constexpr int64_t kSharedHoldNs = 200000000;
+    static constexpr int64_t kSharedSpinNs = 5000;
+    static constexpr int64_t kSharedNapNs = 1000000;
+    static constexpr int kStuckLooks = 3;
 
     static inline thread_local bool t_caller = false;
 
@@ -131,33 +152,70 @@ private:
     }
     static void cpu_relax() { __builtin_ia32_pause(); }
     bool shared(int64_t now) const { return now < shared_until_.load(std::memory_order_relaxed); }
-    void note_shared(int64_t now) { shared_until_.store(now + kSharedHoldNs, std::memory_order_relaxed); }
+    void note_shared(int64_t now, int why) {
+        if (!shared(now)) {  // workers asleep without a timeout take one now
+            { std::lock_guard<std::mutex> lk(m_); }
+            cv_.notify_all();
+        }
+        shared_until_.store(now + kSharedHoldNs, std::memory_order_relaxed);
+        stats_[why].fetch_add(1, std::memory_order_relaxed);
+    }
 
-    // A new involuntary context switch of this thread since its last look means another thread
-    // took its core (read at most once a millisecond per thread: getrusage is a system call).
-    void check_switches(int64_t now) {
-#ifdef RUSAGE_THREAD
-        thread_local int64_t at = 0;
-        thread_local long seen = -1;
-        if (now - at < kRusageEveryNs) return;
-        at = now;
-        struct rusage ru;
-        if (getrusage(RUSAGE_THREAD, &ru) != 0) return;
-        if (seen >= 0 && ru.ru_nivcsw != seen) note_shared(now);
-        seen = ru.ru_nivcsw;
-#else
-        (void)now;
-#endif
+    // This thread's run delay (ns runnable but not running, /proc/thread-self/schedstat), -1
+    // where the kernel keeps none. The file stays open, one per thread (reopened in a forked child).
+    struct DelayProbe {
+        int fd = -1;
+        pid_t pid = 0;
+        int64_t at = 0, delay = -1;
+        bool waited = false;
+        ~DelayProbe() {
+            if (fd >= 0) close(fd);
+        }
+        int64_t read_delay() {
+            if (pid != getpid()) {
+                if (fd >= 0) close(fd);
+                fd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
+                pid = getpid();
+                at = 0;
+            }
+            char buf[128];
+            const ssize_t n = fd < 0 ? -1 : pread(fd, buf, sizeof buf - 1, 0);
+            if (n <= 0) return -1;
+            buf[n] = 0;
+            char* p = buf;
+            std::strtoull(p, &p, 10);  // "<on-CPU ns> <run delay ns> <time slices>"
+            return std::strtoll(p, nullptr, 10);
+        }
+    };
+
+    // Whether this thread waited for a core for more than 1/kDelayShare of the time since its
+    // last look (at most one look per kProbeEveryNs: a read of a /proc file, ~2 us).
+    void check_delay(int64_t now, int why) {
+        thread_local DelayProbe probe;
+        if (now - probe.at < kProbeEveryNs) return;
+        const int64_t d = probe.read_delay();
+        if (d < 0) return;
+        const bool waited = probe.at > 0 && probe.delay >= 0 && (d - probe.delay) * kDelayShare > now - probe.at;
+        if (waited && probe.waited) note_shared(now, why);  // two looks in a row: not a passing collision
+        probe.waited = waited;
+        probe.at = now;
+        probe.delay = d;
     }
 
     void run_job(int n_tasks, const std::function<void(int)>& f) {
-        check_switches(now_ns());
+        const int64_t now = now_ns();
+        check_delay(now, kDelayCaller);
         job_ = &f;
         error_ = nullptr;
         done_.store(0, std::memory_order_relaxed);
         gen_ = (gen_ + 1) & kGenMask;
         word_.store(make_word(gen_, n_tasks), std::memory_order_seq_cst);  // the job is out
-        if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+        // Sleeping workers are woken, except while the CPU is shared: then the calling thread
+        // runs the job with whichever workers are awake, as one thread would (the sleepers look
+        // for unclaimed tasks every kSharedNapNs on their own: tasks that wait on one another,
+        // as NativeStack's lanes do, each get a thread of their own).
+        if (sleepers_.load(std::memory_order_seq_cst) > 0 && !shared(now)) {
+            stats_[kWakes].fetch_add(1, std::memory_order_relaxed);
             { std::lock_guard<std::mutex> lk(m_); }
             cv_.notify_all();
         }
@@ -208,7 +266,7 @@ private:
             cpu_relax();
             if (i % kCheckEvery) continue;
             const int64_t t = now_ns();
-            if (t - last > kGapNs) note_shared(t);
+            if (t - last > kGapNs) note_shared(t, kGap);
             last = t;
             if (t - start > (shared(t) ? std::min(limit_ns, kSharedSpinNs) : limit_ns)) return ready();
             if (t - start > kYieldAfterNs) sched_yield();
@@ -240,12 +298,34 @@ private:
         return !quit_.load(std::memory_order_relaxed);
     }
 
+    // Sleep until a job after generation `seen` (or quit). While the CPU is shared no one wakes
+    // a sleeper for a job: it naps, and takes a job only when it finds it stuck: outstanding
+    // with the same next task unclaimed at two looks in a row (its calling thread off its core,
+    // or in a task that waits on another task, as NativeStack's lanes do: each gets a thread
+    // of its own that way).
     void sleep_until_job(uint32_t seen) {
         std::unique_lock<std::mutex> lk(m_);
         sleepers_.fetch_add(1, std::memory_order_seq_cst);
-        cv_.wait(lk, [&] {
-            return gen_of(word_.load(std::memory_order_seq_cst)) != seen || quit_.load(std::memory_order_relaxed);
-        });
+        uint64_t napped_on = ~0ull;
+        int looks = 0;
+        for (;;) {
+            if (quit_.load(std::memory_order_relaxed)) break;
+            const uint64_t w = word_.load(std::memory_order_seq_cst);
+            const bool is_shared = shared(now_ns());
+            if (gen_of(w) != seen) {
+                if (!is_shared) break;
+                looks = w == napped_on && next_of(w) < count_of(w) ? looks + 1 : 0;
+                if (looks >= kStuckLooks) {
+                    stats_[kRescues].fetch_add(1, std::memory_order_relaxed);
+                    break;
+                }  // stuck: take it
+                napped_on = w;
+            }
+            if (is_shared)
+                cv_.wait_for(lk, std::chrono::nanoseconds(kSharedNapNs));
+            else
+                cv_.wait(lk);
+        }
         sleepers_.fetch_sub(1, std::memory_order_relaxed);
     }
 
@@ -255,7 +335,8 @@ private:
             seen = gen_of(w);
             const int ran = take_tasks(seen);
             if (!ran) continue;  // the others had taken every task
-            check_switches(now_ns());  // preempted during a task? (no gap in a spin shows that)
+            stats_[kWorkerTasks].fetch_add(ran, std::memory_order_relaxed);
+            check_delay(now_ns(), kDelayWorker);  // held off its core during a task? (no gap in a spin shows that)
             // the count is that of the job the tasks were taken from: it cannot end before them
             if (done_.fetch_add(ran, std::memory_order_seq_cst) + ran == count_of(w) &&
                 caller_sleeping_.load(std::memory_order_seq_cst)) {
@@ -300,6 +381,7 @@ private:
     alignas(64) std::atomic<int> sleepers_{0};
     std::atomic<bool> caller_sleeping_{false};
     std::atomic<int64_t> shared_until_{0};
+    std::atomic<long> stats_[kStats] = {};
     std::atomic<bool> quit_{false}, held_{false};
     uint32_t gen_ = 0;  // the calling thread's copy of the current generation
     const std::function<void(int)>* job_ = nullptr;
