@@ -127,7 +127,7 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default=f"demo,{Q3}", help="comma-separated: demo (the bundled model) or paths")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=16)
-    ap.add_argument("--gen-tokens", default="128,16", help="tokens decoded per run, per model (one value: all)")
+    ap.add_argument("--gen-tokens", default="256,32", help="tokens decoded per run, per model (one value: all)")
     ap.add_argument("--import-from", default=None, help="another checkout to measure as 'before' (benchmarks/checkout.py)")
     ap.add_argument("--pin-busy", type=int, default=None, help="pin the busy loop to this CPU (default: not pinned)")
     ap.add_argument("--busy-timeout", type=float, default=300.0, help="the busy loop stops itself after this long")
@@ -158,7 +158,8 @@ def main(argv=None) -> None:
                         row = {"round": r + 1, "model": model, "busy": busy, "code": label,
                                "threads_arg": threads or "default", "threads_used": res.get("threads_used"),
                                "decode_tok_s": res["decode_tok_s"], "prefill_tok_s": res.get("prefill_tok_s"),
-                               "cpu_shared": res.get("cpu_shared"), "error": res.get("error")}
+                               "cpu_shared": res.get("cpu_shared"), "pool_stats": res.get("pool_stats"),
+                               "error": res.get("error")}
                         runs.append(row)
                         print(f"round {r + 1} {model} {'busy' if busy else 'idle'} {label} threads "
                               f"{row['threads_arg']} (used {row['threads_used']}): decode {row['decode_tok_s']:.2f} tok/s"

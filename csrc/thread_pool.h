@@ -55,6 +55,13 @@ public:
     ~ThreadPool() { stop(); }
 
     int size() const { return n_; }
+    // The threads to cut a job's work for: size(), or 1 while the CPU is shared and every
+    // worker sleeps (the calling thread then runs the job alone, as `--threads 1` would, tiles
+    // and all). Read it once per op: it may change between two reads.
+    int width() const {
+        if (n_ == 1 || !shared(now_ns()) || sleepers_.load(std::memory_order_relaxed) < n_ - 1) return n_;
+        return 1;
+    }
     void set_spin_us(int us) { spin_us_.store(us < 0 ? 0 : us, std::memory_order_relaxed); }
     int spin_us() const { return spin_us_.load(std::memory_order_relaxed); }
 
