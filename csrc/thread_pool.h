@@ -307,7 +307,7 @@ private:
 
     // Sleep until a job after generation `seen` (or quit). While the CPU is shared no one wakes
     // a sleeper for a job: it naps, and takes a job only when it finds it stuck: outstanding
-    // with the same next task unclaimed at two looks in a row (its calling thread off its core,
+    // with the same next task unclaimed at kStuckLooks looks in a row (its calling thread off its core,
     // or in a task that waits on another task, as NativeStack's lanes do: each gets a thread
     // of its own that way).
     void sleep_until_job(uint32_t seen) {
@@ -322,10 +322,10 @@ private:
             if (gen_of(w) != seen) {
                 if (!is_shared) break;
                 looks = w == napped_on && next_of(w) < count_of(w) ? looks + 1 : 0;
-                if (looks >= kStuckLooks) {
+                if (looks >= kStuckLooks) {  // stuck: take it
                     stats_[kRescues].fetch_add(1, std::memory_order_relaxed);
                     break;
-                }  // stuck: take it
+                }
                 napped_on = w;
             }
             if (is_shared)
