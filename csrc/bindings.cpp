@@ -1368,6 +1368,48 @@ void set_threads(int n) {
     moerun::set_threads(n);
 }
 
+// For tests of the pool's logic (tests/test_thread_pool.py): `jobs` jobs of n_tasks tasks on the
+// process's pool, each task counted where it ran. hold: the workers are held up before they take
+// a task (as if descheduled), so the calling thread must run every task; throw_task >= 0: that
+// task of the first job throws (the exception must reach the caller after the job, and the pool
+// stay usable); worker_sleep_us: a task run by a worker first sleeps this long (a worker held up
+// in the middle of a task). Returns each task's run count summed over the jobs, the tasks the
+// calling thread ran, and whether the first job's exception arrived.
+nb::dict pool_check(int n_tasks, int jobs, bool hold, int throw_task, int worker_sleep_us) {
+    MOERUN_CHECK(n_tasks >= 0 && jobs >= 0 && worker_sleep_us >= 0, "pool_check: counts must be >= 0");
+    std::vector<std::atomic<int>> counts(n_tasks);
+    for (auto& c : counts) c.store(0);
+    std::atomic<long> by_caller{0};
+    bool raised = false;
+    {
+        nb::gil_scoped_release release;
+        std::lock_guard<std::mutex> lk(g_op_mutex);
+        moerun::ThreadPool& p = moerun::pool();
+        p.hold_workers(hold);
+        for (int j = 0; j < jobs; ++j) {
+            try {
+                p.parallel_for(n_tasks, [&](int t) {
+                    const bool caller = moerun::ThreadPool::on_caller() || p.size() == 1 || n_tasks == 1;
+                    if (!caller && worker_sleep_us) std::this_thread::sleep_for(std::chrono::microseconds(worker_sleep_us));
+                    counts[t].fetch_add(1, std::memory_order_relaxed);
+                    if (caller) by_caller.fetch_add(1, std::memory_order_relaxed);
+                    if (j == 0 && t == throw_task) throw std::runtime_error("pool_check: task threw");
+                });
+            } catch (const std::runtime_error&) {
+                raised = true;
+            }
+        }
+        p.hold_workers(false);
+    }
+    std::vector<int> out(n_tasks);
+    for (int t = 0; t < n_tasks; ++t) out[t] = counts[t].load();
+    nb::dict d;
+    d["counts"] = out;
+    d["by_caller"] = by_caller.load();
+    d["raised"] = raised;
+    return d;
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -1380,6 +1422,13 @@ NB_MODULE(_native, m) {
     m.def("get_threads", &moerun::get_threads, "size of the native thread pool");
     m.def("set_spin_us", &moerun::set_spin_us, nb::arg("us"), "how long idle workers spin before they sleep");
     m.def("get_spin_us", &moerun::get_spin_us, "how long idle workers spin before they sleep");
+    m.def("pool_check", &pool_check, nb::arg("n_tasks"), nb::arg("jobs") = 1, nb::arg("hold") = false,
+          nb::arg("throw_task") = -1, nb::arg("worker_sleep_us") = 0, "tests: jobs on the pool, each task counted");
+    m.def("pool_stats", [] { return moerun::pool().stats(); },
+          "the pool's counts: [signs of a shared CPU: gaps in a spin, the calling thread's run delay, a worker's; "
+          "tasks run by workers; stuck jobs a napping worker took; jobs that woke sleeping workers]");
+    m.def("cpu_shared", [] { return moerun::pool().cpu_shared(); },
+          "whether a pool thread saw the CPU shared (descheduled while it waited or worked) within the last 200 ms");
     m.def("qlinear", &qlinear, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("out"), nb::arg("fmt"),
           "out[M, N] = x[M, K] @ W^T with W quantized (fmt 4 or 8, blocks of 32)");
     m.def("qlinear_multi", &qlinear_multi, nb::arg("x"), nb::arg("weights"), nb::arg("scales"), nb::arg("fmts"),

@@ -82,8 +82,9 @@ void quantize_rows(const float* x, size_t ld, int rows, int n, int nb, ActQ& aq)
     if (rows < 16) {
         for (int r = 0; r < rows; ++r) one(r);
     } else {
-        int per = (rows + pool().size() - 1) / pool().size();
-        pool().parallel_for(pool().size(), [&](int t) {
+        const int parts = pool().width();
+        int per = (rows + parts - 1) / parts;
+        pool().parallel_for(parts, [&](int t) {
             for (int r = t * per; r < std::min(rows, (t + 1) * per); ++r) one(r);
         });
     }
@@ -130,7 +131,7 @@ void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const
     for (int p = 0; p < P; ++p) off[p + 1] = off[p] + rows[p];
     const int N = off[P];
     const int n_tt = (M + kTokTile - 1) / kTokTile;
-    const int rt = row_tile(N, K, n_tt, pool().size(), M);
+    const int rt = row_tile(N, K, n_tt, pool().width(), M);
     std::vector<Tile> tiles;  // e: which weight
     for (int p = 0; p < P; ++p)
         for (int r0 = 0; r0 < rows[p]; r0 += rt)
@@ -347,7 +348,7 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
             active += W.count[e] > 0;
             most = std::max(most, W.count[e]);
         }
-        int rt = row_tile(rows, inputs, active, pool().size(), most);
+        int rt = row_tile(rows, inputs, active, pool().width(), most);
         tiles.clear();
         for (int e = 0; e < E; ++e)
             for (int t0 = 0; t0 < W.count[e]; t0 += kTokTile)
@@ -463,7 +464,7 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
         if (fl) {
             activate(0, P);
         } else {
-            const int nt = std::min(P, pool().size()), per = (P + nt - 1) / nt;
+            const int nt = std::min(P, pool().width()), per = (P + nt - 1) / nt;
             pool().parallel_for(nt, [&](int ti) { activate(ti * per, std::min(P, (ti + 1) * per)); });
         }
         pool().parallel_for(n_down, [&](int i) { down(down_tiles[i]); });
@@ -494,7 +495,7 @@ void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const vo
     // chunks of positions: enough tasks for the pool, each long enough to amortise its merge
     // and short enough that its values stay in L2 while every query head of the group reads
     // them (float32, 4096 positions, one thread: 256-position chunks 3.4 vs 7.4 ms as one)
-    const int want = std::max(1, (4 * pool().size() + Hkv - 1) / Hkv);
+    const int want = std::max(1, (4 * pool().width() + Hkv - 1) / Hkv);
     const int chunk = std::min(256, std::max(64, (S + want - 1) / want));
     const int nc = (S + chunk - 1) / chunk;
     Workspace& W = ws();
@@ -605,7 +606,7 @@ void norm_rope_heads(int T, int H, int D, const float* x, const float* w, float 
         rows(0, n);
         return;
     }
-    const int parts = std::min(n, 4 * pool().size()), per = (n + parts - 1) / parts;
+    const int parts = std::min(n, 4 * pool().width()), per = (n + parts - 1) / parts;
     pool().parallel_for(parts, [&](int i) { rows(i * per, std::min(n, (i + 1) * per)); });
 }
 
