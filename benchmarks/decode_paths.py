@@ -3,7 +3,7 @@ RAM tier at several budgets, rounds interleaved, each run a fresh `moerun bench`
 
     python benchmarks/decode_paths.py -m /var/tmp/q3-8l-int4 [--budgets 100%,50%,25%]
         [--rounds 3] [--prompt-tokens 128] [--gen-tokens 32] [--threads 2] [--import-from DIR]
-        [--batches 1,4,16]
+        [--batches 1,4,16] [--predictor layer_ahead1]
 
 Prints each setting's median decode and prefill tok/s with their ranges, its ratio to the
 resident setting of the same rounds, the store's hit rate and stall per token, and how the
@@ -11,6 +11,7 @@ decode pass ran (`decode_path`, where the checkout reports it). `--import-from` 
 another checkout's moerun instead (checkout.py), for before/after figures. `--batches`: also
 greedy generation for batches of that many rows (prompts of different lengths, experts
 resident), the aggregate decode tok/s of each against one row, rounds interleaved.
+`--predictor NAME`: the store's settings run with that prefetch predictor attached.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def run_one(a, budget: str | None) -> dict:
             "--gen-tokens", str(a.gen_tokens), "--json"]
     if budget:
         argv += ["--ram-budget", budget]
+        if a.predictor:
+            argv += ["--predictor", a.predictor]
     code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); from checkout import import_from; "
             f"import_from({a.import_from!r}); from moerun.cli import main; sys.exit(main({argv!r}))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -78,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--import-from", default=None, help="a checkout whose moerun to measure instead")
     ap.add_argument("--batches", default=None, help="comma-separated batch widths to time as well, e.g. 1,4,16")
+    ap.add_argument("--predictor", default=None, help="a prefetch predictor for the store's settings, e.g. layer_ahead1")
     a = ap.parse_args(argv)
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")

@@ -23,7 +23,7 @@
 // next 200 ms every wait spins 5 us at most, and sleeping workers are no longer woken for
 // jobs, so the calling thread runs them as one thread would, with the workers that happen
 // to be awake; a sleeping worker looks every millisecond and takes a job it finds stuck
-// (its calling thread descheduled, or in a task that waits for another task).
+// (its calling thread descheduled).
 #pragma once
 
 #include <fcntl.h>
@@ -215,8 +215,8 @@ private:
         word_.store(make_word(gen_, n_tasks), std::memory_order_seq_cst);  // the job is out
         // Sleeping workers are woken, except while the CPU is shared: then the calling thread
         // runs the job with whichever workers are awake, as one thread would (the sleepers look
-        // for unclaimed tasks every kSharedNapNs on their own: tasks that wait on one another,
-        // as NativeStack's lanes do, each get a thread of their own).
+        // for unclaimed tasks every kSharedNapNs on their own, so a job whose calling thread
+        // lost its core still ends).
         if (sleepers_.load(std::memory_order_seq_cst) > 0 && !shared(now)) {
             stats_[kWakes].fetch_add(1, std::memory_order_relaxed);
             { std::lock_guard<std::mutex> lk(m_); }
@@ -303,9 +303,8 @@ private:
 
     // Sleep until a job after generation `seen` (or quit). While the CPU is shared no one wakes
     // a sleeper for a job: it naps, and takes a job only when it finds it stuck: outstanding
-    // with the same next task unclaimed at kStuckLooks looks in a row (its calling thread off its core,
-    // or in a task that waits on another task, as NativeStack's lanes do: each gets a thread
-    // of its own that way).
+    // with the same next task unclaimed at kStuckLooks looks in a row (its calling thread off
+    // its core, or a task that waits on another task).
     void sleep_until_job(uint32_t seen) {
         std::unique_lock<std::mutex> lk(m_);
         sleepers_.fetch_add(1, std::memory_order_seq_cst);
