@@ -105,7 +105,7 @@ public:
         if (!on) cv_.notify_all();
     }
     // Counts since the pool was made, for benchmarks: signs of a shared CPU (gaps in a spin,
-    // run delay of the calling thread, of a worker), tasks run by workers, stuck jobs a
+    // run delay of the calling thread; kDelayWorker is no longer counted), tasks run by workers, stuck jobs a
     // napping worker took, jobs that woke sleeping workers.
     enum { kGap, kDelayCaller, kDelayWorker, kWorkerTasks, kRescues, kWakes, kStats };
     std::vector<long> stats() const {
@@ -135,8 +135,9 @@ private:
     static constexpr int64_t kCallerSpinNs = 200000;  // the calling thread's spin for tasks in flight
     // The CPU is shared when a pool thread was descheduled: a gap of kGapNs in its spinning, or
     // a run delay (time runnable but off the CPU) over 1/kDelayShare of two windows in a row
-    // of at least kProbeEveryNs (the calling thread looks as a job starts, a worker after the
-    // tasks it ran; one look a window at most).
+    // of at least kProbeEveryNs (the calling thread looks as a job starts, one look a window
+    // at most; a worker's look fired on an idle machine, where torch's intra-op threads spin
+    // after their parallel regions: docs/design/thread-pool.md).
     static constexpr int64_t kGapNs = 300000;
     static constexpr int64_t kDelayShare = 4;
     static constexpr int64_t kProbeEveryNs = 10000000;
@@ -338,7 +339,6 @@ private:
             const int ran = take_tasks(seen);
             if (!ran) continue;  // the others had taken every task
             stats_[kWorkerTasks].fetch_add(ran, std::memory_order_relaxed);
-            check_delay(now_ns(), kDelayWorker);  // held off its core during a task? (no gap in a spin shows that)
             // the count is that of the job the tasks were taken from: it cannot end before them
             if (done_.fetch_add(ran, std::memory_order_seq_cst) + ran == count_of(w) &&
                 caller_sleeping_.load(std::memory_order_seq_cst)) {
