@@ -1421,6 +1421,8 @@ NB_MODULE(_native, m) {
     m.def("set_threads", &set_threads, nb::arg("n"), "size of the native thread pool");
     m.def("get_threads", &moerun::get_threads, "size of the native thread pool");
     m.def("set_spin_us", &moerun::set_spin_us, nb::arg("us"), "how long idle workers spin before they sleep");
+    m.def("set_watch_shared", &moerun::set_watch_shared, nb::arg("on"),
+          "whether the pool watches for a shared CPU (off while torch's own threads run beside it)");
     m.def("get_spin_us", &moerun::get_spin_us, "how long idle workers spin before they sleep");
     m.def("pool_check", &pool_check, nb::arg("n_tasks"), nb::arg("jobs") = 1, nb::arg("hold") = false,
           nb::arg("throw_task") = -1, nb::arg("worker_sleep_us") = 0, "tests: jobs on the pool, each task counted");

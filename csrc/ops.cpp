@@ -119,6 +119,7 @@ const char* current_isa() { return kern().name; }
 void set_threads(int n) { pool().resize(n); }
 int get_threads() { return pool().size(); }
 void set_spin_us(int us) { pool().set_spin_us(us); }
+void set_watch_shared(bool on) { pool().set_watch(on); }
 int get_spin_us() { return pool().spin_us(); }
 
 void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const float* x, float* y) {

@@ -41,6 +41,7 @@ const KernelTable& kern();  // the kernel table in use
 void set_threads(int n);
 int get_threads();
 void set_spin_us(int us);
+void set_watch_shared(bool on);  // ThreadPool::set_watch
 int get_spin_us();
 
 // y[M, N] = x[M, K] @ W^T, W quantized in fmt with nb = blocks_of(K).

@@ -59,6 +59,11 @@ public:
         return 1;
     }
     void set_spin_us(int us) { spin_us_.store(us < 0 ? 0 : us, std::memory_order_relaxed); }
+    // Whether to watch for a shared CPU at all (on by default). Off while torch's own intra-op
+    // threads run beside ours (a prefill): spinning after their parallel regions, they keep our
+    // threads off their cores the way another process would, and would put an idle machine in
+    // shared mode (kernels.split_threads turns it on for decode, where torch runs on one thread).
+    void set_watch(bool on) { watch_.store(on, std::memory_order_relaxed); }
     int spin_us() const { return spin_us_.load(std::memory_order_relaxed); }
 
     void resize(int n) {
@@ -105,7 +110,7 @@ public:
         if (!on) cv_.notify_all();
     }
     // Counts since the pool was made, for benchmarks: signs of a shared CPU (gaps in a spin,
-    // run delay of the calling thread; kDelayWorker is no longer counted), tasks run by workers, stuck jobs a
+    // run delay of the calling thread, of a worker), tasks run by workers, stuck jobs a
     // napping worker took, jobs that woke sleeping workers.
     enum { kGap, kDelayCaller, kDelayWorker, kWorkerTasks, kRescues, kWakes, kStats };
     std::vector<long> stats() const {
@@ -135,9 +140,8 @@ private:
     static constexpr int64_t kCallerSpinNs = 200000;  // the calling thread's spin for tasks in flight
     // The CPU is shared when a pool thread was descheduled: a gap of kGapNs in its spinning, or
     // a run delay (time runnable but off the CPU) over 1/kDelayShare of two windows in a row
-    // of at least kProbeEveryNs (the calling thread looks as a job starts, one look a window
-    // at most; a worker's look fired on an idle machine, where torch's intra-op threads spin
-    // after their parallel regions: docs/design/thread-pool.md).
+    // of at least kProbeEveryNs (the calling thread looks as a job starts, a worker after the
+    // tasks it ran; one look a window at most).
     static constexpr int64_t kGapNs = 300000;
     static constexpr int64_t kDelayShare = 4;
     static constexpr int64_t kProbeEveryNs = 10000000;
@@ -157,6 +161,7 @@ private:
     static void cpu_relax() { __builtin_ia32_pause(); }
     bool shared(int64_t now) const { return now < shared_until_.load(std::memory_order_relaxed); }
     void note_shared(int64_t now, int why) {
+        if (!watch_.load(std::memory_order_relaxed)) return;
         if (!shared(now)) {  // workers asleep without a timeout take one now
             { std::lock_guard<std::mutex> lk(m_); }
             cv_.notify_all();
@@ -339,6 +344,7 @@ private:
             const int ran = take_tasks(seen);
             if (!ran) continue;  // the others had taken every task
             stats_[kWorkerTasks].fetch_add(ran, std::memory_order_relaxed);
+            check_delay(now_ns(), kDelayWorker);  // held off its core during a task? (no gap in a spin shows that)
             // the count is that of the job the tasks were taken from: it cannot end before them
             if (done_.fetch_add(ran, std::memory_order_seq_cst) + ran == count_of(w) &&
                 caller_sleeping_.load(std::memory_order_seq_cst)) {
@@ -383,6 +389,7 @@ private:
     alignas(64) std::atomic<int> sleepers_{0};
     std::atomic<bool> caller_sleeping_{false};
     std::atomic<int64_t> shared_until_{0};
+    std::atomic<bool> watch_{true};  // set_watch
     std::atomic<long> stats_[kStats] = {};
     std::atomic<bool> quit_{false}, held_{false};
     uint32_t gen_ = 0;  // the calling thread's copy of the current generation

@@ -103,3 +103,22 @@ def test_bench_json_reports_the_threads_it_used(capsys):
         assert kernels._native().get_threads() == d["threads"]
     finally:
         kernels.set_threads(None)
+
+
+def test_the_pool_watches_for_a_shared_cpu_only_beside_one_torch_thread():
+    """kernels.split_threads: a prefill runs torch's ops on every thread, whose spinning would
+    look like another process to the pool, so the pool does not watch then; decode passes
+    (torch on one thread) turn the watch back on."""
+    import torch
+
+    import moerun
+    from moerun import kernels
+
+    llm = moerun.load(threads=2)
+    if not kernels.split_threads(llm.net, 2):
+        pytest.skip("the native extension is not in use")
+    with torch.inference_mode():
+        llm.net(torch.zeros(1, 64, dtype=torch.long))
+        assert kernels._state["watch"] is False
+        llm.net(torch.zeros(1, 1, dtype=torch.long))
+        assert kernels._state["watch"] is True

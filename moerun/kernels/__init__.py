@@ -140,6 +140,14 @@ def _sync_threads(nat) -> None:
         _state["threads"] = n
 
 
+def set_watch_shared(on: bool) -> None:
+    """Whether the native pool watches for a shared CPU (csrc/thread_pool.h `set_watch`)."""
+    nat = _native()
+    if nat is not None and on != _state.get("watch", True):
+        nat.set_watch_shared(on)
+        _state["watch"] = on
+
+
 def set_spin(us: int) -> None:
     """How long idle native workers spin before they sleep (microseconds)."""
     nat = _native()
@@ -388,6 +396,9 @@ def split_threads(net: torch.nn.Module, threads: int | None = None, max_tokens: 
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
         set_spin(DECODE_SPIN_US if want == 1 < n else IDLE_SPIN_US)
+        # the pool watches for another process on our cores only when torch's threads are not
+        # beside its own (a prefill's spin after their parallel regions looks the same)
+        set_watch_shared(want == 1 or n == 1)
 
     if getattr(net, "_split_threads", None) is not None:
         net._split_threads.remove()
