@@ -124,3 +124,23 @@ def make_tiny_model(path, max_position_embeddings: int = 64, seed: int = 0):
     ref.save_pretrained(path)
     make_tokenizer(path)
     return ref
+
+
+def cli(capsys, *args):
+    """`moerun ARGS` in process, on one thread: (exit code, stderr lines)."""
+    from moerun.cli import main
+
+    try:
+        rc = main([*map(str, args), "--threads", "1"])
+    except SystemExit as e:  # argparse errors
+        rc = e.code
+    return rc, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def assert_one_line_error(result, *needles):
+    """`cli`'s result is a failure said in one line holding every needle, no traceback."""
+    rc, lines = result
+    assert rc != 0 and len(lines) == 1, lines
+    assert "Traceback" not in lines[0]
+    for n in needles:
+        assert n in lines[0], lines[0]

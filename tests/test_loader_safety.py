@@ -17,11 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import moerun
-from moerun.cli import main
 from moerun.errors import MoerunError
 from moerun.experts.store import StoreOptions
 
-from conftest import make_tiny_model
+from conftest import assert_one_line_error, cli, make_tiny_model
 
 WEIGHTS = "model.safetensors"
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
@@ -38,23 +37,6 @@ def copy(tiny, tmp_path, name="m"):
     d = tmp_path / name
     shutil.copytree(tiny, d)
     return d
-
-
-def cli(capsys, *args):
-    """`moerun ARGS` in process: (exit code, stderr lines)."""
-    try:
-        rc = main([*map(str, args), "--threads", "1"])
-    except SystemExit as e:  # argparse errors
-        rc = e.code
-    return rc, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-
-
-def assert_one_line_error(result, *needles):
-    rc, lines = result
-    assert rc != 0 and len(lines) == 1, lines
-    assert "Traceback" not in lines[0]
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 def assert_refused(capsys, model, *needles, **load_options):

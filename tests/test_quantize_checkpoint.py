@@ -22,6 +22,8 @@ from moerun.loaders.safetensors import Checkpoint
 from moerun.quant import POLICIES, QuantPolicy, checkpoint, formats, modules
 from moerun.quant.modules import QuantizedExperts, QuantizedLinear
 
+from conftest import assert_one_line_error, cli
+
 TINY_QWEN3 = dict(
     model_type="qwen3_moe", vocab_size=120, hidden_size=64, intermediate_size=80, moe_intermediate_size=40,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
@@ -66,23 +68,6 @@ def load_without_quantizing(path, monkeypatch, **kw):
     with monkeypatch.context() as m:
         m.setattr(formats, "quantize", refuse)
         return moerun.load(path, threads=1, **kw)
-
-
-def cli(capsys, *args):
-    """Run `moerun ARGS` in process: (exit code, stderr lines)."""
-    try:
-        rc = main([*map(str, args), "--threads", "1"])
-    except SystemExit as e:  # argparse errors
-        rc = e.code
-    return rc, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-
-
-def assert_one_line_error(result, *needles):
-    rc, lines = result
-    assert rc != 0 and len(lines) == 1, lines
-    assert "Traceback" not in lines[0]
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("policy,dtype", [("int4", "auto"), ("int8", "bfloat16"), ("int4-all", "float32")])

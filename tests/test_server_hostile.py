@@ -31,7 +31,7 @@ from moerun.errors import MoerunError  # noqa: E402
 from moerun.server import create_app  # noqa: E402
 
 from conftest import make_tokenizer  # noqa: E402
-from test_server import (KEY, LIVE, books_balance, check_error, llm,  # noqa: E402,F401 - fixtures too
+from test_server import (KEY, LIVE, _drain, books_balance, check_error, llm,  # noqa: E402,F401 - fixtures too
                          running_server, slot_books)
 
 CHAT = "/v1/chat/completions"
@@ -150,13 +150,6 @@ def test_a_failure_at_any_stage_fails_that_request_alone(llm, monkeypatch, stage
         sched.check()
     finally:
         sched.close()
-
-
-async def _drain(req, timeout=60.0):
-    out = []
-    while not out or out[-1].kind not in ("done", "error"):
-        out.append(await asyncio.wait_for(req.events.get(), timeout))
-    return out
 
 
 # -- browser safety ---------------------------------------------------------------------
