@@ -224,9 +224,10 @@ class Server:
         self.draining = False
         self._unknown_logged: set[str] = set()
         vocab = llm.tokenizer.tok.get_vocab(with_added_tokens=True)
-        # no token covers more bytes of text than this: a text longer than max_prompt_tokens
-        # times it is too long without tokenizing it
-        self.max_token_bytes = max((len(t.encode("utf-8", "replace")) for t in vocab), default=1)
+        # no token covers more bytes of text than this (twice its longest piece: a normalizer
+        # may fold a few bytes into fewer, as NFKC folds ligatures): a text longer than
+        # max_prompt_tokens times it is too long without tokenizing it
+        self.max_token_bytes = 2 * max((len(t.encode("utf-8", "replace")) for t in vocab), default=1)
         self.model_name = model_name or Path(str(llm.path)).name
         self.created = int(time.time())
         self.sched_args = dict(max_concurrency=max_concurrency, max_queue=max_queue, max_len=max_len,

@@ -170,9 +170,9 @@ class Scheduler:
         self.inbox.put(None)  # wake the worker if it is idle
 
     def stop_admitting(self) -> None:
-        """Refuse new requests from now on (ShuttingDown); those already in go on."""
-        with self._lock:
-            self.admitting = False
+        """Refuse new requests from now on (ShuttingDown); those already in go on. Without the
+        lock: a signal handler calls it, maybe while its own thread holds the lock in submit."""
+        self.admitting = False
 
     def abort(self, reason: str = SHUTDOWN) -> None:
         """End every request held, running or waiting, with an error event (the worker does
