@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -29,7 +30,8 @@ from moerun.bench.random_model import PRESETS, preset_config
 from moerun.engine.cache import Cache, KVSpec, kv_bytes_per_token, kv_cache_dtype
 from moerun.layers.attention import attend
 from moerun.models import module_for
-from moerun.train.evaluate import heldout_windows
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ is not installed
+from tools.train.evaluate import heldout_windows  # noqa: E402
 
 
 def cached_logits(llm, windows: torch.Tensor, kv_dtype, step: int, batch: int = 8) -> torch.Tensor:

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import moerun
-from moerun.train.evaluate import heldout_windows
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ is not installed
+from tools.train.evaluate import heldout_windows  # noqa: E402
 
 
 def perplexity(llm, windows: torch.Tensor, batch: int = 8) -> float:

@@ -1,7 +1,7 @@
 """Train the bundled demo model (moerun/demo_model) on the corpus from scripts/fetch_corpus.sh.
 
-    python -m moerun.train.tokenizer                       # runs/tokenizer/
-    python -m moerun.train.train_demo --seed 0 --steps N   # runs/demo/ then --export DIR
+    python -m tools.train.tokenizer                       # runs/tokenizer/
+    python -m tools.train.train_demo --seed 0 --steps N   # runs/demo/ then --export DIR
 
 Objective: next-token cross-entropy + mtp_weight * cross-entropy of the MTP head on the
 token after next + aux_coef * per-layer Switch load-balancing loss (trunk and MTP routers).

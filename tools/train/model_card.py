@@ -1,6 +1,6 @@
 """Render moerun/demo_model/MODEL_CARD.md from the evaluation JSON and the training log.
 
-    python -m moerun.train.model_card --runs runs/demo runs/demo2
+    python -m tools.train.model_card --runs runs/demo runs/demo2
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def render(model_dir: Path, ev: dict, logs: list[list[dict]], infos: list[dict],
         init = i["args"].get("init_from")
         if n and init and init != "None" and init != f"{infos[n - 1]['args']['out']}/ckpt.pt":
             commands.append(f"cp {infos[n - 1]['args']['out']}/ckpt.pt {init}")
-        commands.append(f"OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m moerun.train.train_demo {i['command']}")
+        commands.append(f"OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m tools.train.train_demo {i['command']}")
     commands = "\n".join(commands)
     return f"""# moerun demo model
 
@@ -90,7 +90,7 @@ directories and files over 300 kB). One document per file; a file is held out wh
 
 ## Training
 
-`python -m moerun.train.train_demo` (commands below), in {len(logs)} stage(s): {steps} steps in all, each of
+`python -m tools.train.train_demo` (commands below), in {len(logs)} stage(s): {steps} steps in all, each of
 {a['batch']} random windows of {a['seq_len']} tokens ({tokens / 1e6:.2f} M tokens seen, {tokens / max(info.get('train_tokens', 1), 1):.2f} epochs).
 AdamW (betas 0.9/0.95, weight decay {a['weight_decay']}), linear warm-up then cosine decay to 10% of the
 peak in each stage, gradient clipping at 1.0, float32, {a['threads']} thread. A later stage starts
@@ -110,7 +110,7 @@ MTP CE {mean('ce_mtp'):.2f}, balance loss {mean('aux'):.3f} (1.0 = uniform).
 
 ## Evaluation (held-out split)
 
-`python -m moerun.train.evaluate --chunks 0` (every held-out window of {a['seq_len']} tokens;
+`python -m tools.train.evaluate --chunks 0` (every held-out window of {a['seq_len']} tokens;
 weights exactly as shipped, run in float32):
 
 {format_report(ev)}
@@ -132,12 +132,12 @@ weights exactly as shipped, run in float32):
 
 ```sh
 scripts/fetch_corpus.sh                               # data/corpus/{{train,heldout}}.jsonl
-.venv/bin/python -m moerun.train.tokenizer            # runs/tokenizer/
+.venv/bin/python -m tools.train.tokenizer            # runs/tokenizer/
 {commands}
-.venv/bin/python -m moerun.train.export --ckpt {infos[-1]['args']['out']}/ckpt.pt --out moerun/demo_model
-.venv/bin/python -m moerun.train.evaluate --chunks 0 --json runs/demo/eval.json
-.venv/bin/python -m moerun.train.plot --log {' '.join(i['args']['out'] + '/train_log.jsonl' for i in infos)}
-.venv/bin/python -m moerun.train.model_card --runs {' '.join(i['args']['out'] for i in infos)}
+.venv/bin/python -m tools.train.export --ckpt {infos[-1]['args']['out']}/ckpt.pt --out moerun/demo_model
+.venv/bin/python -m tools.train.evaluate --chunks 0 --json runs/demo/eval.json
+.venv/bin/python -m tools.train.plot --log {' '.join(i['args']['out'] + '/train_log.jsonl' for i in infos)}
+.venv/bin/python -m tools.train.model_card --runs {' '.join(i['args']['out'] for i in infos)}
 ```
 """
 

@@ -1,6 +1,6 @@
 """Plot the training curves of runs/demo/train_log.jsonl to a PNG (needs matplotlib).
 
-    python -m moerun.train.plot --log runs/demo/train_log.jsonl --out moerun/demo_model/loss_curve.png
+    python -m tools.train.plot --log runs/demo/train_log.jsonl --out moerun/demo_model/loss_curve.png
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Qwen3.5 checkpoint convention, experts split as `experts.{e}.{gate,up,down}_proj
 the MTP head's tensors are added to the same model.safetensors under `mtp.*` with the same
 per-expert naming. config.json gets `mtp_num_hidden_layers: 1`, as real Qwen3.5 configs have.
 
-    python -m moerun.train.export --ckpt runs/demo/ckpt.pt --out moerun/demo_model
+    python -m tools.train.export --ckpt runs/demo/ckpt.pt --out moerun/demo_model
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Evaluate a demo-model directory on the held-out split of the corpus.
 
-    python -m moerun.train.evaluate [--model moerun/demo_model] [--chunks 128] [--json out.json]
+    python -m tools.train.evaluate [--model moerun/demo_model] [--chunks 128] [--json out.json]
 
 Reports: perplexity (next token), next-token top-1, MTP top-1 for the token after next,
 and per MoE layer (the 8 trunk layers and the MTP layer) the share of routed token-slots
@@ -9,7 +9,7 @@ that go to the 10% most used experts and the number of experts never chosen.
 The held-out stream (every held-out document followed by <|endoftext|>) is cut into
 non-overlapping windows of --seq-len tokens; --chunks of them, evenly spaced, are scored
 (0 = all). The model runs in float32 through transformers' Qwen3_5MoeForCausalLM plus the
-MTP head of moerun.train.model, with the weights exactly as shipped (bf16 in the file).
+MTP head of tools.train.model, with the weights exactly as shipped (bf16 in the file).
 """
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def format_report(r: dict) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=Path(__file__).resolve().parent.parent / "demo_model")
+    ap.add_argument("--model", type=Path, default=Path(__file__).resolve().parents[2] / "moerun" / "demo_model")
     ap.add_argument("--corpus", type=Path, default=Path("data/corpus"))
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=128, help="windows scored, evenly spaced; 0 = all")
