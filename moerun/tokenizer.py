@@ -48,11 +48,20 @@ class Tokenizer:
         self._template = None
         if self.chat_template:
             self._compile()  # a template that is not valid Jinja is said at load, not at the first chat
-        # the same tokenizer with its special tokens' texts read as plain text: what a
-        # message's content is encoded with (`encode_chat`)
-        self._plain = HFTokenizer.from_str(self.tok.to_str())
-        self._plain.encode_special_tokens = True
+        self._plain = None  # `plain`, made when first needed
         self.special_texts = sorted(t.content for t in self.tok.get_added_tokens_decoder().values() if t.special)
+
+    @property
+    def plain(self):
+        """The same tokenizer with its special tokens' texts read as plain text: what a chat
+        message's content that holds one is encoded with (`encode_chat`)."""
+        if self._plain is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            plain = HFTokenizer.from_str(self.tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     @property
     def vocab_size(self) -> int:
@@ -175,7 +184,7 @@ def _ids(tok, text: str, add_special_tokens: bool) -> list[int]:
 def _encode_many(t: Tokenizer, texts: list[tuple[str, bool]]) -> list[list[int]]:
     """Each (text, is_template) encoded: template text with special tokens, content without."""
     out: list[list[int] | None] = [None] * len(texts)
-    for tok, want in ((t.tok, True), (t._plain, False)):
+    for tok, want in ((t.tok, True), (t.plain, False)):
         idx = [i for i, (_, is_template) in enumerate(texts) if is_template == want]
         if idx:
             for i, enc in zip(idx, tok.encode_batch([texts[i][0] for i in idx], add_special_tokens=False)):

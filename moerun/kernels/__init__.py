@@ -962,7 +962,7 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
     or bf16 weights read as they are; without autograd) and q_norm/k_norm (if any) are
     per-head RMSNorms; returns how many modules it wrapped. The native layer stack needs it
     (its attention half is this call): 4 Qwen3-30B-A3B-shaped int4 layers, 2 threads on the
-    Zen 5 EPYC, decode 54.5 tok/s with it against 46.6 without (median of 3 interleaved
+    Zen 4 EPYC (family 25 model 17), decode 54.5 tok/s with it against 46.6 without (median of 3 interleaved
     rounds, 2026-12-03, docs/benchmarks.md)."""
     if _native() is None:
         return 0
