@@ -80,7 +80,6 @@ def _load(a):
 def _check_flags(a) -> None:
     """The values of the command's flags, checked before any weight loads (a large model
     takes minutes to load; a typo must not wait for it)."""
-    import re
     from pathlib import Path
 
     from .errors import MoerunError
@@ -92,10 +91,9 @@ def _check_flags(a) -> None:
     if "speculative" in vars(a):
         _spec_kwargs(a)
     if getattr(a, "predictor", None):
-        from .experts.predict import NAMES
+        from .experts.predict import check_name
 
-        if a.predictor not in NAMES and not re.fullmatch(r"layer_ahead\d+", a.predictor):
-            raise MoerunError(f"unknown predictor {a.predictor!r}; choose one of {', '.join(NAMES)}")
+        check_name(a.predictor)
     if getattr(a, "predictor_trace", None) and not Path(a.predictor_trace).is_file():
         raise MoerunError(f"--predictor-trace {a.predictor_trace} is not a file")
 

@@ -43,6 +43,7 @@ then to the frequency prior.
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -282,6 +283,12 @@ def fit_probes(trace, ridge: float = 1e-2) -> np.ndarray | None:
     return W.reshape(-1, L, E).transpose(1, 0, 2).astype(np.float32)
 
 
+def check_name(name: str) -> None:
+    """Refuse a predictor name that is none of NAMES (layer_aheadD takes any depth D >= 1)."""
+    if name not in NAMES and not re.fullmatch(r"layer_ahead[1-9][0-9]*", name):
+        raise MoerunError(f"unknown predictor {name!r}; choose one of {', '.join(NAMES)}")
+
+
 def make_predictors(fit, names=NAMES) -> dict[str, Predictor]:
     """Predictors fitted on the trace `fit` (the frequency prior, the probes)."""
     L, E = fit.num_layers, fit.num_experts
@@ -289,6 +296,7 @@ def make_predictors(fit, names=NAMES) -> dict[str, Predictor]:
     probes = fit_probes(fit) if any(n in ("mtp_learned", "combined") for n in names) else None
     out = {}
     for n in names:
+        check_name(n)
         if n == "frequency":
             out[n] = Frequency(L, E, prior)
         elif n == "temporal":
@@ -324,8 +332,6 @@ def make_predictors(fit, names=NAMES) -> dict[str, Predictor]:
             if fit.token_route is None or fit.ahead is None:
                 continue
             out[n] = TokenAhead(L, E, prior)
-        else:
-            raise MoerunError(f"unknown predictor {n!r}; choose one of {', '.join(NAMES)}")
     return out
 
 
@@ -596,11 +602,12 @@ class PrefetchDriver:
 def attach_predictor(net, store, name: str, trace=None, factor: float = 1.5) -> PrefetchDriver:
     """`--predictor NAME`: build the predictor (fitted on `trace`, a Trace or a path, when it
     needs a prior or probes) and drive `store`'s prefetcher from `net`'s routing.
-    temporal, layer_ahead1/2, token and token_ahead run from the hooks alone (frequency
+    temporal, layer_ahead1/2, token and token_ahead run from the routing alone (frequency
     needs a trace for its prior); mtp, mtp_learned and combined also need the engine to call
     `driver.mtp_step(hidden, next_ids)` after each sampled token (or `on_mtp(info)`)."""
     from .profile import Trace, moe_blocks
 
+    check_name(name)
     L = len(moe_blocks(net))
     E = net.args.num_experts
     if trace is not None and not isinstance(trace, Trace):
