@@ -20,7 +20,7 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
-from .errors import MoerunError
+from .errors import MoerunError, one_line, short
 
 MAX_JSON_BYTES = 100 << 20  # as a safetensors header: a large model's index or tokenizer is a few MB
 INT_LIMIT = 2**31 - 1  # sizes and counts: what the kernels' int32 indices hold
@@ -80,18 +80,6 @@ def read_json(path: Path) -> Any:
         if "integer string conversion" in str(e):
             raise MoerunError(f"{path} is not valid JSON for a model: it holds a number of thousands of digits") from None
         raise MoerunError(f"{path} is not valid JSON: {one_line(e)}") from None
-
-
-def one_line(e) -> str:
-    """An exception's (or any) text folded onto one line, at most 300 characters."""
-    text = " ".join(str(e).split())
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def short(v: Any) -> str:
-    """repr(v), cut short: what an error message quotes of a bad value."""
-    r = repr(v)
-    return r if len(r) <= 40 else r[:37] + "..."
 
 
 def check_int(what: str, v: Any, lo: int = 0, hi: int = INT_LIMIT) -> int:

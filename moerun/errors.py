@@ -3,3 +3,16 @@
 
 class MoerunError(Exception):
     """A problem with the user's input or files, described in one line."""
+
+
+def one_line(e) -> str:
+    """An exception's (or any) text folded onto one line, at most 300 characters: what an
+    error message may quote of another error."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def short(v) -> str:
+    """repr(v), cut short: what an error message quotes of a bad value."""
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."

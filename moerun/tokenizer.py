@@ -9,8 +9,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .config import one_line, read_json, regular_file
-from .errors import MoerunError
+from .config import read_json, regular_file
+from .errors import MoerunError, one_line
 
 
 def _token_text(tok, name: str, path: Path) -> str | None:

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..config import one_line, read_config
-from ..errors import MoerunError
+from ..config import read_config
+from ..errors import MoerunError, one_line
 from ..models import build_on_meta, module_for
 from .safetensors import DTYPE_NAMES as FILE_DTYPES, Checkpoint, TensorRef
 

@@ -19,8 +19,8 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from ..config import one_line, open_regular, read_json, regular_file, short
-from ..errors import MoerunError
+from ..config import open_regular, read_json, regular_file
+from ..errors import MoerunError, one_line, short
 
 DTYPES = {
     "F64": torch.float64,

@@ -30,8 +30,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import one_line
-from ..errors import MoerunError
+from ..errors import MoerunError, one_line
 from .metrics import ServerMetrics
 from .scheduler import Event, Overloaded, Scheduler, ShuttingDown
 
