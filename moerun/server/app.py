@@ -31,12 +31,12 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import MoerunError, one_line
+from . import DEFAULT_MAX_BODY
 from .metrics import ServerMetrics
 from .scheduler import Event, Overloaded, Scheduler, ShuttingDown
 
 log = logging.getLogger("moerun.server")
 MAX_INT = 2**31 - 1  # counts and sizes a request may name
-DEFAULT_MAX_BODY = 4 * 2**20
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 STATIC = Path(__file__).resolve().parent / "static"
