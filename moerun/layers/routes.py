@@ -30,6 +30,14 @@ def routes_seen(experts: nn.Module):
     return experts.__dict__.get("routes_seen")
 
 
+_epoch = [0]  # counts observers added and removed anywhere: a stack built before may be stale
+
+
+def observers_epoch() -> int:
+    """Changes whenever a route observer is added or removed (`layers.stack` rebuilds then)."""
+    return _epoch[0]
+
+
 def route_observers(experts: nn.Module) -> list:
     """The experts' route observers (a list, empty when nobody watches)."""
     return experts.__dict__.get("route_observers") or []
@@ -47,6 +55,7 @@ class ObserverHandle:
             observers = experts.__dict__.get("route_observers") or []
             if self._fn in observers:
                 observers.remove(self._fn)
+                _epoch[0] += 1
 
 
 def observe_routes(experts: nn.Module, fn) -> ObserverHandle:
@@ -55,6 +64,7 @@ def observe_routes(experts: nn.Module, fn) -> ObserverHandle:
     must not change them. Passes already planned for a run see the new observer from their
     next pass on."""
     experts.__dict__.setdefault("route_observers", []).append(fn)
+    _epoch[0] += 1
     return ObserverHandle(experts, fn)
 
 

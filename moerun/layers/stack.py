@@ -21,7 +21,7 @@ import torch
 
 from .. import kernels
 from .deltanet import DELTA_WEIGHTS
-from .routes import native_observer, route_observers, routes_seen
+from .routes import native_observer, observers_epoch, routes_seen
 
 _UNSET, _SEEN = object(), object()
 
@@ -61,11 +61,10 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
     nat = kernels._native()
     rope = kernels._rope_rows(cos_sin, T) if rope is None else rope
     p = int(pos0[0]) if pos is None else pos
-    if stack is _SEEN or (type(stack) is tuple and plans.get(("observers", key)) != _observed(stack[1])):
+    if stack is _SEEN or (type(stack) is tuple and plans.get(("observers", key)) != observers_epoch()):
         # built now, or again: route observers came or went since (their calls are bound in)
         stack = plans[key] = _build(layers, x, cache, s, plans, rope, p)
-        if stack is not None:
-            plans[("observers", key)] = _observed(stack[1])
+        plans[("observers", key)] = observers_epoch()
     if stack is None:
         return _why(plans, plans.get(_WHY_BUILD, "a layer half does not run natively"))
     native, experts, deltanets = stack
@@ -131,11 +130,6 @@ def _hooked(experts) -> bool:
     modules call them. (Predictors and profilers watch through route observers instead,
     which the stack calls: `layers.routes`.)"""
     return kernels.has_hooks() or any(e._forward_pre_hooks for e in experts)
-
-
-def _observed(experts) -> tuple:
-    """Which layers' experts have route observers (a stack binds their calls when built)."""
-    return tuple(bool(route_observers(e)) for e in experts)
 
 
 _ATTN, _DELTA = "attention", "deltanet"
