@@ -461,9 +461,8 @@ void qlinear_multi(Array x, std::vector<Array> weights, std::vector<Array> scale
 }
 
 // x [T, H]; router [E, H] float32; ids [T, K] int64 and weights [T, K] float32 are written
-// logits [R, V] float32 or bf16 -> out[R] int64 (moerun::greedy_picks); seen, extra int64;
-// prob: float32 [R] for each pick's softmax probability, or empty
-void greedy_picks(Array logits, Array seen, Array extra, float penalty, bool extra_per_row, Array out, Array prob) {
+// logits [R, V] float32 or bf16 -> out[R] int64 (moerun::greedy_picks); seen, extra int64
+void greedy_picks(Array logits, Array seen, Array extra, float penalty, bool extra_per_row, Array out) {
     MOERUN_CHECK(logits.ndim() == 2 && logits.shape(1) >= 1, "logits must be [R, V]");
     const size_t R = logits.shape(0), V = logits.shape(1);
     for (auto [a, name] : {std::pair{&seen, "seen"}, {&extra, "extra"}, {&out, "out"}}) {
@@ -471,15 +470,9 @@ void greedy_picks(Array logits, Array seen, Array extra, float penalty, bool ext
         MOERUN_CHECK(a->ndim() == 1, std::string(name) + " must be 1-D");
     }
     check_shape(out, {R}, "out");
-    float* p = nullptr;
-    if (prob.size()) {
-        check_dtype(prob, dtype_code::Float, 32, "prob");
-        check_shape(prob, {R}, "prob");
-        p = (float*)prob.data();
-    }
     ActIn x(logits, "logits");
     moerun::greedy_picks(x.p, R, V, (const int64_t*)seen.data(), seen.shape(0), (const int64_t*)extra.data(),
-                         extra.shape(0), penalty, extra_per_row, (int64_t*)out.data(), p);
+                         extra.shape(0), penalty, extra_per_row, (int64_t*)out.data());
 }
 
 // p, q [V] float32 -> a rejected draft's replacement (moerun::residual_draw)
@@ -1440,9 +1433,8 @@ NB_MODULE(_native, m) {
           "out[M, H] = down(silu(gate x) * up x) with quantized gate, up, down; each row times sigmoid(x . gate_vec) "
           "when gate_vec is not empty");
     m.def("greedy_picks", &greedy_picks, nb::arg("logits"), nb::arg("seen"), nb::arg("extra"), nb::arg("penalty"),
-          nb::arg("extra_per_row"), nb::arg("out"), nb::arg("prob"),
-          "each row's first maximum with the repetition penalty on seen (and extra[:j], or all of extra); "
-          "prob (float32 [R] or empty) gets each pick's softmax probability under the raw row");
+          nb::arg("extra_per_row"), nb::arg("out"),
+          "each row's first maximum with the repetition penalty on seen (and extra[:j], or all of extra)");
     m.def("residual_draw", &residual_draw, nb::arg("p"), nb::arg("q"), nb::arg("u"),
           "a rejected draft's replacement from norm(max(0, p - q)) (moerun::residual_draw)");
     m.def("sample_row", &sample_row, nb::arg("logits"), nb::arg("seen"), nb::arg("extra"), nb::arg("penalty"),

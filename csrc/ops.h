@@ -292,10 +292,8 @@ void mtp_step_decode(MtpStepArgs& a);
 // moerun.engine.sampling). greedy_picks: out[j] = the first maximum of row j of x [R, V] with
 // the repetition penalty on the ids of seen and of extra[:j] (`extra_per_row`, a verification
 // pass's positions) or all of extra; numpy's argmax (a NaN's index where the row has one).
-// prob (when not null): prob[j] = the pick's probability under softmax of the raw row (no
-// penalty), which speculative decoding's "auto" bins as a draft's confidence.
 void greedy_picks(const float* x, size_t R, size_t V, const int64_t* seen, size_t ns, const int64_t* extra, size_t ne,
-                  float penalty, bool extra_per_row, int64_t* out, float* prob = nullptr);
+                  float penalty, bool extra_per_row, int64_t* out);
 // sample_row: one row [V] through the penalty (seen and extra), temperature, top-k (ties with
 // the k-th kept), top-p and min-p; probs (when not null) gets the distribution over the row;
 // returns the token whose cumulative probability first passes u in [0, 1) (in candidate

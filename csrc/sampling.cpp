@@ -66,7 +66,7 @@ size_t first_max(size_t V, F value) {
 }  // namespace
 
 void greedy_picks(const float* x, size_t R, size_t V, const int64_t* seen, size_t ns, const int64_t* extra, size_t ne,
-                  float penalty, bool extra_per_row, int64_t* out, float* prob) {
+                  float penalty, bool extra_per_row, int64_t* out) {
     std::vector<uint8_t>& mark = seen_mask(V);
     mark_ids(mark, seen, ns);
     check_ids(extra, ne, V);
@@ -76,15 +76,6 @@ void greedy_picks(const float* x, size_t R, size_t V, const int64_t* seen, size_
         if (extra_per_row && j >= 1 && j - 1 < ne) mark[extra[j - 1]] = 1;  // row j: extra[:j]
         const float* row = x + j * V;
         out[j] = (int64_t)first_max(V, [&](size_t i) { return penalise && mark[i] ? penalised(row[i], penalty) : row[i]; });
-        if (prob) {  // softmax of the raw row at the pick; a logit 30 below the largest adds < 1e-13 of it: skipped
-            const float m = row[first_max(V, [&](size_t i) { return row[i]; })];
-            float sum = 0.f;
-            for (size_t i = 0; i < V; ++i) {
-                const float d = row[i] - m;
-                if (d > -30.f) sum += std::exp(d);
-            }
-            prob[j] = m != m ? m : std::exp(row[out[j]] - m) / sum;
-        }
     }
 }
 

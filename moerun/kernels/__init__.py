@@ -478,21 +478,17 @@ def swiglu_mlp_ref(x, gate, up, down, gate_vec=None) -> torch.Tensor:
 ROUTE_MAX_TOKENS = 16  # native routing for decode-sized passes; prefill's torch GEMM is better
 
 
-def greedy_picks(rows, seen: np.ndarray, extra: list[int], penalty: float, extra_per_row: bool,
-                 prob: np.ndarray | None = None) -> list[int] | None:
+def greedy_picks(rows, seen: np.ndarray, extra: list[int], penalty: float, extra_per_row: bool) -> list[int] | None:
     """Row j of rows [R, V] (a float32 or bf16 tensor, or a float32 numpy array) -> its first
     maximum with the repetition penalty on the ids of `seen` (int64 array) and of extra[:j]
     (`extra_per_row`; else all of extra), in one native call; None without the extension
-    (`sampling.greedy_tokens` then runs its numpy reference). prob (float32 [R]) gets each
-    pick's probability under the softmax of its raw row (logits more than 30 below the row's
-    largest left out of the sum: together under 1e-9 of it)."""
+    (`sampling.greedy_tokens` then runs its numpy reference)."""
     nat = _native()
     if nat is None:
         return None
     x = rows if isinstance(rows, np.ndarray) else _np(_act(rows))
     out = np.empty(x.shape[0], dtype=np.int64)
-    nat.greedy_picks(x, seen, np.asarray(extra, dtype=np.int64), float(penalty), bool(extra_per_row), out,
-                     _EMPTY_NP if prob is None else prob)
+    nat.greedy_picks(x, seen, np.asarray(extra, dtype=np.int64), float(penalty), bool(extra_per_row), out)
     return out.tolist()
 
 
