@@ -37,10 +37,14 @@ Every search step is vectorised over all sub-blocks of a chunk of rows at once (
 are laid out `[32, n]`, so the sums over a sub-block are adds of 32 contiguous rows); memory is
 bounded by the chunk (`_CHUNK` weights at a time), not by the tensor.
 
-Deviations from llama.cpp: the K-quant searches compare errors summed in a different order
-(torch reductions, not a sequential C loop), so a near tie between two grids can resolve the
-other way and a few blocks can differ in the last level; the error of the chosen grid is the
-same to float rounding. No importance matrix (llama.cpp's `quantize_row_*_impl` paths).
+Deviations from llama.cpp: Q4_K/Q5_K's search expands each candidate grid's weighted squared
+error in the sums its fit needs anyway (combined in float64) where the C code sums the
+residuals one by one, and torch sums in another order than a C loop; where two grids tie to
+float rounding the other one can win. Against llama.cpp's own code (ggml built from source) on
+N(0, 1) rows: Q6_K, Q4_0, Q8_0 and Q5_0 blocks are all byte-identical, Q4_K 96% and Q5_K 83% of
+blocks (the rest differ in a level or a 6-bit scale), and the round-trip RMSE is the same to 4
+digits for every type (docs/design/gguf.md). No importance matrix (the `quantize_row_*_impl`
+paths).
 
 `tensor_type(recipe, name, shape, n_layer, arch)` mirrors `llama_tensor_get_type` (llama.cpp
 src/llama-quant.cpp) for the recipes moerun writes; see its docstring.
@@ -197,21 +201,28 @@ def _qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: floa
     float32 rounding. The levels are recomputed once at the end from the winning grid.
     """
     f64 = torch.float64
-    sum_w = w.sum(0)
+    sum_w = _colsum(w)
     wx = w * x
-    sum_x = wx.sum(0)
-    sum_x2 = (wx * x).sum(0).to(f64)
+    sum_x = _colsum(wx)
+    sum_x2 = _colsum(wx * x).to(f64)
     mn = x.amin(0).clamp(max=0.0)
     mx = x.amax(0)
     live = mx != mn  # a flat sub-block keeps levels 0, scale 0
     one = torch.ones_like(mx)
 
+    lv = torch.empty_like(x)  # the levels of the grid being tried
+    tmp = torch.empty_like(x)
+
     def levels_of(mn_used, iscale):
-        return ((x - mn_used) * iscale).round_().clamp_(0, nmax)
+        torch.sub(x, mn_used, out=lv)
+        return lv.mul_(iscale).round_().clamp_(0, nmax)
 
     def sums(l):
-        wl = w * l
-        return wl.sum(0), (wl * l).sum(0), (wx * l).sum(0)
+        torch.mul(w, l, out=tmp)
+        sl = _colsum(tmp)
+        sl2 = _colsum(tmp.mul_(l))
+        sxl = _colsum(torch.mul(wx, l, out=tmp))
+        return sl, sl2, sxl
 
     sw64 = sum_w.to(f64)
     sx64 = sum_x.to(f64)
@@ -234,11 +245,11 @@ def _qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: floa
         grid = _f32(_F32(rmin) + _F32(rdelta) * _F32(step) + _F32(nmax))
         iscale = grid / torch.where(live, mx - mn, one)
         sl, sl2, sxl = sums(levels_of(mn, iscale))
-        det = sum_w * sl2 - sl * sl
+        det = _fms(sum_w, sl2, sl, sl)
         ok = live & (det > 0)
         det = torch.where(ok, det, one)
-        this_scale = (sum_w * sxl - sum_x * sl) / det
-        this_min = (sl2 * sum_x - sl * sxl) / det
+        this_scale = _fms(sum_w, sxl, sum_x, sl) / det
+        this_min = _fms(sl2, sum_x, sl, sxl) / det
         pos = this_min > 0
         this_min = torch.where(pos, torch.zeros_like(this_min), this_min)
         this_scale = torch.where(pos, sxl / torch.where(ok, sl2, one), this_scale)
@@ -249,10 +260,34 @@ def _qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: floa
         best = torch.where(better, err, best)
         scale = torch.where(better, this_scale, scale)
         mn = torch.where(better, this_min, mn)
-    levels = levels_of(used_mn, used_iscale)
+    levels = levels_of(used_mn, used_iscale).clone()
     scale = torch.where(live, scale, torch.zeros_like(scale))
     levels = torch.where(live, levels, torch.zeros_like(levels))
     return scale, -mn, levels
+
+
+def _colsum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0, row after row in float32: the order of llama.cpp's C loops.
+
+    The order must not depend on the shape of a chunk (torch's reductions pick theirs by shape):
+    the searches resolve exact ties on the last bit of these sums (the max element of a sub-block
+    lands on a half-integer level in some grids, see _qkx2), so another order changes some bytes.
+    """
+    acc = t[0] + t[1]
+    for i in range(2, t.shape[0]):
+        acc.add_(t[i])
+    return acc
+
+
+def _mul64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The exact product of two float32 tensors (in float64)."""
+    return a.to(torch.float64) * b.to(torch.float64)
+
+
+def _fms(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """a * b - c * d in float32 as FMA-contracting C compilers evaluate it: fma(a, b, -(c * d))."""
+    cd = (c * d).double()
+    return (a.double() * b.double() - cd).float()
 
 
 def _pack_scales_k4(ls: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
@@ -269,7 +304,7 @@ def _kquant_minmax(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep
     """Q4_K / Q5_K up to the levels: x [nb, 256] -> (d, dmin fp16 bytes, scales 12 bytes, L [nb, 256])."""
     nb = x.shape[0]
     xs = x.reshape(nb * 8, 32).t().contiguous()  # [32, n]
-    av = ((xs * xs).sum(0) / 32).sqrt()
+    av = (_colsum(xs * xs) / 32).sqrt()
     w = av + xs.abs()
     scales, mins, levels = _qkx2(xs, w, nmax, rmin, rdelta, nstep)
     scales = scales.reshape(nb, 8)
@@ -281,9 +316,9 @@ def _kquant_minmax(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep
     max_min = torch.where(max_min > 0, max_min, 0.0)
     inv_s = torch.where(max_scale > 0, 63 / torch.where(max_scale > 0, max_scale, 1.0), 0.0)
     inv_m = torch.where(max_min > 0, 63 / torch.where(max_min > 0, max_min, 1.0), 0.0)
-    # uint8_t ls = nearest_int(...); MIN(63, ls)
-    ls = ((inv_s[:, None] * scales).round().to(torch.int64) & 0xFF).clamp(max=63)
-    lm = ((inv_m[:, None] * mins).round().to(torch.int64) & 0xFF).clamp(max=63)
+    # uint8_t ls = nearest_int(inv_scale * scale); MIN(63, ls), the product exact (FMA)
+    ls = (_mul64(inv_s[:, None], scales).round().to(torch.int64) & 0xFF).clamp(max=63)
+    lm = (_mul64(inv_m[:, None], mins).round().to(torch.int64) & 0xFF).clamp(max=63)
     d = max_scale / 63
     dmin = max_min / 63
     dl = _fp16(d)[:, None] * ls.to(torch.float32)  # [nb, 8]
@@ -325,13 +360,17 @@ def _qx(x: torch.Tensor, nmax: int):
     w = x * x
     wx = w * x
 
+    lv = torch.empty_like(x)
+    tmp = torch.empty_like(x)
+
     def levels_of(iscale):
-        return (x * iscale).round_().clamp_(-nmax, nmax - 1)
+        return torch.mul(x, iscale, out=lv).round_().clamp_(-nmax, nmax - 1)
 
     def fit(iscale):
         l = levels_of(iscale)
-        wl = w * l
-        return (wx * l).sum(0), (wl * l).sum(0)
+        slx = _colsum(torch.mul(wx, l, out=tmp))
+        torch.mul(w, l, out=tmp)
+        return slx, _colsum(tmp.mul_(l))
 
     iscale = -nmax / mx
     used = iscale
@@ -349,7 +388,7 @@ def _qx(x: torch.Tensor, nmax: int):
         used = torch.where(better, iscale, used)
         scale = torch.where(better, this, scale)
         best = torch.where(better, this * slx, best)
-    levels = levels_of(used) + nmax
+    levels = levels_of(used).clone() + nmax
     levels = torch.where(zero, torch.zeros_like(levels), levels)
     scale = torch.where(zero, torch.zeros_like(scale), scale)
     return scale, levels
