@@ -39,12 +39,14 @@ bounded by the chunk (`_CHUNK` weights at a time), not by the tensor.
 
 Deviations from llama.cpp: Q4_K/Q5_K's search expands each candidate grid's weighted squared
 error in the sums its fit needs anyway (combined in float64) where the C code sums the
-residuals one by one, and torch sums in another order than a C loop; where two grids tie to
-float rounding the other one can win. Against llama.cpp's own code (ggml built from source) on
-N(0, 1) rows: Q6_K, Q4_0, Q8_0 and Q5_0 blocks are all byte-identical, Q4_K 96% and Q5_K 83% of
-blocks (the rest differ in a level or a 6-bit scale), and the round-trip RMSE is the same to 4
-digits for every type (docs/design/gguf.md). No importance matrix (the `quantize_row_*_impl`
-paths).
+residuals one by one. Some grids put a sub-block's largest weight exactly on a half-integer
+level (Q4_K: `15 - 1 + 0.1 * 5 = 14.5`; Q5_K: `31 - 0.5 = 30.5`), so which way it rounds hangs on
+the last bit of the min fitted at the step before, and that bit and near-tied errors can come
+out differently. Against llama.cpp's own code (ggml built from source, x86-64) on N(0, 1) rows:
+Q6_K, Q4_0, Q8_0 and Q5_0 blocks are all byte-identical, Q4_K 96.6% and Q5_K 83% of blocks (the
+rest differ in a level or a 6-bit scale), and the round-trip RMSE is the same to 4 digits for
+every type (docs/design/gguf.md). The sums run row after row as the C loops do, so the bytes do
+not depend on the chunking. No importance matrix (the `quantize_row_*_impl` paths).
 
 `tensor_type(recipe, name, shape, n_layer, arch)` mirrors `llama_tensor_get_type` (llama.cpp
 src/llama-quant.cpp) for the recipes moerun writes; see its docstring.
@@ -279,11 +281,6 @@ def _colsum(t: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def _mul64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The exact product of two float32 tensors (in float64)."""
-    return a.to(torch.float64) * b.to(torch.float64)
-
-
 def _fms(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """a * b - c * d in float32 as FMA-contracting C compilers evaluate it: fma(a, b, -(c * d))."""
     cd = (c * d).double()
@@ -316,9 +313,9 @@ def _kquant_minmax(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep
     max_min = torch.where(max_min > 0, max_min, 0.0)
     inv_s = torch.where(max_scale > 0, 63 / torch.where(max_scale > 0, max_scale, 1.0), 0.0)
     inv_m = torch.where(max_min > 0, 63 / torch.where(max_min > 0, max_min, 1.0), 0.0)
-    # uint8_t ls = nearest_int(inv_scale * scale); MIN(63, ls), the product exact (FMA)
-    ls = (_mul64(inv_s[:, None], scales).round().to(torch.int64) & 0xFF).clamp(max=63)
-    lm = (_mul64(inv_m[:, None], mins).round().to(torch.int64) & 0xFF).clamp(max=63)
+    # uint8_t ls = nearest_int(inv_scale * scale); MIN(63, ls)
+    ls = ((inv_s[:, None] * scales).round().to(torch.int64) & 0xFF).clamp(max=63)
+    lm = ((inv_m[:, None] * mins).round().to(torch.int64) & 0xFF).clamp(max=63)
     d = max_scale / 63
     dmin = max_min / 63
     dl = _fp16(d)[:, None] * ls.to(torch.float32)  # [nb, 8]
