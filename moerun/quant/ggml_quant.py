@@ -43,8 +43,8 @@ residuals one by one. Some grids put a sub-block's largest weight exactly on a h
 level (Q4_K: `15 - 1 + 0.1 * 5 = 14.5`; Q5_K: `31 - 0.5 = 30.5`), so which way it rounds hangs on
 the last bit of the min fitted at the step before, and that bit and near-tied errors can come
 out differently. Against llama.cpp's own code (ggml built from source, x86-64) on N(0, 1) rows:
-Q6_K, Q4_0, Q8_0 and Q5_0 blocks are all byte-identical, Q4_K 96.6% and Q5_K 83% of blocks (the
-rest differ in a level or a 6-bit scale), and the round-trip RMSE is the same to 4 digits for
+Q6_K, Q4_0 and Q8_0 blocks are all byte-identical, Q5_0 all but ~1 in 10^4, Q4_K 96-97% and
+Q5_K 78-83% of blocks (the rest differ in a level or a 6-bit scale), and the round-trip RMSE is the same to 4 digits for
 every type (docs/design/gguf.md). The sums run row after row as the C loops do, so the bytes do
 not depend on the chunking. No importance matrix (the `quantize_row_*_impl` paths).
 
