@@ -287,7 +287,11 @@ def import_llama_cpp(d=None):
         return mod
     os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir(d))
     sys.path.insert(0, str(source_dir(d)))
-    import llama_cpp  # noqa: PLC0415
+    try:
+        import llama_cpp  # noqa: PLC0415
+    except ModuleNotFoundError as e:
+        raise BuildError(f"the llama_cpp package needs {e.name} (pip install {e.name}); "
+                         f"import_llama_cpp_lowlevel() gives its ctypes binding without it") from None
     return llama_cpp
 
 
