@@ -2,7 +2,7 @@
 
     flock /tmp/moerun-heavy.lock .venv/bin/python benchmarks/vs_llamacpp.py \
         [--model qwen3-30b-a3b] [--layers 8] [--rows int4,int8,default] [--rounds 2] \
-        [--threads 1,2] [--quick] [--keep-gguf] [--json OUT]
+        [--threads 2] [--quick] [--keep-gguf] [--json OUT]
 
 llama.cpp is the one its users build: llama-cpp-python 0.3.36's vendored llama.cpp, compiled
 with -DGGML_NATIVE=ON by benchmarks/llamacpp.py (`python benchmarks/llamacpp.py build` first;
@@ -11,6 +11,9 @@ its own `llama-bench` (JSON output), two invocations a round:
 
     llama-bench -m M -p 32,512,2048 -n 0   -t 2,1 -r 1 --no-warmup -o json   # prefill
     llama-bench -m M -p 0 -n 128 -d 0,4096 -t 2,1 -r 1 -o json               # decode
+
+(-t 2,1 with --threads 1,2; the default is --threads 2, which keeps a whole run, GGUF files
+and Q4_K_M quantization included, near 22 minutes on 2 cores; 1,2 an estimated ~30.)
 
 (pp32 only warms each thread count up and is dropped; llama-bench's own warm-up would run
 each prefill twice. tg keeps llama-bench's warm-up, one token; -d 4096 fills the context once
@@ -734,11 +737,11 @@ def run_row(src: ModelSource, row: Row, plan: Plan, a, work: Path) -> dict:
     return res
 
 
-def fmt_mr(d: dict, f: str = "{:.1f}", pct: bool = False) -> str:
-    k = 100 if pct else 1
+def fmt_mr(d: dict, f: str = "{:.1f}", unit: str = "", k: float = 1) -> str:
+    """median (min-max), the unit after the median."""
     if d["n"] == 1:
-        return f.format(k * d["median"]) + ("%" if pct else "")
-    return (f.format(k * d["median"]) + ("%" if pct else "") + f" ({f.format(k * d['min'])}-{f.format(k * d['max'])})")
+        return f.format(k * d["median"]) + unit
+    return f.format(k * d["median"]) + unit + f" ({f.format(k * d['min'])}-{f.format(k * d['max'])})"
 
 
 def table(out: dict) -> str:
@@ -758,10 +761,10 @@ def table(out: dict) -> str:
     ]
     for r in out["rows"]:
         for key, e in r["tests"].items():
-            share = (fmt_mr(e["moerun_share"], "{:.0f}", True), fmt_mr(e["llamacpp_share"], "{:.0f}", True)) \
+            share = (fmt_mr(e["moerun_share"], "{:.0f}", "%", 100), fmt_mr(e["llamacpp_share"], "{:.0f}", "%", 100)) \
                 if "moerun_share" in e else ("", "")
             lines.append(f"| {r['row']} | {r['moerun_policy']} | {r['llamacpp_weights']} | {key} | {fmt_mr(e['moerun'])} | "
-                         f"{fmt_mr(e['llamacpp'])} | {fmt_mr(e['ratio'], '{:.2f}')}x | {share[0]} | {share[1]} |")
+                         f"{fmt_mr(e['llamacpp'])} | {fmt_mr(e['ratio'], '{:.2f}', 'x')} | {share[0]} | {share[1]} |")
     lines += ["", "| row | moerun MB/token | llama.cpp MB/token | GGUF GB | llama.cpp tensor types | KV KB/token | "
               "moerun RSS GiB (whole process) | llama-bench peak RSS GiB | logits cosine (median, min; top-1) |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -782,7 +785,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--rows", default="int4,int8,default", help=f"comma-separated, of {', '.join(ROWS)}")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds (moerun, llama.cpp) per row")
-    p.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    p.add_argument("--threads", default="2",
+                   help="thread counts, comma-separated (1,2: the full matrix, an estimated ~30 minutes here, where the default "
+                        "takes ~22 with the GGUF files to make)")
     p.add_argument("--prompts", default="512,2048", help="prefill lengths (llama-bench -p)")
     p.add_argument("--gen", type=int, default=128, help="decode steps (llama-bench -n)")
     p.add_argument("--depths", default="0,4096", help="context before the decode steps (llama-bench -d)")
@@ -795,8 +800,12 @@ def main(argv=None) -> int:
                                           f"{llamacpp.default_dir()})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="write every figure to OUT")
+    p.add_argument("--table", metavar="JSON", help="print the tables of an earlier run's --json file and stop")
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
     a = p.parse_args(argv)
+    if a.table:
+        print(table(json.loads(Path(a.table).read_text())))
+        return 0
     if a.quick:
         if "--prompts" not in given:
             a.prompts = "128"
