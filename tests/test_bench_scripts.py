@@ -15,21 +15,20 @@ BENCH = Path(__file__).parents[1] / "benchmarks"
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # a dataclass looks its module up there
     spec.loader.exec_module(mod)
     return mod
 
 
-def test_llamacpp_probe_names_a_crash_and_a_failure(monkeypatch, tmp_path):
+def test_llamacpp_failure_names_a_crash_and_a_failure():
     bench = _load("vs_llamacpp")
-    gguf = tmp_path / "m.gguf"
-    # a child that dies on an illegal instruction, as llama.cpp's AMX path does on some Xeons
-    monkeypatch.setattr(bench, "PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
-    msg = bench.probe_llamacpp(gguf, 2)
-    assert "died with SIGILL" in msg and "m.gguf" in msg and "-DGGML_NATIVE=OFF" in msg and "\n" not in msg
-    monkeypatch.setattr(bench, "PROBE", "raise SystemExit('no such model')")
-    assert bench.probe_llamacpp(gguf, 2) == "llama.cpp failed on a probe run: no such model"
-    monkeypatch.setattr(bench, "PROBE", "pass")
-    assert bench.probe_llamacpp(gguf, 2) is None
+    cmd = ["/x/llama-bench", "-m", "/w/m.gguf", "-p", "512"]
+    # a tool that dies on an illegal instruction, as llama.cpp's AMX path does on some Xeons
+    msg = bench.llamacpp_failure(-4, cmd, "")
+    assert "llama-bench died with SIGILL" in msg and "m.gguf" in msg and "-DGGML_NATIVE=OFF" in msg
+    assert "\n" not in msg
+    msg = bench.llamacpp_failure(1, cmd, "loading\nerror: failed to load model\n")
+    assert msg == "llama-bench failed (exit status 1): error: failed to load model"
 
 
 def test_gemm_benchmark_refuses_an_unknown_kernel_path():
@@ -87,3 +86,25 @@ def test_speculative_oracle_runs_and_refuses_bad_input(tmp_path, capsys):
     r = subprocess.run([sys.executable, str(BENCH / "speculative_oracle.py"), "-m", str(path), "--acceptance", "2"],
                        capture_output=True, text=True, cwd=BENCH)
     assert r.returncode == 2 and "--acceptance must be between 0 and 1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_vs_llamacpp_small_model_bytes_and_moerun_turn(tmp_path):
+    # the equal-bytes rows hand llama.cpp moerun's own blocks: the GGUF's bytes per decoded
+    # token (its tensor sizes, experts by top-k) match moerun's (`moerun info`'s) part by part
+    bench = _load("vs_llamacpp")
+    small = dict(vocab_size=512, hidden_size=256, moe_intermediate_size=64, num_experts=16, intermediate_size=512,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    src = bench.Qwen3MoeRandom(2, **small)
+    for name in ("int4", "int8"):
+        row = bench.ROWS[name]
+        llm, args = src.moerun(row)
+        path = src.gguf(row, llm, tmp_path, False, 1)
+        ours = bench.describe(llm.net, args)["bytes_per_token_by_component"]
+        theirs = bench.gguf_bytes_per_token(path, args.num_experts_per_tok, args.num_experts)
+        for comp in ("routed experts", "attention", "head", "router"):
+            assert ours[comp] == theirs["by_component"][comp], (name, comp)
+        assert set(theirs["tensor_types"]) == {"F32", "BF16", {"int4": "Q4_0", "int8": "Q8_0"}[name]}
+    plan = bench.Plan(threads=[2, 1], prompts=[16], gen=3, depths=[0, 8], warm=4)
+    tok = bench.MoerunRunner(llm, plan).turn()
+    assert set(tok) == {"pp16/t2", "tg3@d0/t2", "tg3@d8/t2", "pp16/t1", "tg3@d0/t1", "tg3@d8/t1"}
+    assert all(v > 0 for v in tok.values())
