@@ -257,3 +257,18 @@ def test_tiny_model_forward_with_raw_modules():
         yt = forward()
     assert torch.isfinite(y).all()
     assert norm_rel(y, yt) < 1e-3
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+def test_swiglu_mlp_raw(isa):
+    """A dense MLP / shared expert in raw formats (q4_k gate/up, q6_k down) through the fused op."""
+    H, I = 256, 512
+    e = torch.float16
+    gate = (random_raw("q4_k", (I,), H, 41), torch.empty(I, 0, dtype=e), "q4_k")
+    up = (random_raw("q4_k", (I,), H, 42), torch.empty(I, 0, dtype=e), "q4_k")
+    down = (random_raw("q6_k", (H,), I, 43), torch.empty(H, 0, dtype=e), "q6_k")
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(6))
+    ref = kernels.swiglu_mlp_ref(x, gate, up, down)
+    with kernels.use_isa(isa):
+        y = kernels.swiglu_mlp(x, gate, up, down)
+    assert max_rel(y, ref) < 1e-2 and norm_rel(y, ref) < 1e-4
