@@ -428,6 +428,10 @@ def _rope(f: "GGUFFile", a: str, cfg: dict) -> None:
     elif kind == "yarn":
         rope.update(rope_type="yarn", factor=f.get(f"{a}.rope.scaling.factor", "float"),
                     original_max_position_embeddings=f.get(f"{a}.rope.scaling.original_context_length", "int"))
+        for fld, key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            v = f.get(f"{a}.rope.scaling.{key}", "float", None)
+            if v is not None:
+                rope[fld] = v
         mult = f.get(f"{a}.rope.scaling.yarn_log_multiplier", "float", 0.0)
         if mult:
             rope["mscale_all_dim"] = mult / 0.1
@@ -445,6 +449,9 @@ def _rope_keys(args) -> dict[str, Any]:
     elif rp.get("rope_type") == "yarn":
         out.update({"rope.scaling.type": "yarn", "rope.scaling.factor": float(rp["factor"]),
                     "rope.scaling.original_context_length": int(rp["original_max_position_embeddings"])})
+        for fld, key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if rp.get(fld) is not None:
+                out[f"rope.scaling.{key}"] = float(rp[fld])
         if rp.get("mscale_all_dim"):
             out["rope.scaling.yarn_log_multiplier"] = 0.1 * float(rp["mscale_all_dim"])
     return out

@@ -21,6 +21,7 @@ The file is written beside the output as a temporary file and renamed at the end
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import fields
@@ -52,8 +53,10 @@ def _recipe_policy(recipe: str):
     return None
 
 
-def export(model_dir, out, recipe: str = "bf16", force: bool = False) -> dict:
-    """Write `model_dir` as the GGUF file `out`; returns a summary."""
+def export(model_dir, out, recipe: str = "bf16", force: bool = False, split_bytes: int = 0) -> dict:
+    """Write `model_dir` as the GGUF file `out`; returns a summary. split_bytes: cut into
+    files of at most this many tensor bytes, named `NAME-00001-of-0000N.gguf` like llama.cpp's
+    gguf-split (0: one file)."""
     import gguf
 
     from .hf import build
@@ -73,17 +76,16 @@ def export(model_dir, out, recipe: str = "bf16", force: bool = False) -> dict:
     if arch is None:
         raise MoerunError(f"{src} is {args.model_type!r}, which moerun cannot write as GGUF")
     plan = _plan(net, args, arch, recipe, dtype)
-    w = gguf.GGUFWriter(path=None, arch=arch.name)
+    w = gguf.GGUFWriter(path=None, arch=arch.name, split_max_size=split_bytes)
     _metadata(w, args, arch, recipe, src)
     _tokenizer(w, src, args)
     for name, gtype, shape, _ in plan:
         _tensor_info(w, name, gtype, shape)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
-    os.close(fd)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     total = sum(_nbytes(g, s) for _, g, s, _ in plan)
     try:
-        w.write_header_to_file(Path(tmp))
+        w.write_header_to_file(tmp / out.name)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         with tqdm(total=total, unit="B", unit_scale=True, desc="writing GGUF", file=sys.stderr,
@@ -95,17 +97,21 @@ def export(model_dir, out, recipe: str = "bf16", force: bool = False) -> dict:
         w.close()
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would outlive the rename
-        os.replace(tmp, out)
+        files = sorted(tmp.iterdir())
+        for f in files:  # mkdtemp's files are private: the umask's mode, as any written file
+            f.chmod(0o666 & ~umask)
+            os.replace(f, out.parent / f.name)
     except BaseException:
         w.close()
-        Path(tmp).unlink(missing_ok=True)
         raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     types: dict[str, int] = {}
     for _, g, s, _ in plan:
         types[g] = types.get(g, 0) + 1
-    return {"output": str(out), "architecture": arch.name, "type": recipe, "tensors": len(plan),
-            "bytes": out.stat().st_size, "types": types}
+    written = [out.parent / f.name for f in files]
+    return {"output": str(written[0]), "files": len(written), "architecture": arch.name, "type": recipe,
+            "tensors": len(plan), "bytes": sum(f.stat().st_size for f in written), "types": types}
 
 
 # -- tensors ---------------------------------------------------------------------------------
