@@ -267,7 +267,7 @@ def cmd_info(a) -> int:
         "kernel_isa": _kernel_isa(),
         "bf16_products": _bf16_products(llm.dtype),
         "quantization": formats_in_use(llm.net) or None,
-        "quantized_checkpoint": stored_policy(llm.path) is not None,
+        "quantized_checkpoint": stored_policy(llm.path) is not None or str(llm.path).endswith(".gguf"),
         **kv_cache_summary(llm.net.cache_spec(), llm.dtype, llm.kv_dtype),
         **d,
     }

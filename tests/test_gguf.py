@@ -220,3 +220,22 @@ def test_raw_k_quant_tensors_are_views_of_the_file(tmp_path):
     llm = moerun.load(out, threads=1)
     mods = [m for m in llm.net.modules() if getattr(m, "fmt", None) in ("q4_k", "q6_k")]
     assert mods and all(m.scales.shape[-1] == 0 for m in mods if hasattr(m, "scales"))
+
+
+@pytest.mark.parametrize("recipe", ["f32", "q8_0"])
+def test_tiled_value_heads_kept_with_expanded_key_heads(tmp_path, monkeypatch, recipe):
+    """The form a K-quant ssm_out needs (Qwen3.6 Q4_K_M): the file's tiled value-head order
+    kept, each value head given its own copy of its key head. Same logits as the permuted form."""
+    import moerun.loaders.gguf as g
+
+    out = tmp_path / "demo.gguf"
+    export(DEMO, out, recipe)
+    ids = ids_for(4096)
+    plain = moerun.load(out, threads=1)
+    monkeypatch.setattr(g, "EXPAND_KEY_HEADS", "always")
+    expanded = moerun.load(out, threads=1)
+    assert expanded.args.linear_num_key_heads == expanded.args.linear_num_value_heads == 4
+    assert plain.args.linear_num_key_heads == 2
+    assert rel_err(expanded.forward(ids), plain.forward(ids)) < 1e-5
+    p = ids[0, :6].tolist()
+    assert expanded.generate_ids([p], max_tokens=10, temperature=0) == plain.generate_ids([p], max_tokens=10, temperature=0)

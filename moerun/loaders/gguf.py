@@ -384,9 +384,10 @@ class Transform:
     redo). `rows`/`cols`: a permutation p with gguf = hf[p] along that axis (rows also apply to
     quantized rows as they are); `value`: (to_gguf, from_gguf) on float values."""
 
-    rows: Callable[[Any], torch.Tensor] | None = None
-    cols: Callable[[Any], torch.Tensor] | None = None
+    rows: torch.Tensor | None = None
+    cols: torch.Tensor | None = None
     value: tuple[Callable, Callable] | None = None
+    gather: torch.Tensor | None = None  # reader only: moerun rows = gguf rows[gather] (rows repeated)
 
 
 @dataclass(frozen=True)
@@ -779,10 +780,13 @@ def gguf_names(net: nn.Module, arch: Arch) -> dict[str, str]:
     return names
 
 
-def transform_of(arch: Arch, name: str, args) -> Transform | None:
-    """The converter's transform for moerun parameter `name` (None: stored as it is)."""
+def transform_of(arch: Arch, name: str, args, overrides: dict | None = None) -> Transform | None:
+    """The converter's transform for moerun parameter `name` (None: stored as it is);
+    `overrides`: the reader's own, by layer name (`_expanded_key_heads`)."""
     m = re.match(r"^(?:model\.layers\.\d+|mtp\.layers\.\d+|mtp\.\d+\.block)\.(.+)$", name)
     key = m[1] if m else None
+    if overrides is not None and key in overrides:
+        return overrides[key]
     if key is None and arch.name == "qwen35moe" and name.startswith("mtp.") and name.endswith("norm.weight"):
         return _plus_one()  # the MTP head's own norms
     if key is None and arch.name == "qwen35moe" and name == "model.norm.weight":
@@ -817,6 +821,7 @@ def build(path, dtype="auto", prepare=None, check_weights: bool = False):
     try:
         arch = arch_of(f)
         cfg = config_of(f, arch)
+        overrides = _expanded_key_heads(f, cfg) if arch.name == "qwen35moe" else None
         module = module_for(cfg["model_type"])
         args = module.ModelArgs.from_dict(cfg)
         try:
@@ -830,7 +835,7 @@ def build(path, dtype="auto", prepare=None, check_weights: bool = False):
             _check_finite(f)
         if prepare is not None:
             prepare(net)
-        _load(net, arch, f, names, dtype)
+        _load(net, arch, f, names, dtype, overrides)
     finally:
         f.close()
     left = [n for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta]
@@ -838,6 +843,39 @@ def build(path, dtype="auto", prepare=None, check_weights: bool = False):
         raise RuntimeError(f"tensors left unmaterialized after loading: {left[:5]}")
     net.requires_grad_(False).eval()
     return module, args, net, dtype
+
+
+EXPAND_KEY_HEADS = "auto"  # "always": tests run the expanded form on files that do not need it
+
+
+def _expanded_key_heads(f: GGUFFile, cfg: dict) -> dict | None:
+    """qwen35moe with fewer key than value heads stores the value heads tiled (value head j
+    reads key head j % n_k; moerun's Gated DeltaNet groups them: j // r). Undoing that moves
+    `ssm_out`'s columns, which a K-quant's super-blocks (256 wide, heads of 128) cannot do
+    losslessly. Then the file's order is kept and every value head gets its own key head: the
+    q and k rows (and conv channels) repeated r times, a copy of those rows' bytes, no
+    dequantization. Returns the reader's transforms for that form (cfg changed to match), or
+    None where the permutation at load is exact."""
+    n_k, n_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    if n_k == n_v:
+        return None
+    g = _ggml()
+    blocks = {g.GGML_QUANT_SIZES[g.GGMLQuantizationType[t.type]][0]
+              for n, t in f.tensors.items() if n.endswith("ssm_out.weight")}
+    if EXPAND_KEY_HEADS != "always" and all(dv % b == 0 for b in blocks):
+        return None
+    r = n_v // n_k
+    qk = torch.arange(n_k * dk).repeat(r)  # tiled: key head j % n_k for value head j
+    gather = torch.cat([qk, n_k * dk + qk, 2 * n_k * dk + torch.arange(n_v * dv)])
+    cfg["linear_num_key_heads"] = n_v
+    unsqueeze = (lambda t: t, lambda t: t.unsqueeze(1))
+    a_log = (lambda t: t, lambda t: torch.log(-t.float()))
+    return {"linear_attn.in_proj_qkv.weight": Transform(gather=gather),
+            "linear_attn.conv1d.weight": Transform(gather=gather, value=unsqueeze),
+            "linear_attn.in_proj_z.weight": None, "linear_attn.in_proj_a.weight": None,
+            "linear_attn.in_proj_b.weight": None, "linear_attn.dt_bias": None,
+            "linear_attn.A_log": Transform(value=a_log), "linear_attn.out_proj.weight": None}
 
 
 def _drop_missing_mtp(net, names: dict[str, str], f: GGUFFile) -> None:
@@ -856,7 +894,8 @@ def _check_finite(f: GGUFFile) -> None:
             raise MoerunError(f"tensor {t.name!r} in {t.path.name} holds NaN or infinite values")
 
 
-def _load(net: nn.Module, arch: Arch, f: GGUFFile, names: dict[str, str], dtype: torch.dtype) -> None:
+def _load(net: nn.Module, arch: Arch, f: GGUFFile, names: dict[str, str], dtype: torch.dtype,
+          overrides: dict | None = None) -> None:
     from .hf import PROGRESS_BYTES, target_dtype
 
     modules = dict(net.named_modules())
@@ -879,17 +918,17 @@ def _load(net: nn.Module, arch: Arch, f: GGUFFile, names: dict[str, str], dtype:
                                   f"(it runs {', '.join(TYPE_FORMATS)})")
             if fmt not in (None, "float") and not _keeps_float(name):
                 if isinstance(owner, nn.Linear) and leaf == "weight":
-                    _quantized_linear(net, owner_name, owner, arch, f, names, t, fmt, dtype, done)
+                    _quantized_linear(net, owner_name, owner, arch, f, names, t, fmt, done, overrides)
                     bar.update(t.nbytes)
                     continue
                 if _is_experts(owner):
-                    _quantized_experts(net, owner_name, owner, arch, f, names, dtype, done)
+                    _quantized_experts(net, owner_name, owner, arch, f, names, done)
                     continue
                 if isinstance(owner, nn.Embedding):
                     _quantized_embedding(net, owner_name, owner, f, t, dtype)
                     done.add(name)
                     continue
-            w = _float(f, t, arch, name, net.args, tuple(p.shape)).to(target_dtype(net, name, p, dtype))
+            w = _float(f, t, arch, name, net.args, tuple(p.shape), overrides).to(target_dtype(net, name, p, dtype))
             _assign(owner, leaf, w)
             if w.data_ptr() != f.raw(t).data_ptr():  # a copy: the file's pages are not needed
                 f.drop_pages(t)
@@ -923,17 +962,19 @@ def _source(f: GGUFFile, names: dict[str, str], name: str, net) -> GGUFTensor | 
     raise MoerunError(f"{f.path} is missing tensor {g!r} (needed for {name})")
 
 
-def _float(f: GGUFFile, t: GGUFTensor, arch: Arch, name: str, args, shape: tuple) -> torch.Tensor:
+def _float(f: GGUFFile, t: GGUFTensor, arch: Arch, name: str, args, shape: tuple, overrides=None) -> torch.Tensor:
     """Parameter `name` as a float tensor of `shape`, the converter's transforms undone."""
     if t.name.endswith("attn_k_b.weight"):
         return _join_kv_b(f, t, args, shape)
     w = f.floats(t)
     if w.dtype == torch.float16:
         w = w.float()  # F16 is widened (exact)
-    tr = transform_of(arch, name, args)
+    tr = transform_of(arch, name, args, overrides)
     if tr is not None:
         if tr.value is not None:
             w = tr.value[1](w)
+        if tr.gather is not None:
+            w = w[tr.gather]
         if tr.rows is not None:
             w = w[torch.argsort(tr.rows)]
         if tr.cols is not None:
@@ -976,16 +1017,18 @@ def _repack(raw: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _interleave(q), scales.contiguous()
 
 
-def _quant_rows(f: GGUFFile, t: GGUFTensor, arch: Arch, name: str, args) -> torch.Tensor:
+def _quant_rows(f: GGUFFile, t: GGUFTensor, arch: Arch, name: str, args, overrides=None) -> torch.Tensor:
     """A quantized tensor's rows (uint8 [..., rows, row_bytes]) with row/column transforms
     undone: rows move whole; a column permutation moves whole blocks where heads are whole
     blocks."""
     raw = f.raw(t)
-    tr = transform_of(arch, name, args)
+    tr = transform_of(arch, name, args, overrides)
     if tr is None:
         return raw
     if tr.value is not None:
         raise MoerunError(f"{f.path}: tensor {t.name!r} is quantized ({t.type}); moerun reads it only in float")
+    if tr.gather is not None:
+        raw = raw[..., tr.gather, :]
     if tr.rows is not None:
         raw = raw[..., torch.argsort(tr.rows), :]
     if tr.cols is not None:
@@ -1001,12 +1044,12 @@ def _quant_rows(f: GGUFFile, t: GGUFTensor, arch: Arch, name: str, args) -> torc
     return raw.contiguous()
 
 
-def _quantized_linear(net, owner_name, lin: nn.Linear, arch, f, names, t, fmt, dtype, done) -> None:
+def _quantized_linear(net, owner_name, lin: nn.Linear, arch, f, names, t, fmt, done, overrides) -> None:
     from ..quant import replace_module
     from ..quant.modules import QuantizedLinear
 
     name = f"{owner_name}.weight"
-    rows = _quant_rows(f, t, arch, name, net.args)
+    rows = _quant_rows(f, t, arch, name, net.args, overrides)
     if tuple(rows.shape[:-1]) != (lin.out_features,):
         raise MoerunError(f"{f.path}: tensor {t.name!r} has {rows.shape[0]} rows, the metadata implies {lin.out_features}")
     new = _new_module(f, t, lambda: QuantizedLinear(lin.in_features, lin.out_features, fmt, bias=lin.bias is not None))
@@ -1014,7 +1057,7 @@ def _quantized_linear(net, owner_name, lin: nn.Linear, arch, f, names, t, fmt, d
     if lin.bias is not None:
         bias_name = f"{owner_name}.bias"
         bt = _source(f, names, bias_name, net)
-        new.bias = _float(f, bt, arch, bias_name, net.args, (lin.out_features,)).float().clone()
+        new.bias = _float(f, bt, arch, bias_name, net.args, (lin.out_features,), overrides).float().clone()
         done.add(bias_name)
     replace_module(net, owner_name, new)
     done.add(name)
@@ -1038,7 +1081,7 @@ def _fill(mod: nn.Module, bufs: tuple[str, str], rows: torch.Tensor, fmt: str) -
     mod._buffers[bufs[0]], mod._buffers[bufs[1]] = q, s
 
 
-def _quantized_experts(net, owner_name, ex, arch, f, names, dtype, done) -> None:
+def _quantized_experts(net, owner_name, ex, arch, f, names, done) -> None:
     from ..quant import replace_module
     from ..quant.modules import QuantizedExperts
 
