@@ -6,7 +6,6 @@ and chat template from the file, and the raw K-quant formats once their kernels 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest

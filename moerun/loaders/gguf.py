@@ -310,8 +310,7 @@ def _shortest_f32(v: float) -> float:
 def _is_kind(vtype: int, v, kind: str) -> bool:
     if kind.startswith("list["):
         sub = kind[5:-1]
-        return vtype == ARRAY and all(_is_kind(v.sub, x, sub) for x in v[:1]) and (
-            not v or _is_kind(v.sub, v[0], sub))
+        return vtype == ARRAY and (not v or _is_kind(v.sub, v[0], sub))
     if kind == "str":
         return vtype == STRING
     if kind == "bool":
@@ -335,7 +334,7 @@ def _kind_name(vtype: int, v) -> str:
 
 @dataclass(frozen=True)
 class Key:
-    """config field <-> metadata `{arch}.suffix` (or a full key when it starts with a dot-free prefix `general.`)."""
+    """config field <-> metadata key `{arch}.{key}`, read as `kind` (int, float, bool)."""
 
     field: str
     key: str
@@ -544,7 +543,7 @@ def _qwen35moe_keys(args):
     interval = next((i + 1 for i, t in enumerate(args.layer_types) if t == "full_attention"), 4)
     return {**_rope_keys(args), "attention.head_count_kv": args.num_key_value_heads, "attention.key_length": args.head_dim,
             "attention.value_length": args.head_dim, "rope.dimension_count": args.rotary_dim,
-            "rope.dimension_sections": [11, 11, 10, 0], "ssm.conv_kernel": args.linear_conv_kernel_dim,
+            "rope.dimension_sections": [*(args.rope or {}).get("mrope_section", [11, 11, 10]), 0][:4], "ssm.conv_kernel": args.linear_conv_kernel_dim,
             "ssm.state_size": args.linear_key_head_dim, "ssm.group_count": args.linear_num_key_heads,
             "ssm.time_step_rank": args.linear_num_value_heads,
             "ssm.inner_size": args.linear_value_head_dim * args.linear_num_value_heads,
@@ -1096,7 +1095,8 @@ def _quantized_experts(net, owner_name, ex, arch, f, names, done) -> None:
     for p, t in ts.items():
         rows = _quant_rows(f, t, arch, f"{owner_name}.{p}_proj", net.args)
         _fill(new, (f"{p}_q", f"{p}_scales"), rows, fmts[p])
-        f.drop_pages(t) if fmts[p] not in RAW_FORMATS else None
+        if fmts[p] not in RAW_FORMATS:  # repacked: the file's pages are not needed
+            f.drop_pages(t)
         done.add(f"{owner_name}.{p}_proj")
     replace_module(net, owner_name, new)
 
