@@ -238,3 +238,27 @@ def test_tiled_value_heads_kept_with_expanded_key_heads(tmp_path, monkeypatch, r
     assert rel_err(expanded.forward(ids), plain.forward(ids)) < 1e-5
     p = ids[0, :6].tolist()
     assert expanded.generate_ids([p], max_tokens=10, temperature=0) == plain.generate_ids([p], max_tokens=10, temperature=0)
+
+
+def test_k_recipes_ask_ggml_quant_per_tensor(tmp_path, monkeypatch):
+    """The K recipes' wiring, with a stand-in for moerun/quant/ggml_quant.py that picks Q8_0
+    for every matrix llama-quantize would quantize: the file equals the q8_0 recipe's."""
+    import sys
+    import types
+
+    asked = []
+    stub = types.ModuleType("moerun.quant.ggml_quant")
+
+    def tensor_type(recipe, name, shape, n_layer):
+        asked.append((recipe, name, n_layer))
+        return "f32" if "ffn_gate_inp" in name else "q8_0"  # routers (and shared-expert gates) stay F32
+    stub.tensor_type = tensor_type
+    monkeypatch.setitem(sys.modules, "moerun.quant.ggml_quant", stub)
+    out = tmp_path / "k.gguf"
+    export(DEMO, out, "q4_k_m")
+    assert ("q4_k_m", "blk.0.ffn_down_exps.weight", 8) in asked
+    f = GGUFFile(out)
+    assert f.tensors["blk.0.ffn_gate_exps.weight"].type == "Q8_0" and f.tensors["blk.0.ffn_gate_inp.weight"].type == "F32"
+    ids = ids_for(4096)
+    llm = moerun.load(out, threads=1)
+    assert rel_err(llm.forward(ids), moerun.load(None, dtype="float32", threads=1).forward(ids)) < 0.1

@@ -12,8 +12,9 @@ the other direction. Types per `--type` recipe:
   tensors moerun keeps in float stay float.
 - A quantized checkpoint's int8/int4 modules are written as Q8_0/Q4_0 whatever the recipe:
   the same blocks in natural order with their fp16 scale in front, bit for bit.
-- `q4_k_m`, `q5_k_m`, `q6_k`: need moerun/quant/ggml_quant.py (the K-quant quantizers),
-  not built yet.
+- `q4_k_m`, `q5_k_m`, `q6_k`: each matrix's type is what `ggml_quant.tensor_type` says
+  llama-quantize gives it, its blocks from `ggml_quant.quantize` (Q8_0/Q4_0 by moerun's
+  rule); refused ("not built yet") while moerun/quant/ggml_quant.py is missing.
 
 The file is written beside the output as a temporary file and renamed at the end.
 """
@@ -38,7 +39,7 @@ from .gguf import ARCHS, MODEL_TYPES, PRE_TOKENIZERS, SAMPLING, Arch, gguf_names
 
 RECIPES = ("bf16", "f32", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")
 K_RECIPES = ("q4_k_m", "q5_k_m", "q6_k")
-FILE_TYPES = {"f32": 0, "bf16": 32, "q8_0": 7, "q4_0": 2}  # general.file_type (llama_ftype)
+FILE_TYPES = {"f32": 0, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}  # llama_ftype
 GGML_OF = {"int8": "Q8_0", "int4": "Q4_0"}
 PROGRESS_BYTES = 1 << 30
 
@@ -65,8 +66,7 @@ def export(model_dir, out, recipe: str = "bf16", force: bool = False, split_byte
     if recipe not in RECIPES:
         raise MoerunError(f"unknown --type {short(recipe)}; types: {', '.join(RECIPES)}")
     if recipe in K_RECIPES:
-        raise MoerunError(f"--type {recipe} is not built yet: it needs the K-quant quantizers "
-                          "(moerun/quant/ggml_quant.py); use bf16, f32, q8_0 or q4_0")
+        _k_quants()  # refused here, before anything is loaded, while they are not built
     if out.exists() and not force:
         raise MoerunError(f"{out} exists (pass --force to replace it)")
     if out.exists() and out.is_dir():
@@ -160,6 +160,11 @@ def _plan(net, args, arch: Arch, recipe: str, dtype) -> list[tuple[str, str, tup
         if name.endswith("kv_b_proj.weight"):
             plan.extend(_split_kv_b(gname, get, args, float_type))
             continue
+        if recipe in K_RECIPES and p.dim() >= 2 and (tr is None or tr.value is None):
+            gtype = _k_type(recipe, gname, tuple(p.shape), args)
+            make = _floats(get, gtype, tr) if gtype in ("F32", "BF16") else _quantize_k(get, gtype, tr)
+            plan.append((gname, gtype, tuple(p.shape), make))
+            continue
         fmt = _quant_format(name, meta_owner, p, policy, recipe, component_of)
         if fmt is not None and (tr is None or tr.value is None):
             plan.append((gname, GGML_OF[fmt], tuple(p.shape), _quantize(get, fmt, tr)))
@@ -170,6 +175,37 @@ def _plan(net, args, arch: Arch, recipe: str, dtype) -> list[tuple[str, str, tup
             shape = (shape[0], shape[-1])
         plan.append((gname, gtype, shape, _floats(get, gtype, tr)))
     return plan
+
+
+def _k_quants():
+    """moerun/quant/ggml_quant.py (the K-quant quantizers and llama-quantize's per-tensor
+    choices), or the error saying it is not built yet."""
+    try:
+        from ..quant import ggml_quant
+    except ImportError:
+        raise MoerunError("--type q4_k_m, q5_k_m and q6_k are not built yet: they need the K-quant quantizers "
+                          "(moerun/quant/ggml_quant.py); use bf16, f32, q8_0 or q4_0") from None
+    return ggml_quant
+
+
+def _k_type(recipe: str, gname: str, shape: tuple, args) -> str:
+    """The GGUF type llama-quantize's `recipe` gives tensor `gname` (ggml_quant.tensor_type)."""
+    n_layer = getattr(args, "num_hidden_layers")
+    gtype = str(_k_quants().tensor_type(recipe, gname, shape, n_layer)).upper()
+    if gtype not in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0"):
+        raise MoerunError(f"recipe {recipe} chose type {gtype} for {gname}, which moerun cannot write")
+    return "BF16" if gtype == "F16" else gtype
+
+
+def _quantize_k(get, gtype: str, tr) -> Callable[[], np.ndarray]:
+    """Float -> GGUF blocks of `gtype`: Q8_0/Q4_0 by moerun's rule, the raw formats by
+    ggml_quant.quantize."""
+    if gtype in ("Q8_0", "Q4_0"):
+        return _quantize(get, "int8" if gtype == "Q8_0" else "int4", tr)
+
+    def make():
+        return _k_quants().quantize(gtype.lower(), _apply(get(), tr).float()).contiguous().numpy()
+    return make
 
 
 def _getter(net, name: str) -> Callable[[], torch.Tensor]:
