@@ -30,7 +30,8 @@ CONFIGS = {
                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                     rope_theta=1e6),
     "olmoe": dict(model_type="olmoe", vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=4, num_experts=6, num_experts_per_tok=2),
+                  num_attention_heads=4, num_key_value_heads=4, num_experts=6, num_experts_per_tok=2,
+                  tie_word_embeddings=True),  # tied: no output.weight in the file
     "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", vocab_size=256, hidden_size=64, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_key_head_dim=32,
                         linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
