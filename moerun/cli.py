@@ -21,7 +21,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _common(p: argparse.ArgumentParser, model=True) -> None:
     if model:
-        p.add_argument("-m", "--model", default=None, help="Hugging Face model directory (default: the bundled demo model)")
+        p.add_argument("-m", "--model", default=None, help="Hugging Face model directory or GGUF file (default: the bundled demo model)")
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weight and activation dtype")
         p.add_argument("--quant", default="none", choices=["none", "int4", "int8", "int4-all"],
                        help="quantize at load: int4 = routed experts int4, attention/shared/head int8")
