@@ -90,7 +90,7 @@ def quantized_reference(path, recipe: str):
     quantize_model(llm.net, _recipe_policy(recipe))
     compute_in_float32(llm.net)
     emb = llm.net.model.embed_tokens
-    fmt = "int8" if recipe == "q8_0" else "int4"
+    fmt = "int8" if recipe == "q8_0" or llm.args.tie_word_embeddings else "int4"  # tied: the head's format
     w = emb.weight.detach().float()
     emb.weight = torch.nn.Parameter(dequantize(*quantize(w, fmt), fmt, w.shape[1]), requires_grad=False)
     return llm

@@ -129,7 +129,6 @@ def _float_net(net, args):
 
 def _plan(net, args, arch: Arch, recipe: str, dtype) -> list[tuple[str, str, tuple, Callable]]:
     """(GGUF name, GGUF type, torch-order shape, producer of the bytes) per tensor."""
-    from ..quant import component_of
     from ..quant.modules import QuantizedExperts, QuantizedLinear
 
     meta = _float_net(net, args)
@@ -165,7 +164,7 @@ def _plan(net, args, arch: Arch, recipe: str, dtype) -> list[tuple[str, str, tup
             make = _floats(get, gtype, tr) if gtype in ("F32", "BF16") else _quantize_k(get, gtype, tr)
             plan.append((gname, gtype, tuple(p.shape), make))
             continue
-        fmt = _quant_format(name, meta_owner, p, policy, recipe, component_of)
+        fmt = _quant_format(name, meta_owner, p, policy, recipe, getattr(args, "tie_word_embeddings", False))
         if fmt is not None and (tr is None or tr.value is None):
             plan.append((gname, GGML_OF[fmt], tuple(p.shape), _quantize(get, fmt, tr)))
             continue
@@ -216,12 +215,14 @@ def _getter(net, name: str) -> Callable[[], torch.Tensor]:
     return get
 
 
-def _quant_format(name, meta_owner, p, policy, recipe, component_of) -> str | None:
+def _quant_format(name, meta_owner, p, policy, recipe, tied: bool) -> str | None:
     """The moerun format a float tensor is quantized to under `recipe` (None: float)."""
+    from ..quant import component_of
+
     if policy is None or p.dim() < 2 or p.shape[-1] % 32:
         return None
-    if isinstance(meta_owner, nn.Embedding):
-        return "int8" if recipe == "q8_0" else "int4"
+    if isinstance(meta_owner, nn.Embedding):  # tied, it is the LM head too (llama-quantize's rule as well)
+        return policy.lm_head if tied else "int8" if recipe == "q8_0" else "int4"
     comp = component_of(name.rpartition(".")[0], meta_owner)
     if comp is None or not name.endswith((".weight", "_proj")):
         return None
