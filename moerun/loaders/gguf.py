@@ -978,9 +978,15 @@ def _float(f: GGUFFile, t: GGUFTensor, arch: Arch, name: str, args, shape: tuple
             w = w[torch.argsort(tr.rows)]
         if tr.cols is not None:
             w = w[:, torch.argsort(tr.cols)]
+    if tuple(w.shape) != shape and _squeezed(w.shape) == _squeezed(shape):
+        w = w.reshape(shape)  # e.g. llama.cpp's 1-D ffn_gate_inp_shexp for a [1, H] weight
     if tuple(w.shape) != shape:
         raise MoerunError(f"{f.path}: tensor {t.name!r} has shape {list(w.shape)}, but the metadata implies {list(shape)}")
     return w
+
+
+def _squeezed(shape) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
 
 
 def _join_kv_b(f: GGUFFile, k_b: GGUFTensor, args, shape) -> torch.Tensor:
@@ -1157,7 +1163,8 @@ DEEPSEEK3_REGEXES = (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
                      r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"
                      r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS: dict[str, tuple[str, ...] | None] = {
-    "default": None, "gpt2": None, "olmo": None,  # None: the byte-level pre-tokenizer's own (GPT-2) regex
+    "gpt-2": None, "gpt2": None, "olmo": None,  # None: the byte-level pre-tokenizer's own (GPT-2) regex
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]"),  # llama.cpp's fallback
     "qwen2": (QWEN2_REGEX,), "qwen35": (QWEN35_REGEX,), "llama-bpe": (LLAMA3_REGEX,), "llama3": (LLAMA3_REGEX,),
     "deepseek-v3": DEEPSEEK3_REGEXES,
 }

@@ -172,6 +172,8 @@ def _plan(net, args, arch: Arch, recipe: str, dtype) -> list[tuple[str, str, tup
         shape = tuple(p.shape)
         if name.endswith("conv1d.weight"):
             shape = (shape[0], shape[-1])
+        if len(shape) == 2 and shape[0] == 1:  # a one-row matrix (a shared-expert gate): 1-D F32, as llama.cpp has it
+            shape, gtype = shape[1:], "F32"
         plan.append((gname, gtype, shape, _floats(get, gtype, tr)))
     return plan
 
@@ -245,6 +247,8 @@ def _floats(get, gtype: str, tr) -> Callable[[], np.ndarray]:
     def make():
         t = _apply(get().float() if gtype == "F32" else get(), tr)
         t = t.to(torch.float32 if gtype == "F32" else torch.bfloat16).contiguous()
+        if t.dim() == 2 and t.shape[0] == 1:
+            t = t.reshape(-1)
         return t.numpy() if gtype == "F32" else t.view(torch.uint8).numpy()
     return make
 
@@ -428,7 +432,7 @@ def _tokenizer(w, src: Path, args) -> None:
 def _pre_name(pre, path: Path) -> str:
     """The tokenizer.ggml.pre name of a tokenizer.json pre-tokenizer (one llama.cpp knows)."""
     if isinstance(pre, dict) and pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"
     if isinstance(pre, dict) and pre.get("type") == "Sequence":
         splits = [p for p in pre.get("pretokenizers", []) if p.get("type") == "Split"]
         regexes = tuple((p.get("pattern") or {}).get("Regex") for p in splits)
