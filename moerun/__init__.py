@@ -7,7 +7,8 @@ __version__ = "0.1.0"
 
 
 def load(path=None, dtype="auto", **options):
-    """Load a Hugging Face model directory (or the bundled demo model when `path` is None).
+    """Load a Hugging Face model directory or a GGUF file (the bundled demo model when `path`
+    is None).
 
     Returns an `LLM` with `forward(input_ids)` and `generate(prompt_or_messages, ...)`.
     """

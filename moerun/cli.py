@@ -1,4 +1,4 @@
-"""`moerun` command line: generate, chat, info, bench, random-model.
+"""`moerun` command line: generate, chat, info, bench, quantize, export-gguf, random-model.
 
 Every failure is one line on stderr and a non-zero exit; `--debug` shows the traceback.
 """
@@ -21,7 +21,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _common(p: argparse.ArgumentParser, model=True) -> None:
     if model:
-        p.add_argument("-m", "--model", default=None, help="Hugging Face model directory (default: the bundled demo model)")
+        p.add_argument("-m", "--model", default=None, help="Hugging Face model directory or GGUF file (default: the bundled demo model)")
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weight and activation dtype")
         p.add_argument("--quant", default="none", choices=["none", "int4", "int8", "int4-all"],
                        help="quantize at load: int4 = routed experts int4, attention/shared/head int8")
@@ -267,7 +267,7 @@ def cmd_info(a) -> int:
         "kernel_isa": _kernel_isa(),
         "bf16_products": _bf16_products(llm.dtype),
         "quantization": formats_in_use(llm.net) or None,
-        "quantized_checkpoint": stored_policy(llm.path) is not None,
+        "quantized_checkpoint": stored_policy(llm.path) is not None or str(llm.path).endswith(".gguf"),
         **kv_cache_summary(llm.net.cache_spec(), llm.dtype, llm.kv_dtype),
         **d,
     }
@@ -325,6 +325,19 @@ def cmd_quantize(a) -> int:
 
 QUANT_COMPONENTS = ("experts", "shared_experts", "attention", "lm_head")  # QuantPolicy's fields, spelled out so
 # that building the parser does not import torch (tests/test_quantize_checkpoint.py checks they agree)
+
+
+def cmd_export_gguf(a) -> int:
+    from .engine.info import human_bytes
+    from .engine.llm import set_threads
+    from .loaders.gguf_write import export
+
+    set_threads(a.threads)
+    s = export(a.model, a.output, a.type, force=a.force)
+    types = ", ".join(f"{n} {t}" for t, n in sorted(s["types"].items()))
+    print(f"wrote {s['output']}: {human_bytes(s['bytes'])}, architecture {s['architecture']}, "
+          f"{s['tensors']} tensors ({types})", file=sys.stderr)
+    return 0
 
 
 def _kernel_isa() -> str:
@@ -531,6 +544,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     _common(q, model=False)
     q.set_defaults(func=cmd_quantize)
+
+    x = sub.add_parser("export-gguf", help="write a model directory as one GGUF file (llama.cpp's format)")
+    x.add_argument("-m", "--model", required=True, help="Hugging Face model directory, float or written by `moerun quantize`")
+    x.add_argument("-o", "--output", required=True, help="GGUF file to write (refused if it exists, unless --force)")
+    x.add_argument("--type", default="bf16", choices=["bf16", "f32", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"],
+                   help="tensor types (default bf16); a quantized checkpoint's int8/int4 blocks are written as Q8_0/Q4_0")
+    x.add_argument("--force", action="store_true", help="replace an existing output file")
+    _common(x, model=False)
+    x.set_defaults(func=cmd_export_gguf)
 
     r = sub.add_parser("random-model", help="write a random-weight checkpoint with a real model's shapes")
     r.add_argument("preset", help="qwen3-30b-a3b or qwen3.6-35b-a3b")

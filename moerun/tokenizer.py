@@ -41,10 +41,20 @@ class Tokenizer:
         jinja_file = Path(model_dir) / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
-        self.chat_template: str | None = _pick_template(template, cfg_path)
-        self.bos_token = _token_text(cfg.get("bos_token"), "bos_token", cfg_path)
-        self.eos_token = _token_text(cfg.get("eos_token"), "eos_token", cfg_path)
-        self.add_bos = bool(cfg.get("add_bos_token", False))
+        self._setup(_pick_template(template, cfg_path), _token_text(cfg.get("bos_token"), "bos_token", cfg_path),
+                    _token_text(cfg.get("eos_token"), "eos_token", cfg_path), bool(cfg.get("add_bos_token", False)))
+
+    @classmethod
+    def from_parts(cls, tok, chat_template: str | None, bos: str | None, eos: str | None, add_bos: bool) -> "Tokenizer":
+        """A Tokenizer around a built `tokenizers.Tokenizer` (a GGUF file's, loaders/gguf.py)."""
+        self = cls.__new__(cls)
+        self.tok = tok
+        self._setup(chat_template, bos, eos, add_bos)
+        return self
+
+    def _setup(self, chat_template: str | None, bos: str | None, eos: str | None, add_bos: bool) -> None:
+        self.chat_template: str | None = chat_template
+        self.bos_token, self.eos_token, self.add_bos = bos, eos, add_bos
         self._template = None
         if self.chat_template:
             self._compile()  # a template that is not valid Jinja is said at load, not at the first chat

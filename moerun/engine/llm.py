@@ -42,6 +42,17 @@ def load_tokenizer(path: Path):
     return Tokenizer(path) if regular_file(path / "tokenizer.json") else None
 
 
+def gguf_extras(path: Path):
+    """(tokenizer, generation settings) of a GGUF file (loaders/gguf.py)."""
+    from ..loaders.gguf import GGUFFile, generation_config, tokenizer_from_gguf
+
+    f = GGUFFile(path)
+    try:
+        return tokenizer_from_gguf(f), generation_config(f)
+    finally:
+        f.close()
+
+
 def check_vocab(tokenizer, vocab_size: int) -> None:
     """Refuse a tokenizer with token ids past the model's vocabulary: they would index past
     the embedding at the first prompt that holds one."""
@@ -92,6 +103,7 @@ class LLM:
         float dtype name. check_weights: first scan every float tensor for NaN and Inf (reads
         the whole checkpoint; `loaders.hf.check_finite`)."""
         from ..config import read_generation_config
+        from ..loaders.gguf import is_gguf
         from ..loaders.hf import build
         from .cache import kv_cache_dtype
 
@@ -101,8 +113,11 @@ class LLM:
         set_threads(threads)
         asked = dtype
         # the small files first, and the vocabularies compared before any weight is read
-        tokenizer = load_tokenizer(path)
-        gen = read_generation_config(path)
+        if is_gguf(path):  # one file holds the tokenizer, the end-of-text ids and the weights
+            tokenizer, gen = gguf_extras(path)
+        else:
+            tokenizer = load_tokenizer(path)
+            gen = read_generation_config(path)
         arch, args, net, dtype = build(path, dtype, prepare=lambda net: check_vocab(tokenizer, net.args.vocab_size),
                                        check_weights=check_weights)
         if quant not in (None, "none"):

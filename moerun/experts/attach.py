@@ -302,6 +302,11 @@ def load(path=None, dtype="auto", threads: int | None = None, options: StoreOpti
     from ..quant.checkpoint import quantize_at_load, stored_policy
 
     path = default_model_path() if path is None else Path(path)
+    from ..loaders.gguf import is_gguf
+
+    if is_gguf(path):  # the store streams experts from safetensors byte ranges
+        raise MoerunError(f"the expert store (--ram-budget, --vram-budget, --predictor, ...) does not read GGUF files "
+                          f"yet; run {path.name} without those flags")
     if quant not in (None, "none"):
         if stored_policy(path) is None:
             raise MoerunError(f"--quant {quant} with the expert store needs a quantized checkpoint: write one with "

@@ -86,10 +86,12 @@ def prepare(owner: nn.Module, parts: MtpParts, kv, slot: int, rope) -> Drafter |
     """A `Drafter` for calls on `slot` of the KV cache `kv` (the head's layer's, in a cache of
     the model's dtype), or None where `native_step` would not run."""
     embed = parts.embed
+    if type(embed) is not nn.Embedding:  # e.g. a GGUF file's token embeddings kept in blocks
+        return None
     dtype = embed.weight.dtype
     H = embed.weight.shape[1]
     x = torch.empty(1, 1, H, dtype=dtype)  # what the checks look at: a one-token call's shape and dtype
-    if (dtype not in kernels.FLOAT_DTYPES or type(embed) is not nn.Embedding
+    if (dtype not in kernels.FLOAT_DTYPES
             or not attn_half_fuses(x, parts.attn_norm, parts.attn, kv)
             or kernels.has_hooks(embed, *parts.pre_norms, parts.fc, parts.layer, parts.norm)):
         return None

@@ -1,0 +1,443 @@
+"""`moerun export-gguf`: a model directory (a Hugging Face float checkpoint, or one written
+by `moerun quantize`) as one GGUF file that llama.cpp loads.
+
+Names, metadata and the converter's transforms come from loaders/gguf.py's tables, read in
+the other direction. Types per `--type` recipe:
+
+- `f32`, `bf16`: float weights in that dtype; 1-D tensors (norms, biases) and the Gated
+  DeltaNet's small tensors always F32, as llama.cpp's converter writes them.
+- `q8_0`, `q4_0`: the weights moerun's own quantization policy would quantize (`int8`;
+  for q4_0 every component int4 but the LM head int8), and the token embeddings, quantized
+  with moerun's int8/int4 rule, which is llama.cpp's Q8_0/Q4_0 rule; routers and the other
+  tensors moerun keeps in float stay float.
+- A quantized checkpoint's int8/int4 modules are written as Q8_0/Q4_0 whatever the recipe:
+  the same blocks in natural order with their fp16 scale in front, bit for bit.
+- `q4_k_m`, `q5_k_m`, `q6_k`: each matrix's type is what `ggml_quant.tensor_type` says
+  llama-quantize gives it, its blocks from `ggml_quant.quantize` (Q8_0/Q4_0 by moerun's
+  rule); refused ("not built yet") while moerun/quant/ggml_quant.py is missing.
+
+The file is written beside the output as a temporary file and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from ..errors import MoerunError, short
+from .gguf import ARCHS, MODEL_TYPES, PRE_TOKENIZERS, SAMPLING, Arch, gguf_names, transform_of
+
+RECIPES = ("bf16", "f32", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")
+K_RECIPES = ("q4_k_m", "q5_k_m", "q6_k")
+FILE_TYPES = {"f32": 0, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}  # llama_ftype
+GGML_OF = {"int8": "Q8_0", "int4": "Q4_0"}
+PROGRESS_BYTES = 1 << 30
+
+
+def _recipe_policy(recipe: str):
+    from ..quant import POLICIES, QuantPolicy
+
+    if recipe == "q8_0":
+        return POLICIES["int8"]
+    if recipe == "q4_0":
+        return QuantPolicy(experts="int4", shared_experts="int4", attention="int4", lm_head="int8")
+    return None
+
+
+def export(model_dir, out, recipe: str = "bf16", force: bool = False, split_bytes: int = 0) -> dict:
+    """Write `model_dir` as the GGUF file `out`; returns a summary. split_bytes: cut into
+    files of at most this many tensor bytes, named `NAME-00001-of-0000N.gguf` like llama.cpp's
+    gguf-split (0: one file)."""
+    import gguf
+
+    from .hf import build
+
+    src, out = Path(model_dir), Path(out)
+    if recipe not in RECIPES:
+        raise MoerunError(f"unknown --type {short(recipe)}; types: {', '.join(RECIPES)}")
+    if recipe in K_RECIPES:
+        _k_quants()  # refused here, before anything is loaded, while they are not built
+    if out.exists() and not force:
+        raise MoerunError(f"{out} exists (pass --force to replace it)")
+    if out.exists() and out.is_dir():
+        raise MoerunError(f"{out} is a directory")
+    _, args, net, dtype = build(src, "float32" if recipe == "f32" else "auto")
+    arch = ARCHS.get(MODEL_TYPES.get(args.model_type, ""))
+    if arch is None:
+        raise MoerunError(f"{src} is {args.model_type!r}, which moerun cannot write as GGUF")
+    plan = _plan(net, args, arch, recipe, dtype)
+    w = gguf.GGUFWriter(path=None, arch=arch.name, split_max_size=split_bytes)
+    _metadata(w, args, arch, recipe, src)
+    _tokenizer(w, src, args)
+    for name, gtype, shape, _ in plan:
+        _tensor_info(w, name, gtype, shape)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    total = sum(_nbytes(g, s) for _, g, s, _ in plan)
+    try:
+        w.write_header_to_file(tmp / out.name)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        with tqdm(total=total, unit="B", unit_scale=True, desc="writing GGUF", file=sys.stderr,
+                  disable=total < PROGRESS_BYTES, leave=False) as bar:
+            for name, gtype, shape, make in plan:
+                data = make()
+                w.write_tensor_data(data)
+                bar.update(data.nbytes)
+        w.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        files = sorted(tmp.iterdir())
+        for f in files:  # mkdtemp's files are private: the umask's mode, as any written file
+            f.chmod(0o666 & ~umask)
+            os.replace(f, out.parent / f.name)
+    except BaseException:
+        w.close()
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    types: dict[str, int] = {}
+    for _, g, s, _ in plan:
+        types[g] = types.get(g, 0) + 1
+    written = [out.parent / f.name for f in files]
+    return {"output": str(written[0]), "files": len(written), "architecture": arch.name, "type": recipe,
+            "tensors": len(plan), "bytes": sum(f.stat().st_size for f in written), "types": types}
+
+
+# -- tensors ---------------------------------------------------------------------------------
+
+def _float_net(net, args):
+    """The float model's parameter names (a quantized checkpoint's modules have others)."""
+    from ..models import build_on_meta, module_for
+
+    meta = build_on_meta(module_for(args.model_type), args)
+    if getattr(net, "mtp", None) is None or (isinstance(net.mtp, nn.ModuleList) and not len(net.mtp)):
+        if getattr(meta, "mtp", None) is not None:
+            meta.mtp = None if not isinstance(meta.mtp, nn.ModuleList) else nn.ModuleList()
+    return meta
+
+
+def _plan(net, args, arch: Arch, recipe: str, dtype) -> list[tuple[str, str, tuple, Callable]]:
+    """(GGUF name, GGUF type, torch-order shape, producer of the bytes) per tensor."""
+    from ..quant.modules import QuantizedExperts, QuantizedLinear
+
+    meta = _float_net(net, args)
+    names = gguf_names(meta, arch)
+    modules = dict(net.named_modules())
+    meta_modules = dict(meta.named_modules())
+    policy = _recipe_policy(recipe)
+    float_type = "F32" if recipe == "f32" or dtype == torch.float32 else "BF16"
+    plan = []
+    for name, p in meta.state_dict(keep_vars=True).items():
+        gname = names[name]
+        if name == "lm_head.weight" and getattr(args, "tie_word_embeddings", False):
+            continue  # llama.cpp ties by the absence of output.weight
+        owner_name, _, leaf = name.rpartition(".")
+        owner, meta_owner = modules.get(owner_name), meta_modules[owner_name]
+        tr = transform_of(arch, name, args)
+        if isinstance(owner, QuantizedLinear) and leaf == "weight":
+            plan.append((gname, GGML_OF[owner.fmt], tuple(p.shape), _stored_rows(owner, "qweight", "scales", tr)))
+            continue
+        if isinstance(owner, QuantizedLinear) and leaf == "bias":
+            plan.append((gname, "F32", tuple(p.shape), _floats(lambda o=owner: o.bias, "F32", None)))
+            continue
+        if isinstance(owner, QuantizedExperts):
+            plan.append((gname, GGML_OF[owner.fmt], tuple(p.shape), _stored_rows(owner, f"{leaf[:-5]}_q",
+                                                                                  f"{leaf[:-5]}_scales", tr)))
+            continue
+        get = _getter(net, name)
+        if name.endswith("kv_b_proj.weight"):
+            plan.extend(_split_kv_b(gname, get, args, float_type))
+            continue
+        if recipe in K_RECIPES and p.dim() >= 2 and (tr is None or tr.value is None):
+            gtype = _k_type(recipe, gname, tuple(p.shape), args)
+            make = _floats(get, gtype, tr) if gtype in ("F32", "BF16") else _quantize_k(get, gtype, tr)
+            plan.append((gname, gtype, tuple(p.shape), make))
+            continue
+        fmt = _quant_format(name, meta_owner, p, policy, recipe, getattr(args, "tie_word_embeddings", False))
+        if fmt is not None and (tr is None or tr.value is None):
+            plan.append((gname, GGML_OF[fmt], tuple(p.shape), _quantize(get, fmt, tr)))
+            continue
+        gtype = "F32" if p.dim() < 2 or (tr is not None and tr.value is not None) else float_type
+        shape = tuple(p.shape)
+        if name.endswith("conv1d.weight"):
+            shape = (shape[0], shape[-1])
+        if len(shape) == 2 and shape[0] == 1:  # a one-row matrix (a shared-expert gate): 1-D F32, as llama.cpp has it
+            shape, gtype = shape[1:], "F32"
+        plan.append((gname, gtype, shape, _floats(get, gtype, tr)))
+    return plan
+
+
+def _k_quants():
+    """moerun/quant/ggml_quant.py (the K-quant quantizers and llama-quantize's per-tensor
+    choices), or the error saying it is not built yet."""
+    try:
+        from ..quant import ggml_quant
+    except ImportError:
+        raise MoerunError("--type q4_k_m, q5_k_m and q6_k are not built yet: they need the K-quant quantizers "
+                          "(moerun/quant/ggml_quant.py); use bf16, f32, q8_0 or q4_0") from None
+    return ggml_quant
+
+
+def _k_type(recipe: str, gname: str, shape: tuple, args) -> str:
+    """The GGUF type llama-quantize's `recipe` gives tensor `gname` (ggml_quant.tensor_type)."""
+    n_layer = getattr(args, "num_hidden_layers")
+    gtype = str(_k_quants().tensor_type(recipe, gname, shape, n_layer)).upper()
+    if gtype not in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0"):
+        raise MoerunError(f"recipe {recipe} chose type {gtype} for {gname}, which moerun cannot write")
+    return "BF16" if gtype == "F16" else gtype
+
+
+def _quantize_k(get, gtype: str, tr) -> Callable[[], np.ndarray]:
+    """Float -> GGUF blocks of `gtype`: Q8_0/Q4_0 by moerun's rule, the raw formats by
+    ggml_quant.quantize."""
+    if gtype in ("Q8_0", "Q4_0"):
+        return _quantize(get, "int8" if gtype == "Q8_0" else "int4", tr)
+
+    def make():
+        return _k_quants().quantize(gtype.lower(), _apply(get(), tr).float()).contiguous().numpy()
+    return make
+
+
+def _getter(net, name: str) -> Callable[[], torch.Tensor]:
+    owner, _, leaf = name.rpartition(".")
+
+    def get():
+        return getattr(net.get_submodule(owner), leaf).detach()
+    return get
+
+
+def _quant_format(name, meta_owner, p, policy, recipe, tied: bool) -> str | None:
+    """The moerun format a float tensor is quantized to under `recipe` (None: float)."""
+    from ..quant import component_of
+
+    if policy is None or p.dim() < 2 or p.shape[-1] % 32:
+        return None
+    if isinstance(meta_owner, nn.Embedding):  # tied, it is the LM head too (llama-quantize's rule as well)
+        return policy.lm_head if tied else "int8" if recipe == "q8_0" else "int4"
+    comp = component_of(name.rpartition(".")[0], meta_owner)
+    if comp is None or not name.endswith((".weight", "_proj")):
+        return None
+    return getattr(policy, comp)
+
+
+def _apply(t: torch.Tensor, tr) -> torch.Tensor:
+    if tr is None:
+        return t
+    if tr.value is not None:
+        t = tr.value[0](t)
+    if tr.rows is not None:
+        t = t[tr.rows]
+    if tr.cols is not None:
+        t = t[:, tr.cols]
+    return t
+
+
+def _floats(get, gtype: str, tr) -> Callable[[], np.ndarray]:
+    def make():
+        t = _apply(get().float() if gtype == "F32" else get(), tr)
+        t = t.to(torch.float32 if gtype == "F32" else torch.bfloat16).contiguous()
+        if t.dim() == 2 and t.shape[0] == 1:
+            t = t.reshape(-1)
+        return t.numpy() if gtype == "F32" else t.view(torch.uint8).numpy()
+    return make
+
+
+def _to_ggml(q: torch.Tensor, s: torch.Tensor, fmt: str) -> np.ndarray:
+    """moerun packed rows (qweight [..., N, bytes], scales [..., N, nb]) -> GGUF Q8_0/Q4_0 rows:
+    each block's fp16 scale, then its bytes in natural order."""
+    from ..quant.formats import natural_blocks
+
+    blocks = natural_blocks(q, fmt).view(torch.uint8)  # [..., N, nb, per]
+    scales = s.contiguous().view(torch.uint8).view(*s.shape, 2)
+    rows = torch.cat([scales, blocks], -1)
+    return rows.reshape(*rows.shape[:-2], -1).contiguous().numpy()
+
+
+def _quantize(get, fmt: str, tr) -> Callable[[], np.ndarray]:
+    from ..quant.formats import quantize
+
+    def make():
+        t = _apply(get(), tr)
+        return _to_ggml(*quantize(t, fmt), fmt)
+    return make
+
+
+def _stored_rows(mod, qname: str, sname: str, tr) -> Callable[[], np.ndarray]:
+    """A quantized module's blocks as they are, rows (and whole-block columns) moved by the
+    converter's transform."""
+    def make():
+        q, s = getattr(mod, qname), getattr(mod, sname)
+        data = torch.from_numpy(_to_ggml(q, s, mod.fmt))
+        if tr is not None and tr.value is not None:
+            raise MoerunError("a quantized tensor with a value transform cannot be written")
+        if tr is not None and tr.rows is not None:
+            data = data[..., tr.rows, :]
+        if tr is not None and tr.cols is not None:
+            per = 18 if mod.fmt == "int4" else 34
+            blocks = tr.cols.view(-1, 32)
+            if bool((blocks[:, 0] % 32).any()) or not bool((blocks == blocks[:, :1] + torch.arange(32)).all()):
+                raise MoerunError("value heads that are not whole blocks of 32 cannot be reordered in a quantized tensor")
+            data = data.reshape(*data.shape[:-1], -1, per)[..., blocks[:, 0] // 32, :].reshape(data.shape)
+        return data.contiguous().numpy()
+    return make
+
+
+def _split_kv_b(gname: str, get, args, gtype: str):
+    """DeepSeek kv_b_proj as llama.cpp's attn_k_b ([heads, rank, nope], the nope rows
+    transposed) and attn_v_b ([heads, v, rank])."""
+    n, r, dn, dv = args.num_attention_heads, args.kv_lora_rank, args.qk_nope_head_dim, args.v_head_dim
+
+    def part(k: bool):
+        def t():
+            w = get().reshape(n, dn + dv, r)
+            return w[:, :dn].transpose(1, 2).contiguous() if k else w[:, dn:].contiguous()
+        return t
+    return [(gname.replace("attn_kv_b", "attn_k_b"), gtype, (n, r, dn), _floats(part(True), gtype, None)),
+            (gname.replace("attn_kv_b", "attn_v_b"), gtype, (n, dv, r), _floats(part(False), gtype, None))]
+
+
+def _nbytes(gtype: str, shape: tuple) -> int:
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gtype]]
+    n = 1
+    for x in shape[:-1]:
+        n *= x
+    return n * shape[-1] // block * size
+
+
+def _tensor_info(w, name: str, gtype: str, shape: tuple) -> None:
+    import gguf
+
+    qt = gguf.GGMLQuantizationType[gtype]
+    nbytes = _nbytes(gtype, shape)
+    if gtype == "F32":
+        w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes)
+    else:
+        byte_shape = (*shape[:-1], nbytes // max(1, int(np.prod(shape[:-1]))))
+        w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qt)
+
+
+# -- metadata ----------------------------------------------------------------------------------
+
+def _add(w, key: str, v: Any) -> None:
+    import gguf
+
+    T = gguf.GGUFValueType
+    if isinstance(v, bool):
+        w.add_key_value(key, v, T.BOOL)
+    elif isinstance(v, int):
+        w.add_key_value(key, v, T.UINT32 if 0 <= v < 2**32 else T.INT64)
+    elif isinstance(v, float):
+        w.add_key_value(key, v, T.FLOAT32)
+    elif isinstance(v, str):
+        w.add_key_value(key, v, T.STRING)
+    elif isinstance(v, (list, tuple)):
+        w.add_array(key, list(v))
+    else:
+        raise TypeError(f"metadata {key}: {type(v).__name__}")
+
+
+def _metadata(w, args, arch: Arch, recipe: str, src: Path) -> None:
+    values = {f.name: getattr(args, f.name) for f in fields(args)}
+    w.add_string("general.name", src.name if src.name else "model")
+    w.add_uint32("general.file_type", FILE_TYPES[recipe])
+    w.add_uint32("general.quantization_version", 2)
+    keys = {}
+    for k in arch.keys:
+        v = values.get(k.field)
+        if v is not None:
+            keys[k.key] = float(v) if k.kind == "float" else v
+    keys.update(arch.write_keys(args))
+    for key, v in keys.items():
+        _add(w, f"{arch.name}.{key}", v)
+
+
+def _tokenizer(w, src: Path, args) -> None:
+    """tokenizer.ggml.* and the chat template from the directory's tokenizer.json (byte-level
+    BPE) and tokenizer_config.json; nothing without a tokenizer.json."""
+    from ..config import read_json, regular_file
+
+    path = src / "tokenizer.json"
+    if not regular_file(path):
+        return
+    tj = read_json(path)
+    model = tj.get("model") or {}
+    if model.get("type") != "BPE":
+        raise MoerunError(f"{path}: only byte-level BPE tokenizers can be written as GGUF (this one is "
+                          f"{short(model.get('type'))})")
+    pre = _pre_name(tj.get("pre_tokenizer"), path)
+    vocab: dict[str, int] = dict(model.get("vocab") or {})
+    added = {a["id"]: a for a in tj.get("added_tokens") or []}
+    for i, a in added.items():
+        vocab[a["content"]] = i
+    n = max(args.vocab_size, max(vocab.values(), default=-1) + 1)
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [5] * n  # UNUSED
+    for tok, i in vocab.items():
+        tokens[i] = tok
+        types[i] = 1  # NORMAL
+    for i, a in added.items():
+        types[i] = 3 if a.get("special") else 4  # CONTROL, USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", pre)
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_array("tokenizer.ggml.merges", merges)
+    cfg_path = src / "tokenizer_config.json"
+    cfg = read_json(cfg_path) if regular_file(cfg_path) else {}
+    ids = {t: i for t, i in vocab.items()}
+
+    def tok_id(v):
+        v = v.get("content") if isinstance(v, dict) else v
+        return ids.get(v) if isinstance(v, str) else None
+
+    for key, field in (("bos", "bos_token"), ("eos", "eos_token"), ("padding", "pad_token"), ("unknown", "unk_token")):
+        i = tok_id(cfg.get(field))
+        if i is not None:
+            w.add_uint32(f"tokenizer.ggml.{key}_token_id", i)
+    eos = tok_id(cfg.get("eos_token"))
+    gen_path = src / "generation_config.json"
+    gen = read_json(gen_path) if regular_file(gen_path) else {}
+    more = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    eot = next((i for i in (more if isinstance(more, list) else [more]) if isinstance(i, int) and i != eos), None)
+    if eot is not None:  # a second end-of-text id (a chat model's end of turn)
+        w.add_uint32("tokenizer.ggml.eot_token_id", eot)
+    if isinstance(gen, dict) and gen.get("do_sample"):
+        for field_name, key, kind in SAMPLING:
+            if gen.get(field_name) is not None:
+                _add(w, f"general.sampling.{key}", float(gen[field_name]) if kind == "float" else int(gen[field_name]))
+    w.add_bool("tokenizer.ggml.add_bos_token", bool(cfg.get("add_bos_token", False)))
+    template = cfg.get("chat_template")
+    if template is None and regular_file(src / "chat_template.jinja"):
+        template = (src / "chat_template.jinja").read_text()
+    if isinstance(template, list):
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    if isinstance(template, str):
+        w.add_string("tokenizer.chat_template", template)
+
+
+def _pre_name(pre, path: Path) -> str:
+    """The tokenizer.ggml.pre name of a tokenizer.json pre-tokenizer (one llama.cpp knows)."""
+    if isinstance(pre, dict) and pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    if isinstance(pre, dict) and pre.get("type") == "Sequence":
+        splits = [p for p in pre.get("pretokenizers", []) if p.get("type") == "Split"]
+        regexes = tuple((p.get("pattern") or {}).get("Regex") for p in splits)
+        for name, known in PRE_TOKENIZERS.items():
+            if known == regexes:
+                return name
+    raise MoerunError(f"{path}: its pre-tokenizer is not one GGUF names (known: {', '.join(sorted(PRE_TOKENIZERS))})")
+

@@ -1,0 +1,265 @@
+"""GGUF files: each architecture written by `export-gguf` and read back by `-m FILE.gguf`
+gives the logits of the checkpoint it came from (f32: to float rounding; q8_0/q4_0: exactly
+those of moerun's own int8/int4 quantization, the same blocks), split files, the tokenizer
+and chat template from the file, and the raw K-quant formats once their kernels exist."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import moerun
+from conftest import rel_err
+from moerun.loaders.gguf import GGUFFile
+from moerun.loaders.gguf_write import export
+
+DEMO = Path(moerun.__file__).parent / "demo_model"
+
+CONFIGS = {
+    "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=96,
+                      moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen2_moe": dict(model_type="qwen2_moe", vocab_size=256, hidden_size=64, intermediate_size=96,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2),
+    "mixtral": dict(model_type="mixtral", vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    rope_theta=1e6),
+    "olmoe": dict(model_type="olmoe", vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, num_experts=6, num_experts_per_tok=2,
+                  tie_word_embeddings=True),  # tied: no output.weight in the file
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", vocab_size=256, hidden_size=64, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_key_head_dim=32,
+                        linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=6,
+                        num_experts_per_tok=2, mtp_num_hidden_layers=1,
+                        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
+    "deepseek_v3": dict(model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=96,
+                        moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, n_routed_experts=8,
+                        num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16,
+                        qk_nope_head_dim=32, v_head_dim=32, n_group=2, topk_group=1, first_k_dense_replace=1,
+                        n_shared_experts=1, num_nextn_predict_layers=1, max_position_embeddings=256,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                      "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}),
+}
+
+
+def random_checkpoint(path: Path, cfg: dict, seed: int = 0) -> Path:
+    """A float32 checkpoint of random weights under moerun's own names (which the HF loader
+    reads as they are): norms around 1 (zero-centred ones around 0), the rest small."""
+    from moerun.models import module_for
+
+    module = module_for(cfg["model_type"])
+    torch.manual_seed(seed)
+    net = module.Model(module.ModelArgs.from_dict(cfg))
+    state = {}
+    for name, p in net.state_dict().items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        t = torch.randn(p.shape) * 0.08
+        if name.endswith("norm.weight") and not torch.all(p == 0):
+            t += 1  # a plain RMSNorm's weight (a zero-centred one stays around 0)
+        state[name] = t.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float32"}))
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    return random_checkpoint(tmp_path_factory.mktemp(request.param), CONFIGS[request.param])
+
+
+def ids_for(vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 13), generator=torch.Generator().manual_seed(seed))
+
+
+def quantized_reference(path, recipe: str):
+    """moerun's own quantization of the checkpoint as the recipe says, with the embedding
+    rows the GGUF file's quantized token_embd gives."""
+    from moerun.loaders.gguf_write import _recipe_policy
+    from moerun.quant import compute_in_float32, quantize_model
+    from moerun.quant.formats import dequantize, quantize
+
+    llm = moerun.load(path, dtype="float32", threads=1)
+    quantize_model(llm.net, _recipe_policy(recipe))
+    compute_in_float32(llm.net)
+    emb = llm.net.model.embed_tokens
+    fmt = "int8" if recipe == "q8_0" or llm.args.tie_word_embeddings else "int4"  # tied: the head's format
+    w = emb.weight.detach().float()
+    emb.weight = torch.nn.Parameter(dequantize(*quantize(w, fmt), fmt, w.shape[1]), requires_grad=False)
+    return llm
+
+
+def test_f32_round_trip(checkpoint, tmp_path):
+    out = tmp_path / "m.gguf"
+    export(checkpoint, out, "f32")
+    ref, ours = moerun.load(checkpoint, threads=1), moerun.load(out, threads=1)
+    assert ours.dtype == torch.float32 and ours.args == ref.args
+    ids = ids_for(ref.args.vocab_size)
+    assert rel_err(ours.forward(ids), ref.forward(ids)) < 1e-5
+    assert ours.generate_ids([ids[0, :5].tolist()], max_tokens=8, temperature=0) == \
+        ref.generate_ids([ids[0, :5].tolist()], max_tokens=8, temperature=0)
+    if hasattr(ref.net, "has_mtp") or getattr(ref.net, "mtp", None) is not None:
+        assert bool(getattr(ours.net, "mtp", None)) == bool(getattr(ref.net, "mtp", None))
+
+
+@pytest.mark.parametrize("recipe", ["q8_0", "q4_0"])
+def test_quantized_round_trip_is_moerun_quantization(checkpoint, tmp_path, recipe):
+    out = tmp_path / "m.gguf"
+    export(checkpoint, out, recipe)
+    types = {t.type for t in GGUFFile(out).tensors.values()}
+    assert {"Q8_0" if recipe == "q8_0" else "Q4_0"} <= types
+    ours, ref = moerun.load(out, threads=1), quantized_reference(checkpoint, recipe)
+    ids = ids_for(ref.args.vocab_size)
+    assert torch.equal(ours.forward(ids), ref.forward(ids))
+
+
+@pytest.mark.parametrize("recipe, tol", [("q8_0", 0.1), ("q4_0", 0.2)])
+def test_quantized_demo_model_stays_close_to_float(tmp_path, recipe, tol):
+    """(On the trained demo model: a random tiny model's routes flip under quantization.)"""
+    out = tmp_path / "demo.gguf"
+    export(DEMO, out, recipe)
+    ids = ids_for(4096)
+    assert rel_err(moerun.load(out, threads=1).forward(ids), moerun.load(None, dtype="float32", threads=1).forward(ids)) < tol
+
+
+def test_bf16_demo_model_is_exact_and_tokenizes_the_same(tmp_path):
+    out = tmp_path / "demo.gguf"
+    export(DEMO, out, "bf16")
+    ref, ours = moerun.load(None, threads=1), moerun.load(out, threads=1)
+    assert ours.dtype == torch.bfloat16 and ours.net.has_mtp
+    ids = ids_for(4096)
+    assert torch.equal(ours.forward(ids), ref.forward(ids))
+    text = ("Grüße aus Köln! Ça va? Привет, мир. 你好，世界。こんにちは 🎉👍🏽\n"
+            "def fib(n: int) -> int:\n\tif n < 2:\n\t\treturn n  # base\n    return fib(n-1)+fib(n - 2)\n"
+            "for (int i = 0; i < 10; ++i) { x[i] = i*i; }  // C\n$ ls -la | grep '^d' && echo \"ok\"\n"
+            "<|im_start|>user\n1234567 + 0.5e-3 = ?<|im_end|>   trailing   ")
+    assert ours.tokenizer.encode(text) == ref.tokenizer.encode(text)
+    assert ours.tokenizer.decode(ours.tokenizer.encode(text), skip_special_tokens=False) == text
+    msgs = [{"role": "user", "content": "hi <|im_end|> there"}]
+    assert ours.tokenizer.chat_template == ref.tokenizer.chat_template
+    assert ours.encode_prompt(msgs) == ref.encode_prompt(msgs)
+    assert ours.eos_ids() == ref.eos_ids()
+    assert ours.sampling_params() == ref.sampling_params()
+    assert list(ours.generate("def add(a, b):", max_tokens=12, temperature=0)) == \
+        list(ref.generate("def add(a, b):", max_tokens=12, temperature=0))
+
+
+def test_quantized_checkpoint_is_written_bit_exact(tmp_path):
+    """A `moerun quantize` checkpoint's int8/int4 blocks become Q8_0/Q4_0 as they are."""
+    from moerun.quant.checkpoint import quantize_checkpoint
+
+    q = tmp_path / "q"
+    quantize_checkpoint(DEMO, q, "int4")
+    out = tmp_path / "q.gguf"
+    s = export(q, out)
+    assert s["types"]["Q4_0"] > 0 and s["types"]["Q8_0"] > 0
+    ref, ours = moerun.load(q, threads=1), moerun.load(out, threads=1)
+    ids = ids_for(4096)
+    assert torch.equal(ours.forward(ids), ref.forward(ids))
+    ref_state, our_state = ref.net.state_dict(), ours.net.state_dict()
+    for name, t in ref_state.items():
+        if name.endswith(("qweight", "_q", "scales")):
+            assert torch.equal(our_state[name], t), name
+
+
+def test_split_files(tmp_path):
+    export(DEMO, tmp_path / "demo.gguf", "q8_0", split_bytes=4 << 20)
+    parts = sorted(tmp_path.glob("demo-*-of-*.gguf"))
+    assert len(parts) == 3 and not (tmp_path / "demo.gguf").exists()
+    one = tmp_path / "one" / "demo.gguf"
+    export(DEMO, one, "q8_0")
+    ids = ids_for(4096)
+    assert torch.equal(moerun.load(parts[0], threads=1).forward(ids), moerun.load(one, threads=1).forward(ids))
+
+
+def test_quantized_token_embeddings_read_only_the_looked_up_rows(tmp_path):
+    from moerun.loaders.gguf import GgmlEmbedding
+
+    out = tmp_path / "demo.gguf"
+    export(DEMO, out, "q8_0")
+    llm = moerun.load(out, threads=1)
+    emb = llm.net.model.embed_tokens
+    assert isinstance(emb, GgmlEmbedding) and emb.qweight.dtype == torch.uint8
+    assert emb.qweight.shape == (4096, 128 // 32 * 34)  # the file's bytes, not a float table
+
+
+def test_cli_export_and_generate(tmp_path):
+    from moerun.cli import main
+
+    out = tmp_path / "demo.gguf"
+    assert main(["export-gguf", "-m", str(DEMO), "-o", str(out), "--type", "q4_0", "--threads", "1"]) == 0
+    assert main(["generate", "-m", str(out), "def add", "--max-tokens", "4", "--threads", "1"]) == 0
+    assert main(["export-gguf", "-m", str(DEMO), "-o", str(out), "--threads", "1"]) == 1  # exists, no --force
+
+
+def test_k_recipes_say_not_built_yet(tmp_path):
+    from moerun.cli import main
+
+    for recipe in ("q4_k_m", "q5_k_m", "q6_k"):
+        assert main(["export-gguf", "-m", str(DEMO), "-o", str(tmp_path / "x.gguf"), "--type", recipe]) == 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_raw_k_quant_tensors_are_views_of_the_file(tmp_path):
+    """Q4_K/Q5_K/Q6_K/Q5_0 rows go to the native kernels byte for byte (qweight a view of the
+    memory map, scales empty). Needs the kernels of those formats (moerun.kernels.ggml)."""
+    pytest.importorskip("moerun.kernels.ggml", reason="the K-quant kernels (moerun.kernels.ggml) are not merged yet")
+    ggml_quant = pytest.importorskip("moerun.quant.ggml_quant", reason="the K-quant quantizers are not merged yet")
+    from moerun.loaders.gguf_write import K_RECIPES
+
+    assert ggml_quant and K_RECIPES
+    out = tmp_path / "demo.gguf"
+    export(DEMO, out, "q4_k_m")
+    llm = moerun.load(out, threads=1)
+    mods = [m for m in llm.net.modules() if getattr(m, "fmt", None) in ("q4_k", "q6_k")]
+    assert mods and all(m.scales.shape[-1] == 0 for m in mods if hasattr(m, "scales"))
+
+
+@pytest.mark.parametrize("recipe", ["f32", "q8_0"])
+def test_tiled_value_heads_kept_with_expanded_key_heads(tmp_path, monkeypatch, recipe):
+    """The form a K-quant ssm_out needs (Qwen3.6 Q4_K_M): the file's tiled value-head order
+    kept, each value head given its own copy of its key head. Same logits as the permuted form."""
+    import moerun.loaders.gguf as g
+
+    out = tmp_path / "demo.gguf"
+    export(DEMO, out, recipe)
+    ids = ids_for(4096)
+    plain = moerun.load(out, threads=1)
+    monkeypatch.setattr(g, "EXPAND_KEY_HEADS", "always")
+    expanded = moerun.load(out, threads=1)
+    assert expanded.args.linear_num_key_heads == expanded.args.linear_num_value_heads == 4
+    assert plain.args.linear_num_key_heads == 2
+    assert rel_err(expanded.forward(ids), plain.forward(ids)) < 1e-5
+    p = ids[0, :6].tolist()
+    assert expanded.generate_ids([p], max_tokens=10, temperature=0) == plain.generate_ids([p], max_tokens=10, temperature=0)
+
+
+def test_k_recipes_ask_ggml_quant_per_tensor(tmp_path, monkeypatch):
+    """The K recipes' wiring, with a stand-in for moerun/quant/ggml_quant.py that picks Q8_0
+    for every matrix llama-quantize would quantize: the file equals the q8_0 recipe's."""
+    import sys
+    import types
+
+    asked = []
+    stub = types.ModuleType("moerun.quant.ggml_quant")
+
+    def tensor_type(recipe, name, shape, n_layer):
+        asked.append((recipe, name, n_layer))
+        return "f32" if "ffn_gate_inp" in name else "q8_0"  # routers (and shared-expert gates) stay F32
+    stub.tensor_type = tensor_type
+    monkeypatch.setitem(sys.modules, "moerun.quant.ggml_quant", stub)
+    out = tmp_path / "k.gguf"
+    export(DEMO, out, "q4_k_m")
+    assert ("q4_k_m", "blk.0.ffn_down_exps.weight", 8) in asked
+    f = GGUFFile(out)
+    assert f.tensors["blk.0.ffn_gate_exps.weight"].type == "Q8_0" and f.tensors["blk.0.ffn_gate_inp.weight"].type == "F32"
+    ids = ids_for(4096)
+    llm = moerun.load(out, threads=1)
+    assert rel_err(llm.forward(ids), moerun.load(None, dtype="float32", threads=1).forward(ids)) < 0.1
