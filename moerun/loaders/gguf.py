@@ -1073,9 +1073,8 @@ def _new_module(f: GGUFFile, t: GGUFTensor, make):
     try:
         with torch.device("meta"):
             return make()
-    except (ValueError, TypeError):  # a raw format whose kernels this build lacks
-        raise MoerunError(f"{f.path}: tensor {t.name!r} has type {t.type}, which this moerun cannot run yet "
-                          "(its kernels, moerun.kernels.ggml, are not built)") from None
+    except ValueError as e:  # rows that are no whole number of the type's blocks
+        raise MoerunError(f"{f.path}: tensor {t.name!r} ({t.type}): {e}") from None
 
 
 def _fill(mod: nn.Module, bufs: tuple[str, str], rows: torch.Tensor, fmt: str) -> None:

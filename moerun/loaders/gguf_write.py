@@ -14,7 +14,7 @@ the other direction. Types per `--type` recipe:
   the same blocks in natural order with their fp16 scale in front, bit for bit.
 - `q4_k_m`, `q5_k_m`, `q6_k`: each matrix's type is what `ggml_quant.tensor_type` says
   llama-quantize gives it, its blocks from `ggml_quant.quantize` (Q8_0/Q4_0 by moerun's
-  rule); refused ("not built yet") while moerun/quant/ggml_quant.py is missing.
+  rule).
 
 The file is written beside the output as a temporary file and renamed at the end.
 """
@@ -35,6 +35,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..errors import MoerunError, short
+from ..quant import ggml_quant
 from .gguf import ARCHS, MODEL_TYPES, PRE_TOKENIZERS, SAMPLING, Arch, gguf_names, transform_of
 
 RECIPES = ("bf16", "f32", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")
@@ -65,8 +66,6 @@ def export(model_dir, out, recipe: str = "bf16", force: bool = False, split_byte
     src, out = Path(model_dir), Path(out)
     if recipe not in RECIPES:
         raise MoerunError(f"unknown --type {short(recipe)}; types: {', '.join(RECIPES)}")
-    if recipe in K_RECIPES:
-        _k_quants()  # refused here, before anything is loaded, while they are not built
     if out.exists() and not force:
         raise MoerunError(f"{out} exists (pass --force to replace it)")
     if out.exists() and out.is_dir():
@@ -178,21 +177,12 @@ def _plan(net, args, arch: Arch, recipe: str, dtype) -> list[tuple[str, str, tup
     return plan
 
 
-def _k_quants():
-    """moerun/quant/ggml_quant.py (the K-quant quantizers and llama-quantize's per-tensor
-    choices), or the error saying it is not built yet."""
-    try:
-        from ..quant import ggml_quant
-    except ImportError:
-        raise MoerunError("--type q4_k_m, q5_k_m and q6_k are not built yet: they need the K-quant quantizers "
-                          "(moerun/quant/ggml_quant.py); use bf16, f32, q8_0 or q4_0") from None
-    return ggml_quant
-
-
 def _k_type(recipe: str, gname: str, shape: tuple, args) -> str:
     """The GGUF type llama-quantize's `recipe` gives tensor `gname` (ggml_quant.tensor_type)."""
-    n_layer = getattr(args, "num_hidden_layers")
-    gtype = str(_k_quants().tensor_type(recipe, gname, shape, n_layer)).upper()
+    # the file's block_count: MTP / nextn blocks count, as llama-quantize counts them
+    n_layer = args.num_hidden_layers + (getattr(args, "mtp_num_hidden_layers", 0) or 0) + \
+        (getattr(args, "num_nextn_predict_layers", 0) or 0)
+    gtype = str(ggml_quant.tensor_type(recipe, gname, shape, n_layer)).upper()
     if gtype not in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0"):
         raise MoerunError(f"recipe {recipe} chose type {gtype} for {gname}, which moerun cannot write")
     return "BF16" if gtype == "F16" else gtype
@@ -205,7 +195,7 @@ def _quantize_k(get, gtype: str, tr) -> Callable[[], np.ndarray]:
         return _quantize(get, "int8" if gtype == "Q8_0" else "int4", tr)
 
     def make():
-        return _k_quants().quantize(gtype.lower(), _apply(get(), tr).float()).contiguous().numpy()
+        return ggml_quant.quantize(gtype.lower(), _apply(get(), tr).float()).contiguous().numpy()
     return make
 
 
