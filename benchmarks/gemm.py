@@ -2,10 +2,12 @@
 at decode, verification and prefill shapes, for int4 and int8, and float32 / bfloat16 rows.
 
     python benchmarks/gemm.py [--threads 1] [--shapes 1x32768x2048,4x32768x2048,48x768x2048]
-                              [--formats int4,int8,bfloat16,float32] [--rounds 5] [--import-from DIR]
+                              [--formats int4,int8,bfloat16,float32,q4_k,q5_k,q6_k,q5_0] [--rounds 5]
+                              [--import-from DIR]
                               [--isas avx512vnni,amx]
 
-A shape is TOKENSxROWSxINPUTS. Weights with many rows come from DRAM (decode streams them);
+A shape is TOKENSxROWSxINPUTS. The raw GGUF formats (q4_k, q5_k, q6_k, q5_0) run on random
+blocks (random quants, small fp16 scales). Weights with many rows come from DRAM (decode streams them);
 for rows that fit in the caches the same matrix is reused, as a prefill tile reuses an
 expert's rows. It prints GMAC/s and the weight bytes read per second, best of --rounds.
 --import-from DIR measures another checkout's code instead (`git worktree add /tmp/old
@@ -21,6 +23,20 @@ import argparse
 import time
 
 from checkout import parse_args
+
+
+def random_raw(fmt: str, n: int, k: int):
+    """n rows of k inputs of a raw GGUF format: random bytes with small fp16 scales in place."""
+    import torch
+
+    from moerun.kernels import ggml
+
+    be, bb, _ = ggml.BLOCKS[fmt]
+    raw = torch.randint(0, 256, (n, k // be, bb), dtype=torch.uint8)
+    d = (torch.rand(n, k // be) * 1e-3).half().view(torch.uint8).reshape(n, k // be, 2)
+    for off in ((208,) if fmt == "q6_k" else (0,) if fmt == "q5_0" else (0, 2)):
+        raw[..., off : off + 2] = d
+    return raw.reshape(n, -1)
 
 
 def main(argv=None) -> int:
@@ -58,6 +74,9 @@ def main(argv=None) -> int:
                 s = torch.empty(0)
                 p = kernels.float_packed(w)
                 run = lambda: kernels.qlinear_multi(x, [p])[0]  # noqa: E731
+            elif fmt in getattr(formats, "RAW_FORMATS", ()):
+                w, s = random_raw(fmt, N, K), torch.empty(N, 0, dtype=torch.float16)
+                run = lambda: kernels.qlinear(x, w, s, fmt, K)  # noqa: E731
             else:
                 w, s = formats.quantize(torch.randn(N, K) * 0.02, fmt)
                 run = lambda: kernels.qlinear(x, w, s, fmt, K)  # noqa: E731

@@ -190,7 +190,35 @@ void check_rows(const Strided& a, std::initializer_list<size_t> shape, const cha
     MOERUN_CHECK(a.stride(0) >= 0 && a.stride(1) >= 0, std::string(what) + ": negative strides");
 }
 
-void check_fmt(int fmt) { MOERUN_CHECK(fmt == moerun::FMT_INT4 || fmt == moerun::FMT_INT8, "fmt must be 4 or 8"); }
+// a packed format: int4 / int8 (4, 8) or one of llama.cpp's raw blocks (106 q5_0, 112 q4_k,
+// 113 q5_k, 114 q6_k)
+void check_fmt(int fmt) {
+    MOERUN_CHECK(fmt == moerun::FMT_INT4 || fmt == moerun::FMT_INT8 || moerun::is_raw_fmt(fmt),
+                 "fmt must be 4 or 8 (int4, int8) or 106, 112, 113, 114 (q5_0, q4_k, q5_k, q6_k); got " +
+                     std::to_string(fmt));
+}
+
+// routed experts' code (moerun::expert_fmt): gate/up's format and down's, both packed or both float
+void check_efmt(int efmt) {
+    const int g = moerun::gate_fmt(efmt), d = moerun::down_fmt(efmt);
+    MOERUN_CHECK(efmt >= 0 && efmt < (1 << 16), "experts' fmt out of range: " + std::to_string(efmt));
+    MOERUN_CHECK(moerun::is_float_fmt(g) == moerun::is_float_fmt(d),
+                 "experts: gate/up and down must be both packed or both float");
+    if (moerun::is_float_fmt(g)) {
+        MOERUN_CHECK(g == d, "float experts: one format for gate, up and down");
+        return;
+    }
+    check_fmt(g);
+    check_fmt(d);
+}
+
+// a raw format's rows are whole blocks: `in` a multiple of the block's inputs
+void check_width(int fmt, size_t in, const char* what) {
+    if (!moerun::is_raw_fmt(fmt)) return;
+    const size_t be = (size_t)moerun::raw_block_elems(fmt);
+    MOERUN_CHECK(in % be == 0, std::string(what) + ": an input width of " + std::to_string(in) +
+                                   " is not a multiple of the format's block of " + std::to_string(be));
+}
 
 std::vector<size_t> with_last(std::vector<size_t> lead, size_t last) {
     lead.push_back(last);
@@ -205,10 +233,10 @@ void check_qweight(const Array& w, int fmt, const std::vector<size_t>& lead, int
     check_shape(w, with_last(lead, moerun::row_bytes(fmt, nb)), what);
 }
 
-// their fp16 scales, lead + [blocks per row]
-void check_scales(const Array& s, const std::vector<size_t>& lead, int nb, const char* what) {
+// their fp16 scales, lead + [blocks per row] (raw formats: lead + [0], their scales are in the rows)
+void check_scales(const Array& s, int fmt, const std::vector<size_t>& lead, int nb, const char* what) {
     check_dtype(s, dtype_code::Float, 16, what);
-    check_shape(s, with_last(lead, nb), what);
+    check_shape(s, with_last(lead, moerun::is_raw_fmt(fmt) ? 0 : nb), what);
 }
 
 // unquantized weights in fmt 32 (float32) or 16 (bf16, as uint16)
@@ -226,8 +254,9 @@ void qlinear(Array x, Array w, Array scales, Array out, int fmt) {
     MOERUN_CHECK(w.ndim() == 2, "w must be [N, bytes per row]");
     const size_t N = w.shape(0);
     const int nb = moerun::blocks_of((int)K);
+    check_width(fmt, K, "w");
     check_qweight(w, fmt, {N}, nb, "w");
-    check_scales(scales, {N}, nb, "scales");
+    check_scales(scales, fmt, {N}, nb, "scales");
     check_dtype(out, dtype_code::Float, 32, "out");
     check_shape(out, {M, N}, "out");
     nb::gil_scoped_release release;
@@ -258,8 +287,9 @@ std::pair<std::vector<moerun::ExpertW>, size_t> expert_table(int fmt, size_t H, 
                                                              const std::vector<Array>& ds) {
     MOERUN_CHECK(!gate.empty() && gate.size() == up.size() && gate.size() == down.size(),
                  "gate, up, down: as many arrays each");
-    const bool fl = moerun::is_float_fmt(fmt);
-    if (!fl) check_fmt(fmt);
+    check_efmt(fmt);
+    const int gf = moerun::gate_fmt(fmt), df = moerun::down_fmt(fmt);
+    const bool fl = moerun::is_float_fmt(gf);
     MOERUN_CHECK(fl ? gs.empty() && us.empty() && ds.empty() : gs.size() == gate.size() && us.size() == gate.size() &&
                                                                  ds.size() == gate.size(),
                  "scales: one per weight array for int4 / int8 experts, none for float ones");
@@ -269,6 +299,10 @@ std::pair<std::vector<moerun::ExpertW>, size_t> expert_table(int fmt, size_t H, 
     const size_t E = stacked ? gate[0].shape(0) : gate.size();
     const size_t I = gate[0].shape(stacked ? 1 : 0);
     const int nbH = moerun::blocks_of((int)H), nbI = moerun::blocks_of((int)I);
+    if (!fl) {
+        check_width(gf, H, "gate");
+        check_width(df, I, "down");
+    }
     const std::vector<size_t> lead_gu = stacked ? std::vector<size_t>{E, I} : std::vector<size_t>{I};
     const std::vector<size_t> lead_d = stacked ? std::vector<size_t>{E, H} : std::vector<size_t>{H};
     for (size_t j = 0; j < gate.size(); ++j) {
@@ -278,15 +312,15 @@ std::pair<std::vector<moerun::ExpertW>, size_t> expert_table(int fmt, size_t H, 
             check_float_weight(down[j], fmt, with_last(lead_d, I), "down");
             continue;
         }
-        check_qweight(gate[j], fmt, lead_gu, nbH, "gate");
-        check_qweight(up[j], fmt, lead_gu, nbH, "up");
-        check_qweight(down[j], fmt, lead_d, nbI, "down");
-        check_scales(gs[j], lead_gu, nbH, "gate scales");
-        check_scales(us[j], lead_gu, nbH, "up scales");
-        check_scales(ds[j], lead_d, nbI, "down scales");
+        check_qweight(gate[j], gf, lead_gu, nbH, "gate");
+        check_qweight(up[j], gf, lead_gu, nbH, "up");
+        check_qweight(down[j], df, lead_d, nbI, "down");
+        check_scales(gs[j], gf, lead_gu, nbH, "gate scales");
+        check_scales(us[j], gf, lead_gu, nbH, "up scales");
+        check_scales(ds[j], df, lead_d, nbI, "down scales");
     }
-    const size_t grow = moerun::weight_row_bytes(fmt, (int)H) * I, drow = moerun::weight_row_bytes(fmt, (int)I) * H;
-    const size_t gsn = I * nbH, dsn = H * nbI;
+    const size_t grow = moerun::weight_row_bytes(gf, (int)H) * I, drow = moerun::weight_row_bytes(df, (int)I) * H;
+    const size_t gsn = moerun::is_raw_fmt(gf) ? 0 : I * nbH, dsn = moerun::is_raw_fmt(df) ? 0 : H * nbI;
     std::vector<moerun::ExpertW> ex(E);
     for (size_t e = 0; e < E; ++e) {
         const size_t j = stacked ? 0 : e, k = stacked ? e : 0;
@@ -305,7 +339,8 @@ std::pair<std::vector<moerun::ExpertW>, size_t> expert_table(int fmt, size_t H, 
 void moe_experts(Array x, Array ids, Array weights, std::vector<Array> gq, std::vector<Array> gs,
                  std::vector<Array> uq, std::vector<Array> us, std::vector<Array> dq, std::vector<Array> ds,
                  Array out, int fmt, int intermediate) {
-    check_fmt(fmt);
+    check_efmt(fmt);
+    MOERUN_CHECK(!moerun::is_float_fmt(moerun::gate_fmt(fmt)), "fmt: packed experts (moe_experts_float runs float ones)");
     const auto [T, H, K] = routed_tokens(x, ids, weights);
     const auto [ex, I] = expert_table(fmt, H, gq, gs, uq, us, dq, ds);
     MOERUN_CHECK(I == (size_t)intermediate, "gate: dimension 1 must be the expert width");
@@ -429,9 +464,10 @@ moerun::QWeight qweight_of(const Array& w, const Array& s, int fmt, size_t rows,
         return {fmt, (const uint8_t*)w.data(), nullptr};
     }
     check_fmt(fmt);
+    check_width(fmt, in, what);
     const int nb = moerun::blocks_of((int)in);
     check_qweight(w, fmt, {rows}, nb, what);
-    check_scales(s, {rows}, nb, what);
+    check_scales(s, fmt, {rows}, nb, what);
     return {fmt, (const uint8_t*)w.data(), (const uint16_t*)s.data()};
 }
 
@@ -668,7 +704,7 @@ void moe_block_args(MoeCall& c, size_t T, size_t H, bool round_bf16, const Array
     } else {
         MOERUN_CHECK(gate.empty() && gs.empty() && up.empty() && us.empty() && down.empty() && ds.empty(),
                      "experts: weights or a source, not both");
-        if (!moerun::is_float_fmt(efmt)) check_fmt(efmt);
+        check_efmt(efmt);
         I = nb::cast<size_t>(source.attr("inter"));
         MOERUN_CHECK(I >= 1, "expert source: inter must be positive");
         c.src = std::make_unique<PyExpertSource>(source, efmt, E, H, I);

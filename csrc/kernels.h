@@ -9,6 +9,12 @@
 // That is each block's natural layout. Each whole group of 8 blocks of a row is stored with
 // its 4-byte words interleaved: word k of block j of the group at word k * 8 + j. The last
 // nb % 8 blocks of a row stay natural. (Format version 2; the scales are not interleaved.)
+// Raw formats (llama.cpp's, executed in their own blocks; moerun/kernels/ggml.py is the
+// reference): Q4_K / Q5_K super-blocks of 256 cut in 8 sub-blocks of 32 with 6-bit scale sc
+// and min m (w = d * sc * q - dmin * m, q unsigned 4 / 5 bits), Q6_K 16 sub-blocks of 16 with
+// int8 scales (w = d * sc * (q - 32), q 6 bits), Q5_0 blocks of 32 (w = d * (q - 16)). Their
+// gemm takes unsigned q against the int8 activations and applies the offsets through
+// per-block activation sums (xs; Q6_K: sums over 16, computed per call).
 // Activations are quantized to int8 once per row in the same blocks of 32 (d = absmax / 127)
 // so each block's dot product is an integer dot product scaled by d_w * d_x. Each kernel
 // table's quantize_row lays them out as its gemm reads them (x86: interleaved like the
@@ -26,11 +32,33 @@ constexpr int QK = 32;
 constexpr int kPrefetchBytes = 4096;
 // FMT_BF16 / FMT_F32: unquantized weights (rows of `in` bf16 or float32 values), run against
 // float32 activations as they are (no blocks, no scales)
-enum Fmt : int { FMT_INT4 = 4, FMT_INT8 = 8, FMT_BF16 = 16, FMT_F32 = 32 };
+// FMT_Q5_0 .. FMT_Q6_K: llama.cpp's raw blocks (100 + the GGML type id), each weight row its
+// GGUF blocks byte for byte as in the file, no separate scales (see "Raw formats" below).
+enum Fmt : int {
+    FMT_INT4 = 4, FMT_INT8 = 8, FMT_BF16 = 16, FMT_F32 = 32,
+    FMT_Q5_0 = 106, FMT_Q4_K = 112, FMT_Q5_K = 113, FMT_Q6_K = 114
+};
 
 inline bool is_float_fmt(int fmt) { return fmt == FMT_BF16 || fmt == FMT_F32; }
+inline bool is_raw_fmt(int fmt) { return fmt == FMT_Q5_0 || fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K; }
+// Raw formats: inputs and bytes per GGUF block (Q5_0: 32 / 22; the K-quants' super-blocks of
+// 256: Q4_K 144, Q5_K 176, Q6_K 210). A row's width must be a whole number of blocks.
+inline int raw_block_elems(int fmt) { return fmt == FMT_Q5_0 ? 32 : 256; }
+inline int raw_block_bytes(int fmt) {
+    return fmt == FMT_Q5_0 ? 22 : fmt == FMT_Q4_K ? 144 : fmt == FMT_Q5_K ? 176 : 210;
+}
 inline int blocks_of(int n) { return (n + QK - 1) / QK; }
-inline size_t row_bytes(int fmt, int nb) { return (size_t)nb * (fmt == FMT_INT4 ? QK / 2 : QK); }
+// bytes of a packed row of nb activation blocks of 32 (raw formats: nb * 32 a whole number of
+// their blocks)
+inline size_t row_bytes(int fmt, int nb) {
+    if (is_raw_fmt(fmt)) return (size_t)nb * QK / raw_block_elems(fmt) * raw_block_bytes(fmt);
+    return (size_t)nb * (fmt == FMT_INT4 ? QK / 2 : QK);
+}
+// Routed experts' format code: gate and up in the low byte, down in the next (0: the same),
+// so that one int still names the experts' formats where a single code did before.
+inline int gate_fmt(int efmt) { return efmt & 0xff; }
+inline int down_fmt(int efmt) { return (efmt >> 8) ? (efmt >> 8) : (efmt & 0xff); }
+inline int expert_fmt(int gate, int down) { return gate == down ? gate : gate | (down << 8); }
 // bytes of one weight row of `in` inputs in any format
 inline size_t weight_row_bytes(int fmt, int in) {
     return fmt == FMT_F32 ? (size_t)in * 4 : fmt == FMT_BF16 ? (size_t)in * 2 : row_bytes(fmt, blocks_of(in));
@@ -114,6 +142,9 @@ struct KernelTable {
     // (row, token) dot product in one fixed order, whatever the number of tokens in the call
     void (*gemm_f32)(const GemmArgs& a);
     void (*gemm_bf16)(const GemmArgs& a);
+    // raw-format weight rows (fmt one of FMT_Q5_0 .. FMT_Q6_K; a.ws unused) against the int8
+    // activations as quantize_row laid them out
+    void (*gemm_raw)(int fmt, const GemmArgs& a);
 };
 
 extern const KernelTable generic_kernels;

@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <new>
+
 #include "kernels.h"
 
 #define MOERUN_DOT(u, x) MOERUN_DPBUSD(_mm256_setzero_si256(), u, x)
@@ -35,6 +37,7 @@ namespace amx {
 namespace {
 #include "kernels_x86.inc"
 #include "kernels_zmm.inc"
+#include "kernels_raw.inc"  // the raw formats: the 512-bit tables' kernels, no tiles
 
 constexpr int kMinTokens = 16;  // fewer tokens in a tile: the 512-bit kernel
 
@@ -257,6 +260,6 @@ static void gemm_bf16_amx(const GemmArgs& a) {
 }
 
 const KernelTable amx_kernels = {"amx", amx::quantize_row, amx::gemm_q4_amx, amx::gemm_q8_amx, amx::attn_chunk_zmm,
-                                 amx::delta_head, amx::gemm_f32, gemm_bf16_amx};
+                                 amx::delta_head, amx::gemm_f32, gemm_bf16_amx, amx::gemm_raw};
 
 }  // namespace moerun

@@ -5,6 +5,9 @@
 // best_kernels() after the CPU was checked.
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
+
+#include <new>
 
 #include "kernels.h"
 
@@ -21,8 +24,9 @@
 namespace moerun {
 namespace {
 #include "kernels_x86.inc"
+#include "kernels_raw.inc"
 }  // namespace
 
-const KernelTable avx2_kernels = {"avx2", quantize_row, gemm_q4, gemm_q8, attn_chunk, delta_head, gemm_f32, gemm_bf16};
+const KernelTable avx2_kernels = {"avx2", quantize_row, gemm_q4, gemm_q8, attn_chunk, delta_head, gemm_f32, gemm_bf16, gemm_raw};
 
 }  // namespace moerun

@@ -113,6 +113,97 @@ void gemm_q8_generic(const GemmArgs& a) {
     }
 }
 
+inline uint32_t le32(const uint8_t* p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+inline float half_at(const uint8_t* p) { return fp16_to_fp32((uint16_t)(p[0] | p[1] << 8)); }
+
+// One raw block (raw_block_elems(fmt) inputs) as unsigned quants q[] in element order and, per
+// sub-block of `*sub` inputs, scale[] and offset[]: w_i = scale * q_i - offset.
+void raw_block(int fmt, const uint8_t* b, uint8_t* q, float* scale, float* offset, int* sub) {
+    if (fmt == FMT_Q5_0) {
+        const float d = half_at(b);
+        const uint32_t qh = le32(b + 2);
+        for (int j = 0; j < 16; ++j) {
+            q[j] = (uint8_t)((b[6 + j] & 0xf) | ((qh >> j) & 1) << 4);
+            q[j + 16] = (uint8_t)((b[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+        }
+        scale[0] = d;
+        offset[0] = 16.f * d;
+        *sub = 32;
+    } else if (fmt == FMT_Q6_K) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t* sc = (const int8_t*)(b + 192);
+        const float d = half_at(b + 208);
+        for (int n = 0; n < 2; ++n)
+            for (int l = 0; l < 32; ++l) {
+                const int o = 128 * n;
+                const uint8_t h = qh[32 * n + l], a = ql[64 * n + l], c = ql[64 * n + 32 + l];
+                q[o + l] = (uint8_t)((a & 0xf) | (h & 3) << 4);
+                q[o + 32 + l] = (uint8_t)((c & 0xf) | ((h >> 2) & 3) << 4);
+                q[o + 64 + l] = (uint8_t)((a >> 4) | ((h >> 4) & 3) << 4);
+                q[o + 96 + l] = (uint8_t)((c >> 4) | ((h >> 6) & 3) << 4);
+            }
+        for (int j = 0; j < 16; ++j) {
+            scale[j] = d * (float)sc[j];
+            offset[j] = 32.f * scale[j];
+        }
+        *sub = 16;
+    } else {  // Q4_K, Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of high bits), nibbles
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const uint8_t* s = b + 4;
+        const uint8_t* qs = b + (fmt == FMT_Q5_K ? 48 : 16);
+        for (int j = 0; j < 8; ++j) {
+            int sc, m;
+            if (j < 4) {
+                sc = s[j] & 63;
+                m = s[j + 4] & 63;
+            } else {
+                sc = (s[j + 4] & 0xf) | (s[j - 4] >> 6) << 4;
+                m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+            }
+            scale[j] = d * (float)sc;
+            offset[j] = dmin * (float)m;
+            const uint8_t* c = qs + 32 * (j / 2);
+            for (int l = 0; l < 32; ++l) {
+                int v = j % 2 ? c[l] >> 4 : c[l] & 0xf;
+                if (fmt == FMT_Q5_K) v |= ((b[16 + l] >> j) & 1) << 4;
+                q[32 * j + l] = (uint8_t)v;
+            }
+        }
+        *sub = 32;
+    }
+}
+
+// Raw rows against natural int8 activations: per sub-block the integer dot product and the
+// activations' integer sum, acc += d_x * (scale * dot - offset * sum).
+void gemm_raw_generic(int fmt, const GemmArgs& a) {
+    const int be = raw_block_elems(fmt), bb = raw_block_bytes(fmt), nblk = a.nb * QK / be;
+    uint8_t q[256];
+    float scale[16], offset[16];
+    int sub;
+    for (int i = 0; i < a.ntok; ++i) {
+        const int8_t* xq;
+        const float* xs;
+        const float* xd = xrow_d(a, i, &xq, &xs);
+        for (int r = 0; r < a.nrows; ++r) {
+            const uint8_t* w = a.w + r * a.w_row;
+            float acc = 0.f;
+            for (int k = 0; k < nblk; ++k) {
+                raw_block(fmt, w + (size_t)k * bb, q, scale, offset, &sub);
+                for (int s0 = 0; s0 < be; s0 += sub) {
+                    const int e0 = k * be + s0;
+                    int dot = 0, sum = 0;
+                    for (int l = 0; l < sub; ++l) {
+                        dot += q[s0 + l] * xq[e0 + l];
+                        sum += xq[e0 + l];
+                    }
+                    acc += xd[e0 / QK] * (scale[s0 / sub] * (float)dot - offset[s0 / sub] * (float)sum);
+                }
+            }
+            a.y[i * a.y_row + r] = acc;
+        }
+    }
+}
+
 // element d of position s of a float32, bf16 or int8 (scaled) key/value row
 inline float kv_at(int type, const void* base, const float* sc, long ss, long s_ss, int s, int d) {
     const long i = s * ss + d;
@@ -177,7 +268,7 @@ void attn_chunk_generic(const AttnArgs& a) {
 
 const KernelTable generic_kernels = {"generic", quantize_row_generic, gemm_q4_generic, gemm_q8_generic,
                                      attn_chunk_generic, delta_head, gemm_float_generic<KV_F32>,
-                                     gemm_float_generic<KV_BF16>};
+                                     gemm_float_generic<KV_BF16>, gemm_raw_generic};
 
 bool cpu_has_avx2() {
     __builtin_cpu_init();

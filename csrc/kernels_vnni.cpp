@@ -8,6 +8,8 @@
 #include <math.h>
 
 #include <cstring>
+#include <new>
+#include <stdlib.h>
 #include <vector>
 
 #include "kernels.h"
@@ -26,6 +28,7 @@ namespace avx512vnni {
 namespace {
 #include "kernels_x86.inc"
 #include "kernels_zmm.inc"
+#include "kernels_raw.inc"
 }  // namespace
 #undef MOERUN_TARGET
 #undef MOERUN_DPBUSD
@@ -37,6 +40,7 @@ namespace avxvnni {
 #define MOERUN_DPBUSD _mm256_dpbusd_avx_epi32
 namespace {
 #include "kernels_x86.inc"
+#include "kernels_raw.inc"
 }  // namespace
 #undef MOERUN_TARGET
 #undef MOERUN_DPBUSD
@@ -186,11 +190,13 @@ void gemm_bf16_dp(const GemmArgs& a) { avx512bf16::gemm_bf16(a); }
 
 const KernelTable avx512bf16_kernels = {"avx512bf16", avx512vnni::quantize_row, avx512vnni::gemm_q4_zmm,
                                         avx512vnni::gemm_q8_zmm, avx512vnni::attn_chunk_zmm, avx512vnni::delta_head,
-                                        avx512vnni::gemm_f32, avx512bf16::gemm_bf16};
+                                        avx512vnni::gemm_f32, avx512bf16::gemm_bf16,
+                                        avx512vnni::gemm_raw};
 const KernelTable avx512vnni_kernels = {"avx512vnni", avx512vnni::quantize_row, avx512vnni::gemm_q4_zmm, avx512vnni::gemm_q8_zmm,
                                         avx512vnni::attn_chunk_zmm, avx512vnni::delta_head, avx512vnni::gemm_f32,
-                                        avx512vnni::gemm_bf16};
+                                        avx512vnni::gemm_bf16, avx512vnni::gemm_raw};
 const KernelTable avxvnni_kernels = {"avxvnni", avxvnni::quantize_row, avxvnni::gemm_q4, avxvnni::gemm_q8,
-                                     avxvnni::attn_chunk, avxvnni::delta_head, avxvnni::gemm_f32, avxvnni::gemm_bf16};
+                                     avxvnni::attn_chunk, avxvnni::delta_head, avxvnni::gemm_f32, avxvnni::gemm_bf16,
+                                     avxvnni::gemm_raw};
 
 }  // namespace moerun

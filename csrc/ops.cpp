@@ -55,7 +55,9 @@ int row_tile(int rows, int inputs, int n_groups, int threads, int max_tok) {
 }
 
 void gemm(int fmt, const GemmArgs& a) {
-    if (fmt == FMT_INT4)
+    if (is_raw_fmt(fmt))
+        kern().gemm_raw(fmt, a);
+    else if (fmt == FMT_INT4)
         kern().gemm_q4(a);
     else if (fmt == FMT_INT8)
         kern().gemm_q8(a);
@@ -302,22 +304,26 @@ void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, con
 void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, const int64_t* ids,
                  const float* weights, const uint8_t* gq, const uint16_t* gs, const uint8_t* uq,
                  const uint16_t* us, const uint8_t* dq, const uint16_t* ds, float* out) {
-    const bool fl = is_float_fmt(fmt);
-    const size_t grow = weight_row_bytes(fmt, H) * I, drow = weight_row_bytes(fmt, I) * H;
-    const size_t gsn = (size_t)I * blocks_of(H), dsn = (size_t)H * blocks_of(I);
+    const int gf = gate_fmt(fmt), df = down_fmt(fmt);
+    const bool fl = is_float_fmt(gf), dfl = is_float_fmt(df);
+    const size_t grow = weight_row_bytes(gf, H) * I, drow = weight_row_bytes(df, I) * H;
+    // raw formats keep no scales (their stacks' scales are empty)
+    const size_t gsn = is_raw_fmt(gf) ? 0 : (size_t)I * blocks_of(H), dsn = is_raw_fmt(df) ? 0 : (size_t)H * blocks_of(I);
     std::vector<ExpertW> ex(E);
     for (int e = 0; e < E; ++e)
         ex[e] = {gq + e * grow, uq + e * grow, dq + e * drow, fl ? nullptr : gs + e * gsn,
-                 fl ? nullptr : us + e * gsn, fl ? nullptr : ds + e * dsn};
+                 fl ? nullptr : us + e * gsn, dfl ? nullptr : ds + e * dsn};
     moe_experts(fmt, T, H, I, E, K, x, ids, weights, ex.data(), out);
 }
 
 void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, const int64_t* ids,
                  const float* weights, const ExpertW* experts, float* out) {
     Workspace& W = ws();
-    const bool fl = is_float_fmt(fmt);  // float weights: float activations, no scales
+    // fmt: gate/up's format and down's (expert_fmt); float weights: float activations, no scales
+    const int gf = gate_fmt(fmt), df = down_fmt(fmt);
+    const bool fl = is_float_fmt(gf), dfl = is_float_fmt(df);
     const int nbH = blocks_of(H), nbI = blocks_of(I);
-    const size_t growb = weight_row_bytes(fmt, H), drowb = weight_row_bytes(fmt, I);
+    const size_t growb = weight_row_bytes(gf, H), drowb = weight_row_bytes(df, I);
     const int P = T * K;
 
     // group the (token, expert) pairs by expert: pairs of expert e are [offset[e], offset[e+1])
@@ -362,7 +368,7 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
     W.g.resize((size_t)P * I);
     W.u.resize((size_t)P * I);
     W.y.resize((size_t)P * H);
-    if (!fl) W.h.resize(P, nbI);
+    if (!dfl) W.h.resize(P, nbI);
 
     // gate and up of a tile: G, U [P, I]
     auto gate_up = [&](const Tile& t) {
@@ -383,18 +389,18 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
         a.x_row = H;
         a.y_row = I;
         a.w = ew.gate + t.r0 * growb;
-        a.ws = fl ? nullptr : ew.gate_s + (size_t)t.r0 * nbH;
+        a.ws = fl || !ew.gate_s ? nullptr : ew.gate_s + (size_t)t.r0 * nbH;
         a.y = W.g.data() + (size_t)(W.offset[t.e] + t.t0) * I + t.r0;
-        gemm(fmt, a);
+        gemm(gf, a);
         a.w = ew.up + t.r0 * growb;
-        a.ws = fl ? nullptr : ew.up_s + (size_t)t.r0 * nbH;
+        a.ws = fl || !ew.up_s ? nullptr : ew.up_s + (size_t)t.r0 * nbH;
         a.y = W.u.data() + (size_t)(W.offset[t.e] + t.t0) * I + t.r0;
-        gemm(fmt, a);
+        gemm(gf, a);
     };
     // h = silu(g) * u of pairs [p0, p1), quantized once per pair for the down projection (float
     // weights: kept in float, in place of u)
     auto activate = [&](int p0, int p1) {
-        if (fl) {
+        if (dfl) {
             for (size_t j = (size_t)p0 * I; j < (size_t)p1 * I; ++j) W.u[j] = silu(W.g[j]) * W.u[j];
             return;
         }
@@ -420,19 +426,19 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
         a.w_row = drowb;
         a.ntok = t.nt;
         a.xidx = nullptr;
-        if (fl) {
+        if (dfl) {
             a.in = I;
             a.xf = W.u.data() + p0 * I;
             a.x_row = I;
         } else {
-            a.ws = ew.down_s + (size_t)t.r0 * nbI;
+            a.ws = ew.down_s ? ew.down_s + (size_t)t.r0 * nbI : nullptr;
             a.xq = W.h.q.data() + p0 * nbI * QK;
             a.xd = W.h.d.data() + p0 * nbI;
             a.xs = W.h.s.data() + p0 * nbI;
         }
         a.y = W.y.data() + p0 * H + t.r0;
         a.y_row = H;
-        gemm(fmt, a);
+        gemm(df, a);
     };
 
     const int n_gu = (int)gu_tiles.size(), n_down = (int)down_tiles.size();
@@ -462,7 +468,7 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
         });
     } else {
         pool().parallel_for(n_gu, [&](int i) { gate_up(gu_tiles[i]); });
-        if (fl) {
+        if (dfl) {
             activate(0, P);
         } else {
             const int nt = std::min(P, pool().width()), per = (P + nt - 1) / nt;

@@ -23,7 +23,7 @@ from .. import kernels
 from ..errors import MoerunError
 from ..layers.moe import Experts, dispatch, group_by_expert, native_float_experts, swiglu
 from ..layers.routes import routed
-from ..quant.formats import FORMATS
+from ..quant.formats import expert_code
 from ..quant.modules import QuantizedExperts
 from .store import ExpertStore, LayerExperts, StoreOptions, expert_pieces, quantized_expert_pieces
 
@@ -62,7 +62,7 @@ class StoreExperts(nn.Module):
                 return None
             code = kernels.FLOAT_FORMATS[store.dtype][1]
         else:
-            code = FORMATS[fmt]
+            code = expert_code(fmt, getattr(self, "down_fmt", None))
         source = self.__dict__.get("_source")
         if source is None:
             source = self._source = StoreSource(self)
@@ -176,12 +176,12 @@ class QuantStoreExperts(StoreExperts):
     the output is bit-identical to `QuantizedExperts` on the full stack
     (tests/test_expert_store_quant.py checks it)."""
 
-    def __init__(self, layer: int, num_experts: int, hidden: int, inter: int, fmt: str):
+    def __init__(self, layer: int, num_experts: int, hidden: int, inter: int, fmt: str, down_fmt: str | None = None):
         super().__init__(layer, num_experts, hidden, inter)
-        self.fmt = fmt
+        self.fmt, self.down_fmt = fmt, down_fmt or fmt
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fmt={self.fmt}"
+        return f"{super().extra_repr()}, fmt={self.fmt}" + (f", down_fmt={self.down_fmt}" if self.down_fmt != self.fmt else "")
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         routed(self, x, ids, weights)
@@ -193,7 +193,7 @@ class QuantStoreExperts(StoreExperts):
         views = [list(v) for v in zip(*(_numpy_views(got[e]) for e in needed))] if needed else None
         y = self._native(ids, needed, counts, where, lambda local: kernels.moe_experts(
             x, local, weights, *[[got[e][j] for e in needed] for j in range(6)], self.fmt, self.inter, views,
-            dtype=x.dtype))
+            dtype=x.dtype, down_fmt=self.down_fmt))
         return y.to(x.dtype)
 
 
@@ -220,7 +220,8 @@ def _swap_experts(net: nn.Module) -> list[tuple[str, StoreExperts]]:
     out = []
     for name, mod in found:
         if isinstance(mod, QuantizedExperts):
-            new = QuantStoreExperts(ids[name], mod.num_experts, mod.hidden_size, mod.intermediate_size, mod.fmt)
+            new = QuantStoreExperts(ids[name], mod.num_experts, mod.hidden_size, mod.intermediate_size, mod.fmt,
+                                    getattr(mod, "down_fmt", None))
         else:
             E, I, H = mod.gate_proj.shape
             new = StoreExperts(ids[name], E, H, I)
@@ -243,10 +244,10 @@ def _make_store(net, swapped, model_dir: Path, dtype, options: StoreOptions | No
     names = _renamed(ckpt, renames)
     layers = []
     for name, m in swapped:
-        fmt = getattr(m, "fmt", None)
+        fmt, down_fmt = getattr(m, "fmt", None), getattr(m, "down_fmt", None)
         pieces = (expert_pieces(names, name, m.num_experts, m.hidden, m.inter) if fmt is None
-                  else quantized_expert_pieces(names, name, m.num_experts, m.hidden, m.inter, fmt))
-        layers.append(LayerExperts(m.layer, m.num_experts, m.hidden, m.inter, pieces, fmt))
+                  else quantized_expert_pieces(names, name, m.num_experts, m.hidden, m.inter, fmt, down_fmt))
+        layers.append(LayerExperts(m.layer, m.num_experts, m.hidden, m.inter, pieces, fmt, down_fmt))
     top_k = getattr(getattr(net, "args", None), "num_experts_per_tok", 8)
     store = ExpertStore(layers, dtype, options, top_k=top_k)
     if store.fmt is not None and store.link is not None and not store.emulated:

@@ -85,6 +85,7 @@ class LayerExperts:
     inter: int
     pieces: tuple  # [E] of (gate, up, down) Pieces, or with fmt: (gate_q, gate_scales, up_q, ..., down_scales)
     fmt: str | None = None
+    down_fmt: str | None = None  # down's format where it differs from gate/up's (raw GGUF formats)
 
 
 def _stacked_pieces(ref, num_experts: int, shape: tuple) -> list[Piece]:
@@ -95,23 +96,26 @@ def _stacked_pieces(ref, num_experts: int, shape: tuple) -> list[Piece]:
     return [Piece(f"{ref.name}[{e}]", ref.path, ref.offset + e * size, size, ref.dtype, shape) for e in range(num_experts)]
 
 
-def quantized_shapes(hidden: int, inter: int, fmt: str) -> dict[str, tuple[tuple, torch.dtype]]:
-    """Shape and dtype of one expert's packed tensors, by their names in a quantized checkpoint."""
-    from ..quant.formats import GROUP, blocks
+def quantized_shapes(hidden: int, inter: int, fmt: str, down_fmt: str | None = None) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Shape and dtype of one expert's packed tensors, by their names in a quantized checkpoint
+    (raw GGUF formats: uint8 rows of their blocks and empty [rows, 0] scales)."""
+    from ..quant.formats import packed_shape
 
-    per, qdtype = (GROUP // 2, torch.uint8) if fmt == "int4" else (GROUP, torch.int8)
     out = {}
-    for proj, rows, cols in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
-        out[f"{proj}_q"] = ((rows, blocks(cols) * per), qdtype)
-        out[f"{proj}_scales"] = ((rows, blocks(cols)), torch.float16)
+    for proj, rows, cols, f in (("gate", inter, hidden, fmt), ("up", inter, hidden, fmt),
+                                ("down", hidden, inter, down_fmt or fmt)):
+        row, nb, qdtype = packed_shape(f, cols)
+        out[f"{proj}_q"] = ((rows, row), qdtype)
+        out[f"{proj}_scales"] = ((rows, nb), torch.float16)
     return out
 
 
-def quantized_expert_pieces(names: dict, prefix: str, num_experts: int, hidden: int, inter: int, fmt: str) -> tuple:
+def quantized_expert_pieces(names: dict, prefix: str, num_experts: int, hidden: int, inter: int, fmt: str,
+                            down_fmt: str | None = None) -> tuple:
     """Per expert (gate_q, gate_scales, up_q, up_scales, down_q, down_scales) byte ranges of a
     checkpoint written by `moerun quantize` (stacked [E, rows, ...] under our module names)."""
     cols = []
-    for key, (shape, dtype) in quantized_shapes(hidden, inter, fmt).items():
+    for key, (shape, dtype) in quantized_shapes(hidden, inter, fmt, down_fmt).items():
         ref = names.get(f"{prefix}.{key}")
         if ref is None:
             raise MoerunError(f"checkpoint is missing tensor {prefix + '.' + key!r} (the {fmt} experts of layer {prefix})")
@@ -264,7 +268,7 @@ def slot_layout(L: LayerExperts, dtype: torch.dtype) -> tuple[tuple, int]:
     if L.fmt is None:
         specs = [((L.inter, L.hidden), dtype), ((L.inter, L.hidden), dtype), ((L.hidden, L.inter), dtype)]
     else:
-        specs = list(quantized_shapes(L.hidden, L.inter, L.fmt).values())
+        specs = list(quantized_shapes(L.hidden, L.inter, L.fmt, L.down_fmt).values())
     layout, off = [], 0
     for shape, dt in specs:
         off = -(-off // dt.itemsize) * dt.itemsize  # aligned for the view

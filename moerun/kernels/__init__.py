@@ -542,7 +542,8 @@ def route_softmax_topk_ref(x, router, k, renorm):
 # -- fused routed experts ------------------------------------------------------------------
 
 def moe_experts(x, ids, weights, gate, gate_scales, up, up_scales, down, down_scales, fmt: str,
-                intermediate: int, views: tuple | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                intermediate: int, views: tuple | None = None, dtype: torch.dtype = torch.float32,
+                down_fmt: str | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, k] -> [T, H] float32
     (or bf16 with `dtype=torch.bfloat16`, rounded once at the end).
 
@@ -550,17 +551,18 @@ def moe_experts(x, ids, weights, gate, gate_scales, up, up_scales, down, down_sc
     down [E, H, bytes] with scales [E, H, nb]; or each of the six a list of one tensor per
     expert (an expert store's, wherever each lies: nothing is copied). One call per layer: the
     native kernel groups the tokens per expert, runs gate/up, SiLU*up, down and the weighted
-    sum itself. `views`: `expert_views` of the six, when the caller keeps them.
+    sum itself. `views`: `expert_views` of the six, when the caller keeps them. `down_fmt`:
+    down's format where it is not gate/up's `fmt` (raw formats: scales [E, rows, 0]).
     """
     nat = _native()
     if nat is None:
         stacks = (w if torch.is_tensor(w) else torch.stack(w) for w in (gate, gate_scales, up, up_scales, down, down_scales))
-        return moe_experts_ref(x, ids, weights, *stacks, fmt, intermediate).to(_out_dtype(dtype))
+        return moe_experts_ref(x, ids, weights, *stacks, fmt, intermediate, down_fmt).to(_out_dtype(dtype))
     out = _out(x.shape, dtype)
     if x.shape[0]:
         _sync_threads(nat)
         w = views or expert_views(gate, gate_scales, up, up_scales, down, down_scales)
-        code = formats.FORMATS[fmt]
+        code = formats.expert_code(fmt, down_fmt)
         for xa, ia, wa, oa in _expert_calls(x, ids, weights, out):
             nat.moe_experts(xa, ia, wa, *w, oa, code, intermediate)
     return out
@@ -586,7 +588,8 @@ def _expert_calls(x, ids, weights, out):
             for i in range(0, x.shape[0], n)]
 
 
-def moe_experts_ref(x, ids, weights, gate, gate_scales, up, up_scales, down, down_scales, fmt, intermediate):
+def moe_experts_ref(x, ids, weights, gate, gate_scales, up, up_scales, down, down_scales, fmt, intermediate,
+                    down_fmt=None):
     """Torch reference with the kernel's arithmetic (int8 activations for every product)."""
     T, H = x.shape
     K = ids.shape[1]
@@ -604,7 +607,7 @@ def moe_experts_ref(x, ids, weights, gate, gate_scales, up, up_scales, down, dow
         xs = x[rows].float()
         g = formats.matmul_ref(xs, gate[e], gate_scales[e], fmt, H)
         u = formats.matmul_ref(xs, up[e], up_scales[e], fmt, H)
-        y = formats.matmul_ref(F.silu(g) * u, down[e], down_scales[e], fmt, intermediate)
+        y = formats.matmul_ref(F.silu(g) * u, down[e], down_scales[e], down_fmt or fmt, intermediate)
         out.index_add_(0, rows, y * w_sorted[start : start + c, None])
         start += c
     return out
@@ -633,7 +636,8 @@ def moe_experts_float(x, ids, weights, gate, up, down, views: tuple | None = Non
 
 class ExpertViews(NamedTuple):
     """Routed experts as `moe_block` takes them: the native format code (32 / 16: float32 /
-    bf16 rows, 8 / 4: packed) and per weight a list of one stack or of one array per expert,
+    bf16 rows, 8 / 4 / raw codes: packed, with down's code in the second byte where it differs:
+    `formats.expert_code`) and per weight a list of one stack or of one array per expert,
     with the scales' lists alike (empty for float experts); or, with every list empty, a
     `source` that gives each pass the experts its routing picked, wherever they lie
     (`fetch(ids, T)` -> (needed ids, gate, gate_scales, up, up_scales, down, down_scales: one

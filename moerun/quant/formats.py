@@ -33,6 +33,11 @@ nb % 8 blocks of a row stay natural.
 
 Activations are quantized to int8 in the same blocks of 32 (`d = absmax / 127`, round to
 nearest even) once per token; `quantize_activations` is the reference of the native one.
+
+The raw formats `q4_k`, `q5_k`, `q6_k`, `q5_0` are llama.cpp's blocks as a GGUF file holds them
+(`moerun.kernels.ggml`, docs/design/gguf.md): `qweight` uint8 [..., N, row bytes] (each row its
+blocks byte for byte), `scales` float16 [..., N, 0] (the scales are in the blocks). This module
+runs their references (`dequantize`, `matmul_ref`) but does not make them.
 """
 
 from __future__ import annotations
@@ -40,7 +45,38 @@ from __future__ import annotations
 import torch
 
 GROUP = 32
-FORMATS = {"int4": 4, "int8": 8}
+# name -> the native kernels' code (csrc/kernels.h; the raw ones 100 + their GGML type id, as
+# moerun.kernels.ggml.CODES)
+FORMATS = {"int4": 4, "int8": 8, "q5_0": 106, "q4_k": 112, "q5_k": 113, "q6_k": 114}
+RAW_FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0")
+
+
+def is_raw(fmt: str) -> bool:
+    return fmt in RAW_FORMATS
+
+
+def _ggml():
+    from ..kernels import ggml  # (lazily: moerun.kernels imports this module)
+
+    return ggml
+
+
+def packed_shape(fmt: str, k: int) -> tuple[int, int, torch.dtype]:
+    """(bytes per packed row of k inputs, fp16 scales per row, qweight dtype) of fmt; a raw
+    format's k must be a multiple of its block (ValueError)."""
+    if is_raw(fmt):
+        return _ggml().row_bytes(fmt, k), 0, torch.uint8
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantization format {fmt!r}; formats: {', '.join(FORMATS)}")
+    nb = blocks(k)
+    return (nb * GROUP // 2, nb, torch.uint8) if fmt == "int4" else (nb * GROUP, nb, torch.int8)
+
+
+def expert_code(fmt: str, down_fmt: str | None = None) -> int:
+    """Routed experts' native code: gate/up's format, with down's in the second byte where
+    it differs (csrc/kernels.h expert_fmt)."""
+    g, d = FORMATS[fmt], FORMATS[down_fmt or fmt]
+    return g if g == d else g | d << 8
 
 
 def blocks(k: int) -> int:
@@ -63,6 +99,8 @@ def quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_int4(w)
     if fmt == "int8":
         return quantize_int8(w)
+    if is_raw(fmt):
+        raise ValueError(f"{fmt} weights come from GGUF files (moerun.quant.ggml_quant makes them), not formats.quantize")
     raise ValueError(f"unknown quantization format {fmt!r}; formats: {', '.join(FORMATS)}")
 
 
@@ -116,6 +154,8 @@ def unpack(qweight: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
     """-> float32 [..., N, in_features]."""
+    if is_raw(fmt):
+        return _ggml().dequantize(fmt, qweight, in_features)
     w = unpack(qweight, fmt).float() * scales.float()[..., None]
     return w.reshape(*w.shape[:-2], -1)[..., :in_features]
 
@@ -139,6 +179,12 @@ def matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt
     """
     if not quantize_x:
         return x.float() @ dequantize(qweight, scales, fmt, in_features).T
+    if is_raw(fmt):
+        # the kernels' sum over a sub-block, d_x * (scale * dot(q, x_q) - offset * sum(x_q)),
+        # is the product of the dequantized weights and activations (to float rounding)
+        xq, xd = quantize_activations(x.float())
+        xf = (xq.float() * xd[..., None]).reshape(x.shape[0], -1)[:, :in_features]
+        return xf @ dequantize(qweight, scales, fmt, in_features).T
     xq, xd = quantize_activations(x.float())  # [M, nb, 32], [M, nb]
     wq = unpack(qweight, fmt).float()  # [N, nb, 32]
     # integer block sums are exact in float32 (|sum| < 2^24)

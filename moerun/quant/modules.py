@@ -26,10 +26,10 @@ class QuantizedLinear(nn.Module):
         if fmt not in formats.FORMATS:
             raise ValueError(f"unknown quantization format {fmt!r}")
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
-        nb = formats.blocks(in_features)
-        per = formats.GROUP // 2 if fmt == "int4" else formats.GROUP
-        qdtype = torch.uint8 if fmt == "int4" else torch.int8
-        self.register_buffer("qweight", torch.zeros(out_features, nb * per, dtype=qdtype))
+        # raw GGUF formats: uint8 rows of their blocks, no separate scales (ValueError unless
+        # in_features is a whole number of blocks)
+        row, nb, qdtype = formats.packed_shape(fmt, in_features)
+        self.register_buffer("qweight", torch.zeros(out_features, row, dtype=qdtype))
         self.register_buffer("scales", torch.zeros(out_features, nb, dtype=torch.float16))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
 
@@ -66,24 +66,26 @@ BUFFERS = ("gate_q", "gate_scales", "up_q", "up_scales", "down_q", "down_scales"
 
 
 class QuantizedExperts(nn.Module):
-    """Routed experts with gate/up [E, I, H] and down [E, H, I] packed in `fmt`."""
+    """Routed experts with gate/up [E, I, H] packed in `fmt` and down [E, H, I] in `down_fmt`
+    (default: the same; llama.cpp's Q4_K_M gives some layers' down projections Q6_K)."""
 
     routed_experts = True  # tells `moerun info` and the expert machinery what this module is
     native_kernels = True
     keeps_dtype = True
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str,
+                 down_fmt: str | None = None):
         super().__init__()
-        if fmt not in formats.FORMATS:
-            raise ValueError(f"unknown quantization format {fmt!r}")
-        self.num_experts, self.hidden_size, self.intermediate_size, self.fmt = (
-            num_experts, hidden_size, intermediate_size, fmt)
-        per = formats.GROUP // 2 if fmt == "int4" else formats.GROUP
-        qdtype = torch.uint8 if fmt == "int4" else torch.int8
+        down_fmt = down_fmt or fmt
+        for f in (fmt, down_fmt):
+            if f not in formats.FORMATS:
+                raise ValueError(f"unknown quantization format {f!r}")
+        self.num_experts, self.hidden_size, self.intermediate_size, self.fmt, self.down_fmt = (
+            num_experts, hidden_size, intermediate_size, fmt, down_fmt)
         E, H, I = num_experts, hidden_size, intermediate_size
-        nbH, nbI = formats.blocks(H), formats.blocks(I)
-        for name, rows, nb in (("gate", I, nbH), ("up", I, nbH), ("down", H, nbI)):
-            self.register_buffer(f"{name}_q", torch.zeros(E, rows, nb * per, dtype=qdtype))
+        for name, rows, cols, f in (("gate", I, H, fmt), ("up", I, H, fmt), ("down", H, I, down_fmt)):
+            row, nb, qdtype = formats.packed_shape(f, cols)
+            self.register_buffer(f"{name}_q", torch.zeros(E, rows, row, dtype=qdtype))
             self.register_buffer(f"{name}_scales", torch.zeros(E, rows, nb, dtype=torch.float16))
 
     @classmethod
@@ -103,16 +105,18 @@ class QuantizedExperts(nn.Module):
         if not kernels.native():
             return None
         views = kernels.native_views(self, BUFFERS, kernels.expert_views)  # the forward's own
-        return kernels.ExpertViews(formats.FORMATS[self.fmt], *views)
+        return kernels.ExpertViews(formats.expert_code(self.fmt, self.down_fmt), *views)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], ids [N, K] expert indices, weights [N, K] -> [N, H]."""
         routed(self, x, ids, weights)
         views = kernels.native_views(self, BUFFERS, kernels.expert_views) if kernels.native() else None
         y = kernels.moe_experts(x, ids, weights, self.gate_q, self.gate_scales, self.up_q, self.up_scales,
-                                self.down_q, self.down_scales, self.fmt, self.intermediate_size, views, dtype=x.dtype)
+                                self.down_q, self.down_scales, self.fmt, self.intermediate_size, views, dtype=x.dtype,
+                                down_fmt=self.down_fmt)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, fmt={self.fmt}")
+                f"intermediate_size={self.intermediate_size}, fmt={self.fmt}"
+                + (f", down_fmt={self.down_fmt}" if self.down_fmt != self.fmt else ""))
