@@ -6,6 +6,13 @@ read by few tokens, so it tolerates the most error), shared experts, dense MLPs,
 projections and the LM head int8; routers (`gate`, `shared_expert_gate`), norms and
 embeddings stay in the model's float dtype (they are tiny, and the router decides which
 experts run at all).
+
+A component may also take one of llama.cpp's raw formats (`q4_k`, `q5_k`, `q6_k`, `q5_0`;
+docs/design/gguf.md), quantized by its reference quantizers (`ggml_quant.quantize`). Where
+a weight's rows are not a whole number of the format's blocks (the K-quants' 256: the demo
+model's hidden size is 128) the module falls back as llama.cpp does: q4_k -> q5_0, q5_k and
+q6_k -> int8 (moerun's int8 is Q8_0), per matrix (`formats.fit`), so a policy names what a
+component gets where the shapes allow it.
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ POLICIES = {
     "int4": QuantPolicy(),  # the default: routed experts int4, everything else int8
     "int8": QuantPolicy(experts="int8"),
     "int4-all": QuantPolicy(experts="int4", shared_experts="int4", attention="int4", lm_head="int4"),
+    # candidates against llama.cpp's Q4_K_M bytes (docs/benchmarks-vs-llamacpp-draft.md)
+    "int4-q6k": QuantPolicy(experts="int4", shared_experts="int8", attention="int4", lm_head="q6_k"),
+    "int4-kq": QuantPolicy(experts="int4", shared_experts="q4_k", attention="q4_k", lm_head="q6_k"),
+    "kq": QuantPolicy(experts="q4_k", shared_experts="q4_k", attention="q4_k", lm_head="q6_k"),
     "none": None,
 }
 
@@ -109,13 +120,14 @@ def replace_module(net: nn.Module, name: str, new: nn.Module) -> None:
 
 def formats_in_use(net: nn.Module) -> dict[str, str]:
     """{component: format} of `net`'s quantized modules ("int4+int8" if a component mixes
-    them); empty when nothing is quantized."""
+    them, "q4_k/q6_k" for experts whose down projection has another); empty when nothing is
+    quantized."""
     from .modules import QuantizedExperts, QuantizedLinear
 
     found: dict[str, set[str]] = {}
     for name, mod in net.named_modules():
         if isinstance(mod, (QuantizedExperts, QuantizedLinear)):
-            found.setdefault(component_of(name, mod) or "other", set()).add(mod.fmt)
+            found.setdefault(component_of(name, mod) or "other", set()).add(mod.formats)
     return {comp: "+".join(sorted(f)) for comp, f in found.items()}
 
 
