@@ -164,6 +164,8 @@ def fill_tiled(net, seed: int = 0) -> None:
             if isinstance(m, QuantizedLinear):
                 blk = formats.quantize(torch.randn(256, m.in_features, generator=g) * 0.02, m.fmt)
                 for dst, src in zip((m.qweight, m.scales), blk):
+                    if not dst.numel():
+                        continue
                     for r in range(0, dst.shape[0], 256):
                         dst[r : r + 256] = src[: dst.shape[0] - r]
             elif isinstance(m, QuantizedExperts):
@@ -171,6 +173,8 @@ def fill_tiled(net, seed: int = 0) -> None:
                                        ("down", m.down_fmt, m.intermediate_size)):
                     blk = formats.quantize(torch.randn(256, cols, generator=g) * 0.02, f)
                     for dst, src in zip((getattr(m, f"{which}_q"), getattr(m, f"{which}_scales")), blk):
+                        if not dst.numel():
+                            continue  # a raw format's empty scales
                         flat = dst.view(-1, dst.shape[-1])
                         for r in range(0, flat.shape[0], 256):
                             flat[r : r + 256] = src[: flat.shape[0] - r]
@@ -180,6 +184,22 @@ def fill_tiled(net, seed: int = 0) -> None:
                         p.fill_(1.0)
                     else:
                         p.normal_(0.0, 0.02, generator=g)
+
+
+def read_bandwidth(threads: int, tries: int = 3) -> float:
+    """Bytes/s of torch.sum over 1 GiB (float32), best of `tries` (vs_llamacpp's measure)."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones((1 << 30) // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(tries):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    del x
+    torch.set_num_threads(was)
+    return (1 << 30) / best
 
 
 def cmd_speed(a) -> dict:
@@ -209,8 +229,10 @@ def cmd_speed(a) -> dict:
                     net(torch.tensor([[t]]), cache, last_only=True, **plans)
                 if rnd:  # the first round warms up
                     rates.append(a.steps / (time.perf_counter() - t0))
-        out[pol] = {"tok_s": statistics.median(rates), "rounds": rates}
-        print(f"{pol}: {statistics.median(rates):.1f} tok/s ({', '.join(f'{r:.1f}' for r in rates)})", flush=True)
+        bw = read_bandwidth(a.threads)
+        out[pol] = {"tok_s": statistics.median(rates), "rounds": rates, "read_bandwidth": bw}
+        print(f"{pol}: {statistics.median(rates):.1f} tok/s ({', '.join(f'{r:.1f}' for r in rates)}); "
+              f"read bandwidth after it {bw / 1e9:.1f} GB/s", flush=True)
         del net
     return out
 
