@@ -102,3 +102,44 @@ def test_experts_down_format_round_trips(wide, tmp_path, monkeypatch):
     w = torch.full((3, 2), 0.5)
     assert torch.isfinite(q(x, ids, w)).all()
     del quantize_model
+
+
+def test_default_policy_reads_no_more_than_q4_k_m():
+    """Issue 35 item 4's bytes bar, on 2 of Qwen3-30B-A3B's layers (the table in
+    docs/benchmarks-vs-llamacpp-draft.md is 8): the default policy's bytes per decoded token
+    (`moerun info`'s count) against llama.cpp's Q4_K_M of the same tensors."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from moerun.engine.info import describe
+    from moerun.quant import DEFAULT_POLICY, compute_in_float32
+
+    path = Path(__file__).parents[1] / "benchmarks" / "quant_policies.py"
+    spec = importlib.util.spec_from_file_location("quant_policies", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["quant_policies"] = bench
+    spec.loader.exec_module(bench)
+    net, args = bench.shaped_net(2, DEFAULT_POLICY)  # uninitialised: only the sizes count
+    compute_in_float32(net)
+    ours = describe(net, args)["bytes_per_token"]
+    ref = bench.q4_k_m_bytes(args)["bytes_per_token"]
+    assert ours <= ref, (ours, ref)
+    old, _ = bench.shaped_net(2, "int4")
+    compute_in_float32(old)
+    assert describe(old, args)["bytes_per_token"] > ref  # what the default was before
+
+
+def test_cli_quantize_defaults_to_the_default_policy(wide, tmp_path, capsys):
+    from dataclasses import asdict
+
+    from moerun.quant import DEFAULT_POLICY
+
+    from conftest import cli
+
+    out = tmp_path / "d"
+    rc, _ = cli(capsys, "quantize", "-m", wide, "-o", out)
+    assert rc == 0
+    entry = json.loads((out / "config.json").read_text())["quantization"]
+    assert entry["components"] == asdict(POLICIES[DEFAULT_POLICY])
+    assert entry["modules"]["lm_head"] == "q6_k" and entry["modules"]["model.layers.0.self_attn.o_proj"] == "int4"
