@@ -4,6 +4,7 @@ demo model's held-out text, decode speed on the Qwen3-30B-A3B-shaped model.
 
   python benchmarks/quant_policies.py bytes [--layers 8]
   python benchmarks/quant_policies.py quality [--chunks 64]        # needs data/corpus
+  python benchmarks/quant_policies.py quality --policies experts=int4+attention=int4+lm_head=q5_0
   python benchmarks/quant_policies.py speed [--layers 8] [--threads 2] [--policies int4,kq]
 
 bytes: moerun's from `moerun.engine.info.describe` (what `moerun info` prints) on the net
@@ -125,6 +126,16 @@ def cmd_bytes(a) -> dict:
     return out
 
 
+def as_policy(p: str):
+    """A POLICIES name, or components joined by '+': `experts=int4+attention=int4+lm_head=q5_0`
+    (the rest as QuantPolicy's defaults)."""
+    if "=" not in p:
+        return p
+    from moerun.quant import QuantPolicy
+
+    return QuantPolicy(**{k: (None if v == "none" else v) for k, v in (c.split("=") for c in p.split("+"))})
+
+
 def cmd_quality(a) -> dict:
     from tools.train.evaluate import heldout_windows
 
@@ -133,7 +144,7 @@ def cmd_quality(a) -> dict:
     base_logits = None
     out = {}
     for pol in ["none"] + a.policies:
-        llm = moerun.load(a.model, threads=a.threads, quant=pol)
+        llm = moerun.load(a.model, threads=a.threads, quant=as_policy(pol))
         nll, n, agree = 0.0, 0, 0
         argmaxes = []
         with torch.inference_mode():
