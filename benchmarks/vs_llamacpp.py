@@ -86,7 +86,7 @@ from moerun.engine.info import describe  # noqa: E402
 from moerun.engine.llm import LLM  # noqa: E402
 from moerun.layers.moe import Experts  # noqa: E402
 from moerun.models import qwen3_moe  # noqa: E402
-from moerun.quant import POLICIES, compute_in_float32, quantize_model  # noqa: E402
+from moerun.quant import DEFAULT_POLICY, POLICIES, compute_in_float32, quantize_model  # noqa: E402
 from moerun.quant import formats  # noqa: E402
 from moerun.quant.modules import QuantizedExperts, QuantizedLinear  # noqa: E402
 
@@ -106,7 +106,7 @@ class Row:
 ROWS = {
     "int4": Row("int4", "int4-all", "Q4_0 (--pure)", "blocks"),
     "int8": Row("int8", "int8", "Q8_0", "blocks"),
-    "default": Row("default", "int4", "Q4_K_M", "float", "Q4_K_M"),
+    "default": Row("default", DEFAULT_POLICY, "Q4_K_M", "float", "Q4_K_M"),
 }
 
 

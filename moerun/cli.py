@@ -23,8 +23,10 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
     if model:
         p.add_argument("-m", "--model", default=None, help="Hugging Face model directory or GGUF file (default: the bundled demo model)")
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weight and activation dtype")
-        p.add_argument("--quant", default="none", choices=["none", "int4", "int8", "int4-all"],
-                       help="quantize at load: int4 = routed experts int4, attention/shared/head int8")
+        p.add_argument("--quant", default="none", choices=["none", "int4", "int8", "int4-all", "int4-q6k", "int4-kq", "kq"],
+                       help="quantize at load: int4-q6k (moerun quantize's default) = routed experts and attention "
+                            "int4, shared experts int8, head Q6_K; int4 = routed experts int4, attention/shared/head "
+                            "int8; int4-kq, kq with llama.cpp's K-quants (moerun.quant.POLICIES)")
         p.add_argument("--kv-cache", default="auto", help="KV cache storage: auto (the model's dtype), int8 (per-token, "
                        "per-head scales), float32, bfloat16 or float16")
         p.add_argument("--check-weights", action="store_true",
@@ -535,10 +537,13 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="write a quantized checkpoint that loads without re-quantizing")
     q.add_argument("-m", "--model", required=True, help="float Hugging Face model directory")
     q.add_argument("-o", "--output", required=True, help="directory to write (refused if not empty, unless --force)")
-    q.add_argument("--policy", default="int4", choices=["int4", "int8", "int4-all"],
-                   help="int4 = routed experts int4, attention/shared/head int8 (default); int8; int4-all")
+    q.add_argument("--policy", default="int4-q6k", choices=["int4", "int8", "int4-all", "int4-q6k", "int4-kq", "kq"],
+                   help="int4-q6k (default) = routed experts and attention int4, shared experts int8, head Q6_K; "
+                        "int4 = routed experts int4, attention/shared/head int8; int8; int4-all; int4-kq, kq "
+                        "with llama.cpp's K-quants (moerun.quant.POLICIES)")
     for comp in QUANT_COMPONENTS:
-        q.add_argument("--" + comp.replace("_", "-"), default=None, choices=["int4", "int8", "none"],
+        q.add_argument("--" + comp.replace("_", "-"), default=None,
+                       choices=["int4", "int8", "q4_k", "q5_k", "q6_k", "q5_0", "none"],
                        help=f"format of the {comp.replace('_', ' ')} (overrides --policy; none keeps them float)")
     q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="dtype of the tensors kept in float")
     q.add_argument("--force", action="store_true", help="replace a non-empty output directory")

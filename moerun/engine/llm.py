@@ -95,8 +95,10 @@ class LLM:
     @classmethod
     def load(cls, path=None, dtype="auto", threads: int | None = None, quant: str | None = None,
              kv_cache: str = "auto", check_weights: bool = False) -> "LLM":
-        """quant: None/"none" keeps the checkpoint's weights; "int4" (routed experts int4,
-        attention/shared experts/head int8), "int8", "int4-all" quantize at load, unless the
+        """quant: None/"none" keeps the checkpoint's weights; a `moerun.quant.POLICIES` name
+        ("int4-q6k", the default policy: routed experts and attention int4, shared experts int8,
+        head Q6_K; "int4": attention/shared experts/head int8; "int8", "int4-all", "int4-kq",
+        "kq") or a QuantPolicy quantizes at load, unless the
         checkpoint was already written quantized by `moerun quantize`. dtype "auto": the
         checkpoint's, except that a quantized net computes in float32 (`compute_in_float32`).
         kv_cache: "auto" (the checkpoint's dtype), "int8" (per-token, per-head scales) or a

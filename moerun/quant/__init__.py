@@ -1,11 +1,23 @@
 """Quantization: block formats (`formats`), drop-in modules (`modules`) and the
 per-component policy applied to a loaded model by `quantize_model`.
 
-Default policy ("int4"): routed experts int4 (they are most of the bytes and each expert is
-read by few tokens, so it tolerates the most error), shared experts, dense MLPs, attention
-projections and the LM head int8; routers (`gate`, `shared_expert_gate`), norms and
-embeddings stay in the model's float dtype (they are tiny, and the router decides which
-experts run at all).
+Default policy (`DEFAULT_POLICY`, "int4-q6k"): routed experts and attention / DeltaNet
+projections int4, shared experts and dense MLPs int8, the LM head llama.cpp's Q6_K (`q6_k`);
+routers (`gate`, `shared_expert_gate`), norms and embeddings stay in the model's float dtype
+(they are tiny, and the router decides which experts run at all). It reads fewer bytes per
+decoded token than llama.cpp's Q4_K_M of the same model (519 against 533 MB on 8 of
+Qwen3-30B-A3B's layers) and keeps the demo model's held-out perplexity within 1% of bf16
+with >= 95% of greedy tokens bf16's: the candidates' table, and how it was chosen, is in
+docs/benchmarks-vs-llamacpp-draft.md (benchmarks/quant_policies.py). "int4" (the default
+before: attention and head int8, 669 MB a token there) stays for the checkpoints written
+with it.
+
+A component may also take one of llama.cpp's raw formats (`q4_k`, `q5_k`, `q6_k`, `q5_0`;
+docs/design/gguf.md), quantized by its reference quantizers (`ggml_quant.quantize`). Where
+a weight's rows are not a whole number of the format's blocks (the K-quants' 256: the demo
+model's hidden size is 128) the module falls back as llama.cpp does: q4_k -> q5_0, q5_k and
+q6_k -> int8 (moerun's int8 is Q8_0), per matrix (`formats.fit`), so a policy names what a
+component gets where the shapes allow it.
 """
 
 from __future__ import annotations
@@ -38,11 +50,17 @@ class QuantPolicy:
 
 
 POLICIES = {
-    "int4": QuantPolicy(),  # the default: routed experts int4, everything else int8
+    "int4": QuantPolicy(),  # routed experts int4, everything else int8 (the default until 2026-12-03)
     "int8": QuantPolicy(experts="int8"),
     "int4-all": QuantPolicy(experts="int4", shared_experts="int4", attention="int4", lm_head="int4"),
+    # candidates against llama.cpp's Q4_K_M bytes (docs/benchmarks-vs-llamacpp-draft.md);
+    # int4-q6k is the default (DEFAULT_POLICY)
+    "int4-q6k": QuantPolicy(experts="int4", shared_experts="int8", attention="int4", lm_head="q6_k"),
+    "int4-kq": QuantPolicy(experts="int4", shared_experts="q4_k", attention="q4_k", lm_head="q6_k"),
+    "kq": QuantPolicy(experts="q4_k", shared_experts="q4_k", attention="q4_k", lm_head="q6_k"),
     "none": None,
 }
+DEFAULT_POLICY = "int4-q6k"  # what `moerun quantize` and `quantize_model` apply unless told otherwise
 
 
 def resolve_policy(policy) -> QuantPolicy | None:
@@ -75,11 +93,10 @@ def component_of(name: str, module: nn.Module) -> str | None:
     return None  # anything else (MTP projections, unknown heads) stays as loaded
 
 
-def quantize_model(net: nn.Module, policy: str | QuantPolicy | None = "int4") -> dict[str, int]:
+def quantize_model(net: nn.Module, policy: str | QuantPolicy | None = DEFAULT_POLICY) -> dict[str, int]:
     """Swap `net`'s modules in place for quantized ones following `policy`.
 
-    policy: "int4" (default component policy), "int8", "int4-all", "none"/None, or a
-    QuantPolicy. Returns how many modules were quantized per component.
+    policy: a POLICIES name (default DEFAULT_POLICY), "none"/None, or a QuantPolicy. Returns how many modules were quantized per component.
     """
     from .modules import QuantizedExperts, QuantizedLinear
 
@@ -109,13 +126,14 @@ def replace_module(net: nn.Module, name: str, new: nn.Module) -> None:
 
 def formats_in_use(net: nn.Module) -> dict[str, str]:
     """{component: format} of `net`'s quantized modules ("int4+int8" if a component mixes
-    them); empty when nothing is quantized."""
+    them, "q4_k/q6_k" for experts whose down projection has another); empty when nothing is
+    quantized."""
     from .modules import QuantizedExperts, QuantizedLinear
 
     found: dict[str, set[str]] = {}
     for name, mod in net.named_modules():
         if isinstance(mod, (QuantizedExperts, QuantizedLinear)):
-            found.setdefault(component_of(name, mod) or "other", set()).add(mod.fmt)
+            found.setdefault(component_of(name, mod) or "other", set()).add(mod.formats)
     return {comp: "+".join(sorted(f)) for comp, f in found.items()}
 
 
@@ -170,5 +188,5 @@ class Float32RowsEmbedding(nn.Embedding):
         return super().forward(input).float()
 
 
-__all__ = ["QuantPolicy", "POLICIES", "quantize_model", "resolve_policy", "component_of", "formats_in_use",
+__all__ = ["QuantPolicy", "POLICIES", "DEFAULT_POLICY", "quantize_model", "resolve_policy", "component_of", "formats_in_use",
            "policy_name", "replace_module", "compute_in_float32", "Float32RowsEmbedding"]

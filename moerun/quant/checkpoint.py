@@ -17,6 +17,11 @@ config.json's entry:
                      "scale_dtype": "float16", "symmetric": true,
                      "components": {"experts": "int4", "shared_experts": "int8", ...},
                      "modules": {"model.layers.0.mlp.experts": "int4", ...}}
+
+`modules` holds each module's format as written: a raw GGUF format (`q4_k`, `q6_k`, ...: the
+module's `qweight` rows are its GGUF blocks and `scales` is empty) where the policy's format
+fell back to another for the module's row width (`formats.fit`), the fallback, and for routed
+experts whose down projection has another format than gate/up, `gate_up/down` (`q5_0/int8`).
 """
 
 from __future__ import annotations
@@ -62,12 +67,19 @@ def _check_entry(entry) -> QuantPolicy:
     if entry.get("group_size") != GROUP:
         raise MoerunError(f"config.json's quantization entry has group_size {entry.get('group_size')!r}; moerun uses {GROUP}")
     modules = entry.get("modules")
-    if not isinstance(modules, dict) or any(f not in FORMATS for f in modules.values()):
+    if not isinstance(modules, dict) or not all(isinstance(f, str) and _split(f) for f in modules.values()):
         raise MoerunError(f"config.json's quantization entry needs `modules`: module name -> one of {', '.join(FORMATS)}")
     try:
         return QuantPolicy(**entry.get("components", {}))
     except (TypeError, ValueError) as e:
         raise MoerunError(f"config.json's quantization entry has bad components: {e}") from None
+
+
+def _split(f: str) -> tuple[str, str] | None:
+    """A `modules` entry as (format, down projection's format); None if it names no format."""
+    up, _, down = f.partition("/")
+    down = down or up
+    return (up, down) if up in FORMATS and down in FORMATS else None
 
 
 def make_quantized_modules(net: torch.nn.Module, entry) -> None:
@@ -83,10 +95,11 @@ def make_quantized_modules(net: torch.nn.Module, entry) -> None:
         except AttributeError:
             raise MoerunError(f"config.json's quantization entry names module {name!r}, which this model does not have") from None
         with torch.device("meta"):
+            fmt, down_fmt = _split(fmt)
             if isinstance(mod, Experts):
                 E, I, H = mod.gate_proj.shape
-                new = QuantizedExperts(E, H, I, fmt)
-            elif isinstance(mod, torch.nn.Linear):
+                new = QuantizedExperts(E, H, I, fmt, down_fmt)
+            elif isinstance(mod, torch.nn.Linear) and fmt == down_fmt:
                 new = QuantizedLinear(mod.in_features, mod.out_features, fmt, bias=mod.bias is not None)
             else:
                 raise MoerunError(f"config.json's quantization entry names {name!r}, which is not a linear or experts module")
@@ -208,6 +221,7 @@ def _write_tensors(net, ckpt, plan, targets: dict[str, str], dtype, shards: "_Sh
                 fmt = targets[owner]
                 q = (QuantizedExperts.from_experts(mod, fmt) if isinstance(mod, Experts)
                      else QuantizedLinear.from_linear(mod, fmt))
+                targets[owner] = q.formats  # as written (a raw format may have fallen back)
                 mod.to("meta")  # drop the float weights before the next module is read
                 used = [r for _, refs in loaded.values() for r in refs]
                 for r in used:

@@ -72,6 +72,19 @@ def packed_shape(fmt: str, k: int) -> tuple[int, int, torch.dtype]:
     return (nb * GROUP // 2, nb, torch.uint8) if fmt == "int4" else (nb * GROUP, nb, torch.int8)
 
 
+# llama.cpp's fallback (llama_tensor_get_type) for rows that are not a whole number of a
+# K-quant's 256-wide super-blocks; int8 is moerun's Q8_0
+FALLBACK = {"q4_k": "q5_0", "q5_k": "int8", "q6_k": "int8", "q5_0": "int8"}
+
+
+def fit(fmt: str, k: int) -> str:
+    """The format a row of k inputs gets under `fmt`: fmt itself, or llama.cpp's fallback
+    when k is not a multiple of fmt's block (q4_k -> q5_0, q5_k / q6_k -> int8)."""
+    while is_raw(fmt) and k % _ggml().block_elems(fmt):
+        fmt = FALLBACK[fmt]
+    return fmt
+
+
 def expert_code(fmt: str, down_fmt: str | None = None) -> int:
     """Routed experts' native code: gate/up's format, with down's in the second byte where
     it differs (csrc/kernels.h expert_fmt)."""
@@ -99,8 +112,11 @@ def quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_int4(w)
     if fmt == "int8":
         return quantize_int8(w)
-    if is_raw(fmt):
-        raise ValueError(f"{fmt} weights come from GGUF files (moerun.quant.ggml_quant makes them), not formats.quantize")
+    if is_raw(fmt):  # llama.cpp's reference quantizer; the blocks carry their scales
+        from .ggml_quant import quantize as ggml_quantize
+
+        q = ggml_quantize(fmt, w)
+        return q, torch.zeros(*q.shape[:-1], 0, dtype=torch.float16)
     raise ValueError(f"unknown quantization format {fmt!r}; formats: {', '.join(FORMATS)}")
 
 

@@ -35,6 +35,9 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, fmt: str) -> "QuantizedLinear":
+        """`lin` quantized to fmt, or to llama.cpp's fallback for it where in_features is not a
+        whole number of fmt's blocks (`formats.fit`)."""
+        fmt = formats.fit(fmt, lin.in_features)
         m = cls(lin.in_features, lin.out_features, fmt, bias=lin.bias is not None)
         w = lin.weight.detach()
         for i in range(0, lin.out_features, CHUNK_ROWS):  # rows are independent: bounded float32 temporaries
@@ -42,6 +45,10 @@ class QuantizedLinear(nn.Module):
         if lin.bias is not None:
             m.bias = lin.bias.detach().float().clone()
         return m
+
+    @property
+    def formats(self) -> str:
+        return self.fmt
 
     def views(self) -> kernels.Packed:
         """The weight as the native ops take it (kept until a buffer is replaced)."""
@@ -89,14 +96,17 @@ class QuantizedExperts(nn.Module):
             self.register_buffer(f"{name}_scales", torch.zeros(E, rows, nb, dtype=torch.float16))
 
     @classmethod
-    def from_experts(cls, experts: nn.Module, fmt: str) -> "QuantizedExperts":
+    def from_experts(cls, experts: nn.Module, fmt: str, down_fmt: str | None = None) -> "QuantizedExperts":
+        """gate/up in fmt, down in down_fmt (default fmt), each fitted to its row width
+        (`formats.fit`: llama.cpp's fallback where it is not a whole number of blocks)."""
         E, I, H = experts.gate_proj.shape
-        m = cls(E, H, I, fmt)
+        m = cls(E, H, I, formats.fit(fmt, H), formats.fit(down_fmt or fmt, I))
         with torch.no_grad():
-            for name, p in (("gate", experts.gate_proj), ("up", experts.up_proj), ("down", experts.down_proj)):
+            for name, p, f in (("gate", experts.gate_proj, m.fmt), ("up", experts.up_proj, m.fmt),
+                               ("down", experts.down_proj, m.down_fmt)):
                 q, s = getattr(m, f"{name}_q"), getattr(m, f"{name}_scales")
                 for e in range(E):  # one expert at a time: no float32 copy of the whole stack
-                    q[e], s[e] = formats.quantize(p[e], fmt)
+                    q[e], s[e] = formats.quantize(p[e], f)
         return m
 
     def fused_views(self, x: torch.Tensor) -> kernels.ExpertViews | None:
@@ -115,6 +125,11 @@ class QuantizedExperts(nn.Module):
                                 self.down_q, self.down_scales, self.fmt, self.intermediate_size, views, dtype=x.dtype,
                                 down_fmt=self.down_fmt)
         return y.to(x.dtype)
+
+    @property
+    def formats(self) -> str:
+        """fmt, or `fmt/down_fmt` where down differs (a checkpoint's `modules` entry)."""
+        return self.fmt if self.down_fmt == self.fmt else f"{self.fmt}/{self.down_fmt}"
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
