@@ -156,7 +156,7 @@ void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const
             a.xf = x + (size_t)t.t0 * K;
             a.x_row = K;
         } else {
-            a.ws = q.s + (size_t)t.r0 * nb;
+            a.ws = is_raw_fmt(q.fmt) ? nullptr : q.s + (size_t)t.r0 * nb;  // raw formats: scales in the rows
             a.xq = xq.q.data() + (size_t)t.t0 * nb * QK;
             a.xd = xq.d.data() + (size_t)t.t0 * nb;
             a.xs = xq.s.data() + (size_t)t.t0 * nb;

@@ -56,10 +56,11 @@ class CpuSpeed:
 
     @classmethod
     def calibrate(cls, hidden: int, inter: int, dtype: torch.dtype, fmt: str | None = None,
-                  reps: int = 3) -> "CpuSpeed":
+                  reps: int = 3, down_fmt: str | None = None) -> "CpuSpeed":
         """Time one expert of this shape at 1 and 32 tokens (best of `reps`): torch's SwiGLU,
-        or with `fmt` the native quantized kernel on its packed blocks."""
-        run, nbytes = _one_expert(hidden, inter, dtype, fmt)
+        or with `fmt` the native quantized kernel on its packed blocks (down in `down_fmt`
+        where it differs, as a GGUF file's experts may have it)."""
+        run, nbytes = _one_expert(hidden, inter, dtype, fmt, down_fmt)
         times = {}
         with torch.inference_mode():
             for n in (1, 32):
@@ -87,8 +88,9 @@ class CpuSpeed:
         self.samples += 1
 
 
-def _one_expert(hidden: int, inter: int, dtype: torch.dtype, fmt: str | None):
-    """(x [n, H] -> y, weight bytes) for one zero-weight expert: float, or packed in `fmt`."""
+def _one_expert(hidden: int, inter: int, dtype: torch.dtype, fmt: str | None, down_fmt: str | None = None):
+    """(x [n, H] -> y, weight bytes) for one zero-weight expert: float, or packed in `fmt`
+    (down in `down_fmt`, default `fmt`)."""
     if fmt is None:
         from ..layers.moe import swiglu
 
@@ -98,12 +100,12 @@ def _one_expert(hidden: int, inter: int, dtype: torch.dtype, fmt: str | None):
     from .. import kernels
     from ..quant.modules import QuantizedExperts
 
-    q = QuantizedExperts(1, hidden, inter, fmt)
+    q = QuantizedExperts(1, hidden, inter, fmt, down_fmt)
     bufs = [t for _, t in q.named_buffers()]
 
     def run(x):
         ids = torch.zeros(x.shape[0], 1, dtype=torch.long)
-        return kernels.moe_experts(x, ids, torch.ones(x.shape[0], 1), *bufs, fmt, inter)
+        return kernels.moe_experts(x, ids, torch.ones(x.shape[0], 1), *bufs, fmt, inter, down_fmt=down_fmt)
 
     return run, sum(t.numel() * t.element_size() for t in bufs)
 

@@ -437,7 +437,9 @@ class ExpertStore:
         self.cost = None  # the wait-or-run-on-CPU cost model, when there is a device to wait for
         if self.link is not None:
             shape = next(((L.hidden, L.inter) for L in layers), (1, 1))
-            cpu = CpuSpeed.calibrate(*shape, dtype, self.fmt) if o.execute == "auto" else CpuSpeed(0.0, 0.0)
+            down_fmt = next((L.down_fmt for L in layers), None)
+            cpu = (CpuSpeed.calibrate(*shape, dtype, self.fmt, down_fmt=down_fmt) if o.execute == "auto"
+                   else CpuSpeed(0.0, 0.0))
             self.cost = CostModel(self.link.spec, cpu, isz)
         elif o.execute != "device":
             raise MoerunError(f"--execute {o.execute} places device misses, so it needs a device tier "
