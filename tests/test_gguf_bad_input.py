@@ -147,3 +147,18 @@ def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         export(DEMO, tmp_path / "x.gguf", "q8_0")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unsupported_tokenizer_kind_stops_text_but_not_the_weights(good, tmp_path):
+    """A tokenizer moerun cannot build (here 'bert'; Mixtral's files hold SentencePiece,
+    'llama'): generating text says why in one line, while `bench` runs the weights."""
+    def edit(d):
+        key = b"tokenizer.ggml.model"
+        at = d.index(struct.pack("<Q", len(key)) + key) + 8 + len(key) + 4 + 8
+        assert d[at : at + 4] == b"gpt2"
+        d[at : at + 4] = b"bert"
+    bad = patched(good, tmp_path, edit)
+    assert_one_line_error(run(bad), "tokenizer model 'bert' is not supported")
+    r = subprocess.run([sys.executable, "-m", "moerun.cli", "bench", "-m", str(bad), "--prompt-tokens", "4",
+                        "--gen-tokens", "2", "--threads", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

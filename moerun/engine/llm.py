@@ -43,12 +43,15 @@ def load_tokenizer(path: Path):
 
 
 def gguf_extras(path: Path):
-    """(tokenizer, generation settings) of a GGUF file (loaders/gguf.py)."""
-    from ..loaders.gguf import GGUFFile, generation_config, tokenizer_from_gguf
+    """(tokenizer, generation settings, why there is no tokenizer) of a GGUF file (loaders/gguf.py)."""
+    from ..loaders.gguf import GGUFFile, UnsupportedTokenizer, generation_config, tokenizer_from_gguf
 
     f = GGUFFile(path)
     try:
-        return tokenizer_from_gguf(f), generation_config(f)
+        try:
+            return tokenizer_from_gguf(f), generation_config(f), None
+        except UnsupportedTokenizer as e:
+            return None, generation_config(f), str(e)
     finally:
         f.close()
 
@@ -77,6 +80,7 @@ def compute_dtype(net, asked, dtype: torch.dtype,
 
 
 class LLM:
+    no_tokenizer: str | None = None  # why a file's tokenizer could not be built
     kv_dtype: torch.dtype | None = None  # KV cache storage (`Cache`): None = the model's dtype, torch.int8, ...
 
     def __init__(self, net, args, arch, tokenizer, path: Path, dtype: torch.dtype, generation_config: dict):
@@ -116,8 +120,9 @@ class LLM:
         asked = dtype
         # the small files first, and the vocabularies compared before any weight is read
         if is_gguf(path):  # one file holds the tokenizer, the end-of-text ids and the weights
-            tokenizer, gen = gguf_extras(path)
+            tokenizer, gen, no_tokenizer = gguf_extras(path)
         else:
+            no_tokenizer = None
             tokenizer = load_tokenizer(path)
             gen = read_generation_config(path)
         arch, args, net, dtype = build(path, dtype, prepare=lambda net: check_vocab(tokenizer, net.args.vocab_size),
@@ -129,6 +134,7 @@ class LLM:
         dtype, kv_dtype = compute_dtype(net, asked, dtype, kv_dtype)
         llm = cls(net, args, arch, tokenizer, path, dtype, gen)
         llm.kv_dtype = kv_dtype
+        llm.no_tokenizer = no_tokenizer
         return llm
 
     @property
@@ -160,7 +166,7 @@ class LLM:
 
     def _tokenizer(self):
         if self.tokenizer is None:
-            raise MoerunError(f"{self.path} has no tokenizer.json; text generation needs one")
+            raise MoerunError(self.no_tokenizer or f"{self.path} has no tokenizer.json; text generation needs one")
         return self.tokenizer
 
     def encode_prompt(self, prompt: str | list[dict[str, Any]]) -> list[int]:

@@ -1170,6 +1170,11 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...] | None] = {
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
 
+class UnsupportedTokenizer(MoerunError):
+    """The file's tokenizer is of a kind moerun cannot build: the weights still run (`bench`,
+    `info`, token ids), text generation says why it cannot."""
+
+
 def tokenizer_from_gguf(f: GGUFFile):
     """A moerun Tokenizer (tokenizers BPE, special tokens, chat template) from the file's
     tokenizer.ggml.* keys; None when the file has no tokenizer."""
@@ -1181,7 +1186,8 @@ def tokenizer_from_gguf(f: GGUFFile):
     if kind is None:
         return None
     if kind != "gpt2":
-        raise MoerunError(f"{f.path}: tokenizer model {short(kind)} is not supported (moerun reads byte-level BPE, 'gpt2')")
+        raise UnsupportedTokenizer(f"{f.path}: tokenizer model {short(kind)} is not supported (moerun reads byte-level "
+                                   "BPE, 'gpt2')")
     pre = f.get("tokenizer.ggml.pre", "str", "default")
     if pre not in PRE_TOKENIZERS:
         raise MoerunError(f"{f.path}: pre-tokenizer {short(pre)} is not supported; supported: "
