@@ -106,7 +106,7 @@ def test_experts_down_format_round_trips(wide, tmp_path, monkeypatch):
 
 def test_default_policy_reads_no_more_than_q4_k_m():
     """Issue 35 item 4's bytes bar, on 2 of Qwen3-30B-A3B's layers (the table in
-    docs/benchmarks-vs-llamacpp-draft.md is 8): the default policy's bytes per decoded token
+    docs/benchmarks.md is 8): the default policy's bytes per decoded token
     (`moerun info`'s count) against llama.cpp's Q4_K_M of the same tensors."""
     import importlib.util
     import sys

@@ -8,7 +8,7 @@ routers (`gate`, `shared_expert_gate`), norms and embeddings stay in the model's
 decoded token than llama.cpp's Q4_K_M of the same model (519 against 533 MB on 8 of
 Qwen3-30B-A3B's layers) and keeps the demo model's held-out perplexity within 1% of bf16
 with >= 95% of greedy tokens bf16's: the candidates' table, and how it was chosen, is in
-docs/benchmarks-vs-llamacpp-draft.md (benchmarks/quant_policies.py). "int4" (the default
+docs/benchmarks.md (benchmarks/quant_policies.py). "int4" (the default
 before: attention and head int8, 669 MB a token there) stays for the checkpoints written
 with it.
 
@@ -53,7 +53,7 @@ POLICIES = {
     "int4": QuantPolicy(),  # routed experts int4, everything else int8 (the default until 2026-12-03)
     "int8": QuantPolicy(experts="int8"),
     "int4-all": QuantPolicy(experts="int4", shared_experts="int4", attention="int4", lm_head="int4"),
-    # candidates against llama.cpp's Q4_K_M bytes (docs/benchmarks-vs-llamacpp-draft.md);
+    # candidates against llama.cpp's Q4_K_M bytes (docs/benchmarks.md);
     # int4-q6k is the default (DEFAULT_POLICY)
     "int4-q6k": QuantPolicy(experts="int4", shared_experts="int8", attention="int4", lm_head="q6_k"),
     "int4-kq": QuantPolicy(experts="int4", shared_experts="q4_k", attention="q4_k", lm_head="q6_k"),
