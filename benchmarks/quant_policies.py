@@ -47,6 +47,9 @@ from moerun.quant import POLICIES, component_of, compute_in_float32, formats, re
 from moerun.quant.ggml_quant import tensor_type  # noqa: E402
 from moerun.quant.modules import QuantizedExperts, QuantizedLinear  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from vs_llamacpp import read_bandwidth  # noqa: E402
+
 CANDIDATES = ["int4", "int4-all", "int4-q6k", "int4-kq", "kq", "int8"]
 GGML_BYTES = {"q4_k": 144 / 256, "q5_k": 176 / 256, "q6_k": 210 / 256, "q5_0": 22 / 32, "q8_0": 34 / 32,
               "q4_0": 18 / 32, "f32": 4, "bf16": 2, "f16": 2}
@@ -195,22 +198,6 @@ def fill_tiled(net, seed: int = 0) -> None:
                         p.fill_(1.0)
                     else:
                         p.normal_(0.0, 0.02, generator=g)
-
-
-def read_bandwidth(threads: int, tries: int = 3) -> float:
-    """Bytes/s of torch.sum over 1 GiB (float32), best of `tries` (vs_llamacpp's measure)."""
-    was = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    x = torch.ones((1 << 30) // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(tries):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    del x
-    torch.set_num_threads(was)
-    return (1 << 30) / best
 
 
 def cmd_speed(a) -> dict:

@@ -801,14 +801,10 @@ def is_gguf(path) -> bool:
 
 
 def _resolve_dtype(dtype, f: GGUFFile) -> torch.dtype:
-    from .hf import DTYPE_NAMES
+    from .hf import named_dtype
 
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype != "auto":
-        if dtype not in DTYPE_NAMES:
-            raise MoerunError(f"unsupported dtype {dtype!r}; use auto, float32 or bfloat16")
-        return DTYPE_NAMES[dtype]
+    if named_dtype(dtype) is not None:
+        return named_dtype(dtype)
     return torch.bfloat16 if any(t.type == "BF16" for t in f.tensors.values()) else torch.float32
 
 

@@ -26,13 +26,20 @@ SCAN_ELEMENTS = 1 << 24  # --check-weights reads a tensor in pieces of this many
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
-def resolve_dtype(dtype, cfg: dict, ckpt: Checkpoint) -> torch.dtype:
+def named_dtype(dtype) -> torch.dtype | None:
+    """A dtype given by the caller (a torch dtype or its name), None for "auto"."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
         if dtype not in DTYPE_NAMES:
             raise MoerunError(f"unsupported dtype {dtype!r}; use auto, float32 or bfloat16")
         return DTYPE_NAMES[dtype]
+    return None
+
+
+def resolve_dtype(dtype, cfg: dict, ckpt: Checkpoint) -> torch.dtype:
+    if named_dtype(dtype) is not None:
+        return named_dtype(dtype)
     declared = cfg.get("torch_dtype") or cfg.get("dtype") or (cfg.get("text_config") or {}).get("dtype")
     if declared is None:
         declared = next((str(r.dtype).removeprefix("torch.") for r in ckpt.tensors.values() if r.dtype.is_floating_point), "float32")
