@@ -279,3 +279,40 @@ def test_tiled_value_heads_kept_with_expanded_key_heads(tmp_path, monkeypatch, r
     assert rel_err(expanded.forward(ids), plain.forward(ids)) < 1e-5
     p = ids[0, :6].tolist()
     assert expanded.generate_ids([p], max_tokens=10, temperature=0) == plain.generate_ids([p], max_tokens=10, temperature=0)
+
+
+@pytest.mark.parametrize("recipe", ["q4_k_m", "f32"])
+def test_expert_store_reads_experts_from_the_gguf_file(tmp_path, recipe):
+    """`--ram-budget` on a GGUF file: the store reads each expert's byte ranges from the file
+    (raw K-quant rows, or float), and the logits and greedy tokens are those of the file
+    loaded whole; a smaller budget misses and reads from disk."""
+    from moerun.experts.attach import load as load_with_store
+    from moerun.experts.store import StoreOptions
+
+    ck = random_checkpoint(tmp_path / "ck", dict(K_CONFIG, num_experts=8, num_experts_per_tok=2))
+    out = tmp_path / "k.gguf"
+    export(ck, out, recipe)
+    whole = moerun.load(out, threads=1)
+    ids = ids_for(512)
+    want = whole.forward(ids)
+    for budget in ("100%", "30%"):
+        llm = load_with_store(out, threads=1, options=StoreOptions(ram_budget=budget))
+        assert llm.store.fmt == (None if recipe == "f32" else "q4_k")
+        assert torch.equal(llm.forward(ids), want)
+        p = ids[0, :5].tolist()
+        assert llm.generate_ids([p], max_tokens=6, temperature=0) == whole.generate_ids([p], max_tokens=6, temperature=0)
+        st = llm.store.stats()
+        if budget == "30%":  # (100%: the experts were read at start, before the counts)
+            assert st["demand_misses"] > 0 and st["tiers"]["disk"]["bytes_read"] > 0
+        llm.store.close()
+
+
+def test_expert_store_refuses_repacked_gguf_experts(tmp_path):
+    from moerun.errors import MoerunError
+    from moerun.experts.attach import load as load_with_store
+    from moerun.experts.store import StoreOptions
+
+    out = tmp_path / "demo.gguf"
+    export(DEMO, out, "q8_0")
+    with pytest.raises(MoerunError, match="Q8_0, which moerun repacks at load"):
+        load_with_store(out, threads=1, options=StoreOptions(ram_budget="50%"))

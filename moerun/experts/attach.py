@@ -233,15 +233,17 @@ def _swap_experts(net: nn.Module) -> list[tuple[str, StoreExperts]]:
     return out
 
 
-def _make_store(net, swapped, model_dir: Path, dtype, options: StoreOptions | None) -> ExpertStore:
-    from ..loaders.hf import _renamed
-    from ..loaders.safetensors import Checkpoint
-    from ..quant.checkpoint import stored_policy
+def _make_store(net, swapped, model_dir: Path, dtype, options: StoreOptions | None, names=None) -> ExpertStore:
+    """The store of the `swapped` experts, read from `names` (our tensor name -> TensorRef;
+    by default the safetensors checkpoint's)."""
+    if names is None:
+        from ..loaders.hf import _renamed
+        from ..loaders.safetensors import Checkpoint
+        from ..quant.checkpoint import stored_policy
 
-    ckpt = Checkpoint(model_dir)
-    # a checkpoint written by `moerun quantize` holds our names
-    renames = () if stored_policy(model_dir) is not None else getattr(net, "checkpoint_renames", ())
-    names = _renamed(ckpt, renames)
+        # a checkpoint written by `moerun quantize` holds our names
+        renames = () if stored_policy(model_dir) is not None else getattr(net, "checkpoint_renames", ())
+        names = _renamed(Checkpoint(model_dir), renames)
     layers = []
     for name, m in swapped:
         fmt, down_fmt = getattr(m, "fmt", None), getattr(m, "down_fmt", None)
@@ -258,6 +260,46 @@ def _make_store(net, swapped, model_dir: Path, dtype, options: StoreOptions | No
         m.store = store
     net.expert_store = store
     return store
+
+
+def _gguf_expert_refs(path: Path, net: nn.Module) -> dict:
+    """Our names of the routed experts' stacked tensors -> TensorRef of their bytes in a GGUF
+    file: float experts as `X.gate_proj` [E, I, H], raw-format ones as `X.gate_q` [E, I, row
+    bytes] with empty `X.gate_scales` (their scales are in the rows), so the store reads an
+    expert's projections straight from the file's byte ranges."""
+    from ..loaders.gguf import TYPE_FORMATS, GGUFFile, RAW_FORMATS, arch_of, gguf_names
+    from ..loaders.safetensors import TensorRef
+    from ..models import build_on_meta, module_for
+
+    f = GGUFFile(path)
+    try:
+        # the float net's names (the loaded one has quantized modules in the experts' place)
+        names = gguf_names(build_on_meta(module_for(net.args.model_type), net.args), arch_of(f))
+        refs = {}
+        for prefix, m in net.named_modules():
+            if not isinstance(m, (Experts, QuantizedExperts)):
+                continue
+            for proj in ("gate", "up", "down"):
+                t = f.tensors.get(names.get(f"{prefix}.{proj}_proj", ""))
+                if t is None:
+                    raise MoerunError(f"{path}: the expert store needs the experts of {prefix} stacked in one tensor "
+                                      f"per projection (ffn_{proj}_exps)")
+                fmt = TYPE_FORMATS.get(t.type)
+                if isinstance(m, Experts):
+                    dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[t.type]
+                    refs[f"{prefix}.{proj}_proj"] = TensorRef(t.name, t.path, dt, t.shape, t.offset, t.nbytes)
+                elif fmt in RAW_FORMATS:
+                    E, rows = t.shape[0], t.shape[1]
+                    refs[f"{prefix}.{proj}_q"] = TensorRef(t.name, t.path, torch.uint8, (E, rows, t.row_bytes),
+                                                          t.offset, t.nbytes)
+                    refs[f"{prefix}.{proj}_scales"] = TensorRef(t.name, t.path, torch.float16, (E, rows, 0),
+                                                               t.offset, 0)
+                else:
+                    raise MoerunError(f"{path}: the expert store reads experts in Q4_K, Q5_K, Q6_K, Q5_0 or float from "
+                                      f"a GGUF file; {t.name} is {t.type}, which moerun repacks at load")
+        return refs
+    finally:
+        f.close()
 
 
 def attach_store(net: nn.Module, model_dir, options: StoreOptions | None = None) -> ExpertStore:
@@ -304,9 +346,8 @@ def load(path=None, dtype="auto", threads: int | None = None, options: StoreOpti
     path = default_model_path() if path is None else Path(path)
     from ..loaders.gguf import is_gguf
 
-    if is_gguf(path):  # the store streams experts from safetensors byte ranges
-        raise MoerunError(f"the expert store (--ram-budget, --vram-budget, --predictor, ...) does not read GGUF files "
-                          f"yet; run {path.name} without those flags")
+    if is_gguf(path):
+        return _load_gguf(path, dtype, threads, options, quant, check_weights)
     if quant not in (None, "none"):
         if stored_policy(path) is None:
             raise MoerunError(f"--quant {quant} with the expert store needs a quantized checkpoint: write one with "
@@ -322,4 +363,27 @@ def load(path=None, dtype="auto", threads: int | None = None, options: StoreOpti
     llm = LLM(net, args, arch, tokenizer, path, dtype, gen)
     llm.kv_dtype = kv_dtype
     llm.store = store
+    return llm
+
+
+def _load_gguf(path: Path, dtype, threads, options, quant, check_weights):
+    """`load` for a GGUF file: the net is loaded with its experts as views of the file's memory
+    map (no page read), then each routed experts module makes way for a store module that reads
+    its experts' byte ranges from the same file."""
+    from ..engine.llm import LLM, check_vocab, compute_dtype, gguf_extras, set_threads
+    from ..loaders.gguf import build as build_gguf
+
+    if quant not in (None, "none"):
+        raise MoerunError("--quant does not apply to a GGUF file: its tensors are quantized already")
+    set_threads(threads)
+    tokenizer, gen, no_tokenizer = gguf_extras(path)
+    arch, args, net, loaded_dtype = build_gguf(path, dtype, prepare=lambda net: check_vocab(tokenizer, net.args.vocab_size),
+                                               check_weights=check_weights)
+    refs = _gguf_expert_refs(path, net)
+    float_dtype = next((m.gate_proj.dtype for m in net.modules() if isinstance(m, Experts)), loaded_dtype)
+    swapped = _swap_experts(net)  # the views of the memory map go with the modules
+    store = _make_store(net, swapped, path, float_dtype, options, names=refs)
+    dtype, kv_dtype = compute_dtype(net, dtype, loaded_dtype, None)
+    llm = LLM(net, args, arch, tokenizer, path, dtype, gen)
+    llm.kv_dtype, llm.no_tokenizer, llm.store = kv_dtype, no_tokenizer, store
     return llm
