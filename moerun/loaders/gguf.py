@@ -491,7 +491,8 @@ def _qwen2moe(f, cfg):
     cfg.setdefault("intermediate_size", cfg["moe_intermediate_size"])
 
 
-def _qwen2moe_keys(args):
+def _norm_topk_keys(args):
+    """qwen2moe's and olmoe's own metadata: the kv heads and whether top-k weights are renormalised."""
     return {**_rope_keys(args), "attention.head_count_kv": args.num_key_value_heads,
             "expert_weights_norm": args.norm_topk_prob}
 
@@ -515,11 +516,6 @@ def _olmoe(f, cfg):
     _rope(f, a, cfg)
     cfg["norm_topk_prob"] = f.get(f"{a}.expert_weights_norm", "bool", False)
     cfg["attention_bias"] = _has(f, "blk.0.attn_q.bias")
-
-
-def _olmoe_keys(args):
-    return {**_rope_keys(args), "attention.head_count_kv": args.num_key_value_heads,
-            "expert_weights_norm": args.norm_topk_prob}
 
 
 def _qwen35moe(f, cfg):
@@ -718,7 +714,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
          COMMON_KEYS + MOE_KEYS + (Key("moe_intermediate_size", "expert_feed_forward_length", "int"),
                                    Key("shared_expert_intermediate_size", "expert_shared_feed_forward_length", "int"),
                                    Key("intermediate_size", "feed_forward_length", "int", False)),
-         {**ATTENTION, **MOE}, _qwen2moe, _qwen2moe_keys),
+         {**ATTENTION, **MOE}, _qwen2moe, _norm_topk_keys),
     Arch("llama", "mixtral",
          COMMON_KEYS + (Key("num_local_experts", "expert_count", "int", False),
                         Key("num_experts_per_tok", "expert_used_count", "int", False),
@@ -726,7 +722,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
          {**ATTENTION, **MOE}, _llama, _llama_keys, _llama_transforms()),
     Arch("olmoe", "olmoe",
          COMMON_KEYS + MOE_KEYS + (Key("intermediate_size", "expert_feed_forward_length", "int"),),
-         {**ATTENTION, **MOE}, _olmoe, _olmoe_keys),
+         {**ATTENTION, **MOE}, _olmoe, _norm_topk_keys),
     Arch("deepseek2", "deepseek_v3",
          COMMON_KEYS + (Key("n_routed_experts", "expert_count", "int"), Key("num_experts_per_tok", "expert_used_count", "int"),
                         Key("moe_intermediate_size", "expert_feed_forward_length", "int"),
