@@ -33,7 +33,7 @@ def main(argv=None) -> None:
     import torch
 
     import moerun
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
 
     quant = None if a.quant == "none" else a.quant
     llm = moerun.load(a.model, dtype=a.dtype, threads=a.threads, quant=quant)

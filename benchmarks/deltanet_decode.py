@@ -1,5 +1,5 @@
 """Decode with Gated DeltaNet's native step (`kernels.deltanet_decode`) against its torch
-reference (`layers.deltanet.few_tokens_ref`), side by side in one process.
+reference (`kernels.reference.few_tokens_ref`), side by side in one process.
 
     python benchmarks/deltanet_decode.py [-m PATH] [--threads 2] [--context 64] [--steps 10] [--rounds 5]
     python benchmarks/deltanet_decode.py [-m PATH] --op-only   # the native op alone, 1-5 tokens
@@ -26,7 +26,7 @@ import torch
 
 import moerun
 from moerun import kernels
-from moerun.engine.cache import Cache
+from moerun.layers.cache import Cache
 from moerun.engine.llm import DEMO_MODEL
 
 

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from moerun.engine.cache import Cache  # noqa: E402
+from moerun.layers.cache import Cache  # noqa: E402
 from moerun.experts import StoreOptions, load  # noqa: E402
 
 ROWS = [
@@ -77,7 +77,7 @@ def random_model(layers: int, root: Path) -> Path:
 def quantized_model(spec: str, src: Path, root: Path) -> Path:
     """`spec`: a directory written by `moerun quantize`, or a policy to write `src` in (once)."""
     from moerun.quant import POLICIES
-    from moerun.quant.checkpoint import quantize_checkpoint
+    from moerun.loaders.quantized_write import quantize_checkpoint
 
     if spec not in POLICIES:
         return Path(spec)

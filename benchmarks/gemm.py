@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     import torch
 
     from moerun import kernels
-    from moerun.quant import formats
+    from moerun.kernels import formats
 
     torch.manual_seed(0)
     kernels.set_threads(a.threads)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import moerun
 from moerun import kernels
 from moerun.bench.random_model import PRESETS, preset_config
-from moerun.engine.cache import Cache, KVSpec, kv_bytes_per_token, kv_cache_dtype
+from moerun.layers.cache import Cache, KVSpec, kv_bytes_per_token, kv_cache_dtype
 from moerun.layers.attention import attend
 from moerun.models import module_for
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tools/ is not installed

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from moerun import kernels
-from moerun.quant import formats
+from moerun.kernels import formats
 
 
 def load(path: Path, name: str):
@@ -153,7 +153,7 @@ class Recorder:
 def model_calls(a, builds) -> None:
     """--model: a checkpoint's own native calls and passes, on both builds (module doc)."""
     import moerun
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
     from moerun.errors import MoerunError
 
     try:

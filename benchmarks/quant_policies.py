@@ -9,7 +9,7 @@ demo model's held-out text, decode speed on the Qwen3-30B-A3B-shaped model.
 
 bytes: moerun's from `moerun.engine.info.describe` (what `moerun info` prints) on the net
 with each policy's modules (formats fitted to the row widths as `quantize_model` does),
-llama.cpp's Q4_K_M from `ggml_quant.tensor_type` over the GGUF tensors of the same shape
+llama.cpp's Q4_K_M from `quant.gguf_types.tensor_type` over the GGUF tensors of the same shape
 (routed experts x k/E, one embedding row), the same way benchmarks/vs_llamacpp.py counts a
 written GGUF (533 MB there at 8 layers).
 
@@ -43,9 +43,10 @@ from moerun.bench.random_model import preset_config  # noqa: E402
 from moerun.engine.info import describe  # noqa: E402
 from moerun.layers.moe import Experts  # noqa: E402
 from moerun.models import qwen3_moe  # noqa: E402
-from moerun.quant import POLICIES, component_of, compute_in_float32, formats, replace_module  # noqa: E402
-from moerun.quant.ggml_quant import tensor_type  # noqa: E402
-from moerun.quant.modules import QuantizedExperts, QuantizedLinear  # noqa: E402
+from moerun.kernels import formats  # noqa: E402
+from moerun.quant import POLICIES, component_of, compute_in_float32, replace_module  # noqa: E402
+from moerun.quant.gguf_types import tensor_type  # noqa: E402
+from moerun.layers.quantized import QuantizedExperts, QuantizedLinear  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from vs_llamacpp import read_bandwidth  # noqa: E402
@@ -202,7 +203,7 @@ def fill_tiled(net, seed: int = 0) -> None:
 
 def cmd_speed(a) -> dict:
     from moerun import kernels
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
     from moerun.engine.generate import run_plans
 
     out = {}

@@ -29,7 +29,7 @@ def hwm():
 
 QUANTIZE = HWM + r"""
 import json, sys, time, torch
-from moerun.quant.checkpoint import quantize_checkpoint
+from moerun.loaders.quantized_write import quantize_checkpoint
 torch.set_num_threads(int(sys.argv[5]))
 t0 = time.perf_counter()
 s = quantize_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], dtype=sys.argv[4])
@@ -43,7 +43,7 @@ import moerun
 from moerun import kernels, tokenizer
 from moerun.engine import llm as _
 from moerun.models import module_for
-from moerun.quant import checkpoint
+from moerun.loaders import quantized as checkpoint
 module_for(json.load(open(sys.argv[1] + "/config.json"))["model_type"])  # imports out of the measured load
 kernels.isa()
 with torch.device("meta"):

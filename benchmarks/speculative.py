@@ -108,7 +108,7 @@ def pass_times(llm, max_tokens: int = 4, repeats: int = 50, draft_vocabs=(None,)
     calls 1.18)."""
     import random
 
-    from moerun.engine.cache import Cache, RecurrentState
+    from moerun.layers.cache import Cache, RecurrentState
 
     net = llm.net
     ids = torch.tensor([llm.encode_prompt(PROMPTS[1])])

@@ -134,7 +134,7 @@ def run(args, llm, prompt: list[int], drafts: list[int], vocab: int) -> int:
 def pass_times(llm, prompt: list[int], repeats: int = 7) -> dict:
     """Median ms of trunk passes of 1-3 tokens after the prompt and of one MTP head call
     (all ids, and the first 32768: `--draft-vocab`), taking turns."""
-    from moerun.engine.cache import Cache, RecurrentState
+    from moerun.layers.cache import Cache, RecurrentState
     from moerun.engine.generate import run_plans
     from moerun.engine.draft_extras import draft_head
 

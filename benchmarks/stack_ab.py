@@ -58,7 +58,7 @@ def demo(a) -> None:
 
 def random_30b(a) -> None:
     from moerun import kernels
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
     from vs_llamacpp import build_model
 
     net, args = build_model(a.layers, a.row)

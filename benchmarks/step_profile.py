@@ -23,8 +23,8 @@ from collections import defaultdict
 import torch
 
 from moerun import kernels
-from moerun.engine.cache import Cache
-from moerun.quant.modules import QuantizedExperts, QuantizedLinear
+from moerun.layers.cache import Cache
+from moerun.layers.quantized import QuantizedExperts, QuantizedLinear
 from vs_llamacpp import build_model
 
 

@@ -80,15 +80,15 @@ import llamacpp  # noqa: E402  (benchmarks/llamacpp.py)
 
 from moerun import kernels  # noqa: E402
 from moerun.bench.random_model import preset_config  # noqa: E402
-from moerun.engine.cache import Cache, kv_bytes_per_token  # noqa: E402
+from moerun.layers.cache import Cache, kv_bytes_per_token  # noqa: E402
 from moerun.engine.generate import run_plans  # noqa: E402
 from moerun.engine.info import describe  # noqa: E402
 from moerun.engine.llm import LLM  # noqa: E402
 from moerun.layers.moe import Experts  # noqa: E402
 from moerun.models import qwen3_moe  # noqa: E402
 from moerun.quant import DEFAULT_POLICY, POLICIES, compute_in_float32, quantize_model  # noqa: E402
-from moerun.quant import formats  # noqa: E402
-from moerun.quant.modules import QuantizedExperts, QuantizedLinear  # noqa: E402
+from moerun.kernels import formats  # noqa: E402
+from moerun.layers.quantized import QuantizedExperts, QuantizedLinear  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 GiB = 1 << 30
@@ -334,7 +334,7 @@ class ExportedSource(ModelSource):
     change; this benchmark writes no qwen35moe GGUF itself). The default row would then be
     `export-gguf` bf16 + llama-quantize, as for qwen3moe. Decode at a depth rewinds the cache
     by its lengths, which a model with recurrent (DeltaNet) state cannot: its states would be
-    saved and restored (moerun.engine.cache.RecurrentState) before that row is timed."""
+    saved and restored (moerun.layers.cache.RecurrentState) before that row is timed."""
 
     arch = "qwen35moe"
 

@@ -103,7 +103,7 @@ def _check_flags(a) -> None:
 def _load_model(a):
     import moerun
 
-    from .engine.cache import kv_cache_dtype
+    from .layers.cache import kv_cache_dtype
     from .errors import MoerunError
 
     kv_dtype = kv_cache_dtype(a.kv_cache)  # a bad value fails before the weights load
@@ -248,10 +248,10 @@ def cmd_chat(a) -> int:
 
 
 def cmd_info(a) -> int:
-    from .engine.cache import kv_cache_summary
+    from .layers.cache import kv_cache_summary
     from .engine.info import describe, human_bytes, human_count, layer_pattern
     from .quant import formats_in_use
-    from .quant.checkpoint import stored_policy
+    from .loaders.quantized import stored_policy
 
     llm = _load(a)
     args, d = llm.args, describe(llm.net, llm.args)
@@ -313,7 +313,7 @@ def cmd_quantize(a) -> int:
     from .engine.info import human_bytes
     from .engine.llm import set_threads
     from .quant import POLICIES
-    from .quant.checkpoint import quantize_checkpoint
+    from .loaders.quantized_write import quantize_checkpoint
 
     set_threads(a.threads)
     overrides = {c: getattr(a, c) for c in QUANT_COMPONENTS if getattr(a, c) is not None}

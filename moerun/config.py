@@ -25,7 +25,7 @@ from .errors import MoerunError, one_line, short
 MAX_JSON_BYTES = 100 << 20  # as a safetensors header: a large model's index or tokenizer is a few MB
 INT_LIMIT = 2**31 - 1  # sizes and counts: what the kernels' int32 indices hold
 # fields that are a claim about positions, not a size anything is allocated by (caches are
-# sized by what a run asks, `engine.cache`): a context length may be far larger
+# sized by what a run asks, `layers.cache`): a context length may be far larger
 WIDE_INTS = {"max_position_embeddings": 2**62}
 POSITIVE = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "decoder_sparse_step", "max_position_embeddings"}

@@ -69,7 +69,7 @@ def check_batch_equals_rows(llm, prompts: list[list[int]], tokens: int = 6):
 
 def check_cache_consistency(llm, ids: torch.Tensor):
     """Prefill + token-by-token cached decode gives the logits of one full uncached pass."""
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
 
     net = llm.net
     full = llm.forward(ids)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moerun.engine.cache import Cache, KVSpec
+from moerun.layers.cache import Cache, KVSpec
 from moerun.layers.attention import attend, decode_attention
 
 
@@ -83,7 +83,7 @@ def test_cache_update_writes_reads_and_refuses_overflow(batch):
 def test_recurrent_state_set_casts_to_its_dtype(slots):
     """A state with its own dtype (fp32 in a bf16 model's cache) takes bf16 values at any
     slots, contiguous or scattered."""
-    from moerun.engine.cache import RecurrentState, StateSpec
+    from moerun.layers.cache import RecurrentState, StateSpec
 
     st = RecurrentState(StateSpec(shapes=(("conv", (4, 3)),), dtypes=(("conv", torch.float32),)), 3, torch.bfloat16)
     value = torch.randn(2, 4, 3).bfloat16()
@@ -95,7 +95,7 @@ def test_recurrent_state_set_casts_to_its_dtype(slots):
 def test_recurrent_state_set_of_what_get_gave_writes_nothing_else():
     """`set` with the view `get` gave (updated in place) leaves the state as it is; a
     one-row view of slot 0 set into two slots still broadcasts; set_slot writes one slot."""
-    from moerun.engine.cache import RecurrentState, StateSpec
+    from moerun.layers.cache import RecurrentState, StateSpec
 
     st = RecurrentState(StateSpec(shapes=(("s", (2,)),), dtypes=()), 3, torch.float32)
     view = st.get("s", torch.tensor([0, 1]))
@@ -112,7 +112,7 @@ def test_recurrent_state_set_of_what_get_gave_writes_nothing_else():
 def test_recurrent_state_scratch_is_one_buffer_per_name_grown_when_needed():
     """Passes of different sizes taking turns reuse one allocation per name (contiguous views
     of the asked shape); a larger shape grows it once, a smaller one fits in it again."""
-    from moerun.engine.cache import RecurrentState, StateSpec
+    from moerun.layers.cache import RecurrentState, StateSpec
 
     st = RecurrentState(StateSpec(shapes=(("conv", (4, 3)),)), 2, torch.float32)
     a = st.scratch("conv", (2, 3, 4, 3))

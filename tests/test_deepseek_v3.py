@@ -9,7 +9,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import moerun
 from conftest import check_against_reference, rel_err
-from moerun.engine.cache import Cache
+from moerun.layers.cache import Cache
 from moerun.errors import MoerunError
 from moerun.layers.rope import inv_frequencies
 

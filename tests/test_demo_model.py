@@ -83,7 +83,7 @@ def test_native_decode_steps_match_torch_forward(dtype):
     GEMMs) over the same tokens. float32: within 1e-4 everywhere. bf16: within its rounding
     at almost every position (median and 90th percentile; one position may route a near-tie
     to another expert, as bf16 prefill may too) and the same greedy picks."""
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
 
     llm = moerun.load(dtype=dtype, threads=2)
     ref = moerun.load(dtype="float32", threads=2).net if dtype != "float32" else llm.net

@@ -21,8 +21,8 @@ from moerun.experts import StoreOptions, attach_store, load
 from moerun.experts.placement import CpuSpeed
 from moerun.experts.store import ExpertStore, LayerExperts, quantized_expert_pieces
 from moerun.loaders.safetensors import Checkpoint
-from moerun.quant import checkpoint, formats
-from moerun.quant.modules import QuantizedExperts
+from moerun.loaders.quantized_write import quantize_checkpoint
+from moerun.layers.quantized import QuantizedExperts
 from test_expert_store import _hint_next_layer
 from test_quantize_checkpoint import TINY_QWEN3, assert_one_line_error, cli, demo_int4  # noqa: F401 (demo_int4 is a fixture)
 
@@ -80,7 +80,7 @@ def qmodel(tmp_path_factory):
     root = tmp_path_factory.mktemp("qstore")
     src = write_random_model(root / "float", dict(TINY))
     q = root / "int4"
-    checkpoint.quantize_checkpoint(src, q, "int4", dtype="float32")
+    quantize_checkpoint(src, q, "int4", dtype="float32")
     plain = moerun.load(q, threads=1)
     assert any(isinstance(m, QuantizedExperts) for m in plain.net.modules())
     ids = torch.randint(0, 120, (2, 9), generator=torch.Generator().manual_seed(0))

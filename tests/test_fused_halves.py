@@ -13,7 +13,7 @@ from moerun import kernels
 from moerun.layers import moe
 from moerun.layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from moerun.layers.norm import RMSNorm
-from moerun.quant.modules import QuantizedExperts, QuantizedLinear
+from moerun.layers.quantized import QuantizedExperts, QuantizedLinear
 
 pytestmark = pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
 NATIVE = [i for i in kernels.available_isas() if i != "torch"]
@@ -233,7 +233,7 @@ def decode_run(net, dtype, B=2, slots=(2, 0)):
     """Prefill two rows into slots (2, 0) of a 3-slot cache (not a range: the states are
     gathered), then one-token steps and passes of three (a verification pass, which keeps
     every token's state) -> (logits, the recurrent layers' states and kept states)."""
-    from moerun.engine.cache import Cache, RecurrentState
+    from moerun.layers.cache import Cache, RecurrentState
 
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 97, (B, 16), generator=g)

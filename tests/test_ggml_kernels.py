@@ -18,8 +18,8 @@ import torch
 
 from moerun import kernels
 from moerun.kernels import ggml
-from moerun.quant import formats
-from moerun.quant.modules import QuantizedExperts, QuantizedLinear
+from moerun.kernels import formats
+from moerun.layers.quantized import QuantizedExperts, QuantizedLinear
 
 NATIVE = [i for i in kernels.available_isas() if i != "torch"]
 RAW = list(ggml.FORMATS)

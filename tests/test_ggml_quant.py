@@ -1,4 +1,4 @@
-"""moerun/quant/ggml_quant.py: float -> GGUF blocks, and llama-quantize's choice of type per tensor."""
+"""moerun/kernels/ggml_quant.py: float -> GGUF blocks; moerun/quant/gguf_types.py: llama-quantize's choice of type per tensor."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from moerun.quant import ggml_quant
-from moerun.quant.ggml_quant import BLOCKS, quantize, tensor_type
+from moerun.kernels import ggml_quant
+from moerun.kernels.ggml_quant import BLOCKS, quantize
+from moerun.quant.gguf_types import tensor_type
 
 GGML = {"q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K, "q5_0": T.Q5_0, "q4_0": T.Q4_0, "q8_0": T.Q8_0}
 FORMATS = list(GGML)

@@ -84,7 +84,7 @@ def quantized_reference(path, recipe: str):
     rows the GGUF file's quantized token_embd gives."""
     from moerun.loaders.gguf_write import _recipe_policy
     from moerun.quant import compute_in_float32, quantize_model
-    from moerun.quant.formats import dequantize, quantize
+    from moerun.kernels.formats import dequantize, quantize
 
     llm = moerun.load(path, dtype="float32", threads=1)
     quantize_model(llm.net, _recipe_policy(recipe))
@@ -153,7 +153,7 @@ def test_bf16_demo_model_is_exact_and_tokenizes_the_same(tmp_path):
 
 def test_quantized_checkpoint_is_written_bit_exact(tmp_path):
     """A `moerun quantize` checkpoint's int8/int4 blocks become Q8_0/Q4_0 as they are."""
-    from moerun.quant.checkpoint import quantize_checkpoint
+    from moerun.loaders.quantized_write import quantize_checkpoint
 
     q = tmp_path / "q"
     quantize_checkpoint(DEMO, q, "int4")
@@ -211,7 +211,7 @@ def test_k_recipes_run_the_file_blocks_in_place(tmp_path, recipe):
     raw-format module's qweight holds the file's bytes (scales empty), and the native kernels
     give the torch reference's outputs over them."""
     from moerun import kernels
-    from moerun.quant import ggml_quant
+    from moerun.quant.gguf_types import tensor_type
 
     ck = random_checkpoint(tmp_path / "ck", K_CONFIG)
     out = tmp_path / "k.gguf"
@@ -219,7 +219,7 @@ def test_k_recipes_run_the_file_blocks_in_place(tmp_path, recipe):
     f = GGUFFile(out)
     for t in f.tensors.values():
         if len(t.shape) >= 2 and "ffn_gate_inp" not in t.name:
-            assert t.type == ggml_quant.tensor_type(recipe, t.name, t.shape, 2).upper(), t.name
+            assert t.type == tensor_type(recipe, t.name, t.shape, 2).upper(), t.name
     expect = {"q4_k_m": {"Q4_K", "Q6_K"}, "q5_k_m": {"Q5_K", "Q6_K"}, "q6_k": {"Q6_K"}}[recipe]
     assert expect <= {t.type for t in f.tensors.values()}
     llm = moerun.load(out, threads=1)

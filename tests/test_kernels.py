@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from moerun import kernels
-from moerun.layers.moe import Experts, expert_mlp
-from moerun.quant import formats
-from moerun.quant.modules import QuantizedExperts, QuantizedLinear
+from moerun.kernels.reference import expert_mlp
+from moerun.layers.moe import Experts
+from moerun.kernels import formats
+from moerun.layers.quantized import QuantizedExperts, QuantizedLinear
 
 NATIVE = [i for i in kernels.available_isas() if i != "torch"]
 FMTS = ["int4", "int8"]
@@ -367,7 +368,7 @@ def test_split_threads_decode_on_one_torch_thread():
     """Quantized net: decode-sized passes run torch on one thread, native ops on N with
     workers that spin longer between ops; larger passes give torch its N threads back and
     the workers their short spin; outputs do not depend on it."""
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
     from moerun.quant import quantize_model
     from test_quant import tiny_model
 
@@ -488,7 +489,7 @@ def test_fused_decode_attention_matches_the_module(isa, head_dim, dtype, tol, ca
     bf16 rounding: the block keeps q and k in float32 where the module rounds them after
     each op, a few bf16 steps apart for keys of magnitude 1-3);
     prefill and batches keep the module's forward."""
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
     from moerun.quant import quantize_model
     from test_quant import tiny_model
 
@@ -546,7 +547,7 @@ def test_fused_decode_attention_skips_mixed_and_biased_modules():
 def test_attn_decode_int8_cache(isa, hq, hkv, S, D):
     """int8 keys/values with per-position scales (views of an int8 cache) against the
     reference on the dequantized values: the kernel applies the scales as it reads."""
-    from moerun.engine.cache import quantize_int8
+    from moerun.layers.cache import quantize_int8
 
     g = torch.Generator().manual_seed(S + D)
     q = torch.randn(hq, D, generator=g)
@@ -646,7 +647,7 @@ def _qwen3_5_net(tmp_path):
 def test_fused_decode_attention_gated(isa, tmp_path):
     """Qwen3.5's attention (output gate, zero-centred per-head norms, partial rotary) through
     the native block: the same logits and cache contents as the module's own forward."""
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
     from moerun.quant import quantize_model
 
     net = _qwen3_5_net(tmp_path)
@@ -689,7 +690,7 @@ def test_deltanet_decode(isa, shape, every):
     """The native Gated DeltaNet steps against the torch reference (float32, summation order
     only: 1e-5): outputs and states. The given states end as the last token's, updated in
     place; with `every` each token's state comes back too."""
-    from moerun.layers.deltanet import few_tokens_ref
+    from moerun.kernels.reference import few_tokens_ref
 
     inp = _delta_inputs(*shape, seed=sum(shape))
     Hk = shape[2]
@@ -743,7 +744,7 @@ def test_deltanet_decode_reads_column_slices(isa, every, dtype):
 def test_deltanet_decode_bf16_inputs(isa):
     """A bf16 model's projections with float32 states: native, the inputs widened exactly, so
     the result is the float32 reference's on the same values (o comes back float32)."""
-    from moerun.layers.deltanet import few_tokens_ref
+    from moerun.kernels.reference import few_tokens_ref
 
     inp = _delta_inputs(2, 3, 2, 4, 16, 16, 4, seed=5)
     bf = {k: (v.bfloat16() if k in ("qkv", "a", "b", "z") else v) for k, v in inp.items()}
@@ -764,7 +765,7 @@ def test_deltanet_decode_bf16_inputs(isa):
 
 
 def test_deltanet_decode_falls_back_and_refuses_bad_arguments():
-    from moerun.layers.deltanet import few_tokens_ref
+    from moerun.kernels.reference import few_tokens_ref
 
     inp = _delta_inputs(1, 2, 2, 4, 8, 12, 4)
     bf = {**inp, "qkv": inp["qkv"].bfloat16(), "conv": inp["conv"].bfloat16()}

@@ -9,7 +9,7 @@ import torch
 import moerun
 from moerun import kernels
 from conftest import make_tiny_model, rel_err
-from moerun.engine.cache import (Cache, Int8KVCache, KVCache, KVSpec, RecurrentState, dequantize_int8,
+from moerun.layers.cache import (Cache, Int8KVCache, KVCache, KVSpec, RecurrentState, dequantize_int8,
                                  kv_bytes_per_token, quantize_int8)
 from moerun.errors import MoerunError
 
@@ -74,7 +74,7 @@ def test_memory_is_about_half_of_bf16_and_a_quarter_of_fp32(dtype, most):
 
 
 def test_recurrent_state_keeps_the_model_dtype():
-    from moerun.engine.cache import StateSpec
+    from moerun.layers.cache import StateSpec
 
     cache = Cache([StateSpec((("s", (3, 4)),)), KVSpec(1, 4, 4)], 2, 8, torch.bfloat16, torch.int8)
     assert isinstance(cache.layers[0], RecurrentState) and cache.layers[0].tensors["s"].dtype == torch.bfloat16

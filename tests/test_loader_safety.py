@@ -156,7 +156,7 @@ def test_integer_dtype_where_a_float_weight_belongs_is_refused(tiny, tmp_path, c
 
 
 def test_quantized_checkpoint_with_integer_tensors_still_loads(tiny, tmp_path):
-    from moerun.quant.checkpoint import quantize_checkpoint
+    from moerun.loaders.quantized_write import quantize_checkpoint
 
     out = tmp_path / "q"
     quantize_checkpoint(tiny, out, "int4")

@@ -11,7 +11,7 @@ from torch import nn
 
 import moerun
 from moerun import kernels
-from moerun.engine.cache import Cache
+from moerun.layers.cache import Cache
 from moerun.engine.draft_extras import ExpertTracker
 from moerun.engine.draft_extras import draft_head
 from moerun.layers import mtp as mtp_layers

@@ -12,8 +12,9 @@ import torch
 from moerun import kernels
 from moerun.layers.moe import Experts
 from moerun.models import qwen3_moe
-from moerun.quant import POLICIES, QuantPolicy, formats, quantize_model
-from moerun.quant.modules import QuantizedExperts, QuantizedLinear
+from moerun.kernels import formats
+from moerun.quant import POLICIES, QuantPolicy, quantize_model
+from moerun.layers.quantized import QuantizedExperts, QuantizedLinear
 
 
 def test_int4_layout_and_exact_values():

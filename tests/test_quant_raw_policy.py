@@ -14,8 +14,11 @@ import moerun
 from moerun.bench.random_model import write_random_model
 from moerun.engine.llm import DEMO_MODEL
 from moerun.kernels import ggml
-from moerun.quant import POLICIES, checkpoint, formats, formats_in_use
-from moerun.quant.modules import QuantizedExperts, QuantizedLinear
+from moerun.kernels import formats
+from moerun.loaders import quantized as checkpoint
+from moerun.loaders.quantized_write import quantize_checkpoint
+from moerun.quant import POLICIES, formats_in_use
+from moerun.layers.quantized import QuantizedExperts, QuantizedLinear
 
 from test_quantize_checkpoint import assert_same_model, load_without_quantizing
 
@@ -59,7 +62,7 @@ def wide(tmp_path_factory):
 @pytest.mark.parametrize("policy", ["kq", "int4-kq", "int4-q6k"])
 def test_raw_checkpoint_round_trip(wide, tmp_path, monkeypatch, policy):
     out = tmp_path / "q"
-    checkpoint.quantize_checkpoint(wide, out, policy)
+    quantize_checkpoint(wide, out, policy)
     entry = json.loads((out / "config.json").read_text())["quantization"]
     p = POLICIES[policy]
     assert entry["modules"]["lm_head"] == "q6_k"
@@ -76,7 +79,7 @@ def test_raw_checkpoint_round_trip(wide, tmp_path, monkeypatch, policy):
 def test_demo_falls_back_and_round_trips(tmp_path, monkeypatch):
     """The demo model's rows (hidden 128, experts 64) are no K-quant's 256: q4_k -> q5_0, q6_k -> int8."""
     out = tmp_path / "kq"
-    checkpoint.quantize_checkpoint(DEMO_MODEL, out, "kq")
+    quantize_checkpoint(DEMO_MODEL, out, "kq")
     entry = json.loads((out / "config.json").read_text())["quantization"]
     assert entry["components"]["experts"] == "q4_k"
     assert entry["modules"]["lm_head"] == "int8"

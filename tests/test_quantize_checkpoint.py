@@ -19,8 +19,12 @@ from moerun.bench.random_model import write_random_model
 from moerun.cli import main
 from moerun.engine.llm import DEMO_MODEL
 from moerun.loaders.safetensors import Checkpoint
-from moerun.quant import POLICIES, QuantPolicy, checkpoint, formats, modules
-from moerun.quant.modules import QuantizedExperts, QuantizedLinear
+from moerun.kernels import formats
+from moerun.layers import quantized as modules
+from moerun.loaders import quantized as checkpoint
+from moerun.loaders.quantized_write import quantize_checkpoint
+from moerun.quant import POLICIES, QuantPolicy
+from moerun.layers.quantized import QuantizedExperts, QuantizedLinear
 
 from conftest import assert_one_line_error, cli
 
@@ -42,7 +46,7 @@ def qwen3(tmp_path_factory):
 def demo_int4(tmp_path_factory):
     """The bundled qwen3_5_moe_text demo model (DeltaNet, shared experts, MTP), written int4."""
     out = tmp_path_factory.mktemp("demo") / "int4"
-    checkpoint.quantize_checkpoint(DEMO_MODEL, out, "int4")
+    quantize_checkpoint(DEMO_MODEL, out, "int4")
     return out
 
 
@@ -73,7 +77,7 @@ def load_without_quantizing(path, monkeypatch, **kw):
 @pytest.mark.parametrize("policy,dtype", [("int4", "auto"), ("int8", "bfloat16"), ("int4-all", "float32")])
 def test_qwen3_saved_equals_quantized_at_load(qwen3, tmp_path, monkeypatch, policy, dtype):
     out = tmp_path / "q"
-    checkpoint.quantize_checkpoint(qwen3, out, policy, dtype=dtype)
+    quantize_checkpoint(qwen3, out, policy, dtype=dtype)
     ref = moerun.load(qwen3, dtype=dtype, quant=policy, threads=1)
     got = load_without_quantizing(out, monkeypatch, dtype=dtype)
     assert got.dtype == ref.dtype == (torch.float32 if dtype == "auto" else getattr(torch, dtype))
@@ -129,7 +133,7 @@ def test_cli_component_flags_and_tied_head(qwen3, tmp_path, capsys):
 
 def test_sharded_output_loads_the_same(qwen3, tmp_path):
     out = tmp_path / "q"
-    checkpoint.quantize_checkpoint(qwen3, out, "int4", shard_bytes=20_000)
+    quantize_checkpoint(qwen3, out, "int4", shard_bytes=20_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and not (out / "model.safetensors").exists()
@@ -143,12 +147,12 @@ def test_failure_leaves_nothing_half_written(qwen3, tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(checkpoint, "_write_config", fail)
     with pytest.raises(OSError):
-        checkpoint.quantize_checkpoint(qwen3, tmp_path / "new", "int4")
+        quantize_checkpoint(qwen3, tmp_path / "new", "int4")
     old = tmp_path / "old"
     old.mkdir()
     (old / "keep.txt").write_text("x")
     with pytest.raises(OSError):
-        checkpoint.quantize_checkpoint(qwen3, old, "int4", force=True)
+        quantize_checkpoint(qwen3, old, "int4", force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # no OUT, no temporary directory
     assert [p.name for p in old.iterdir()] == ["keep.txt"]
 
@@ -198,7 +202,7 @@ def broken_copy(src, tmp_path, mutate):
 
 def test_corrupt_quantized_checkpoint(qwen3, tmp_path, capsys):
     out = tmp_path / "q"
-    checkpoint.quantize_checkpoint(qwen3, out, "int4")
+    quantize_checkpoint(qwen3, out, "int4")
 
     def truncate(d):
         f = d / "model.safetensors"

@@ -11,8 +11,9 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
 import moerun
 from conftest import check_against_reference, hf_greedy, rel_err, save_and_load
-from moerun.engine.cache import Cache
+from moerun.layers.cache import Cache
 from moerun.errors import MoerunError
+from moerun.kernels import reference
 from moerun.layers import deltanet
 
 TINY = dict(
@@ -54,16 +55,16 @@ def test_deltanet_matches_transformers():
     o_ref, s_ref = hf.torch_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
     s, outs = s0.clone(), []  # the step updates an fp32 state in place
     for t in range(T):
-        o, s = deltanet.recurrent_gated_delta_step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1], s)
+        o, s = reference.recurrent_gated_delta_step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1], s)
         outs.append(o)
     assert rel_err(torch.cat(outs, 1), o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
 
     x, w = torch.randn(B, T, 10), torch.randn(10, 1, 4)
     y_ref = hf.causal_conv1d_fn(x.transpose(1, 2), w.squeeze(1), None, activation="silu").transpose(1, 2)
-    y, state = deltanet.causal_conv1d(x[:, :70], w)
+    y, state = reference.causal_conv1d(x[:, :70], w)
     ys = [y]
     for t in range(70, T):
-        y, state = deltanet.causal_conv1d(x[:, t : t + 1], w, state)
+        y, state = reference.causal_conv1d(x[:, t : t + 1], w, state)
         ys.append(y)
     assert rel_err(torch.cat(ys, 1), y_ref) < 1e-6
 
@@ -130,7 +131,7 @@ def test_prompt_through_the_chunked_form_with_a_cache(tmp_path, monkeypatch):
     layer = llm.net.model.layers[llm.net.args.layer_types.index("linear_attention")].linear_attn
     assert layer._token_by_token(140)
     monkeypatch.setattr(deltanet, "RECURRENT_PREFILL_ELEMENTS", 0)
-    assert not layer._token_by_token(140) and layer._token_by_token(deltanet.FEW)
+    assert not layer._token_by_token(140) and layer._token_by_token(reference.FEW)
     check_against_reference(ref, llm, ref.config.vocab_size, seq=140)
 
 
@@ -247,7 +248,7 @@ def test_bf16_conv_of_a_prompt_equals_torchs():
     x, w = torch.randn(2, 40, 24, generator=g).bfloat16(), torch.randn(24, 1, 4, generator=g).bfloat16()
     state = torch.randn(2, 24, 3, generator=g).bfloat16()
     with torch.inference_mode():
-        y, new_state = deltanet.causal_conv1d(x, w, state)
+        y, new_state = reference.causal_conv1d(x, w, state)
     xs = torch.cat([state, x.transpose(1, 2)], dim=-1)
     assert torch.equal(y, F.silu(F.conv1d(xs, w, groups=24)).transpose(1, 2))
     assert torch.equal(new_state, xs[..., -3:])

@@ -7,7 +7,7 @@ import torch
 
 import moerun
 from moerun import kernels
-from moerun.engine.cache import Cache
+from moerun.layers.cache import Cache
 from moerun.engine.generate import run_plans
 from moerun.layers import moe as moe_layer
 

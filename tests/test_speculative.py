@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import moerun
 from conftest import make_tokenizer, rel_err
-from moerun.engine.cache import Cache, RecurrentState
+from moerun.layers.cache import Cache, RecurrentState
 from moerun.engine.generate import Sequence, run
 from moerun.engine.sampling import SamplingParams, apply_repetition_penalty, filter_logits
 from moerun.engine.speculative import SpeculativeDecoder, SpeculativeStats, run_speculative
@@ -474,17 +474,18 @@ def test_auto_explores_the_neighbours_of_the_best():
 def test_short_conv_and_delta_rule_passes_match_long_ones():
     """Verification runs DeltaNet on 2..5 tokens at a time (conv by windows, the delta rule
     token by token) and keeps the state after every token for rollback."""
+    from moerun.kernels import reference
     from moerun.layers import deltanet
 
     torch.manual_seed(0)
     x, w = torch.randn(2, 23, 10), torch.randn(10, 1, 4)
-    want, _ = deltanet.causal_conv1d(x, w)
+    want, _ = reference.causal_conv1d(x, w)
     cuts = [(0, 3), (3, 8), (8, 9), (9, 13), (13, 23)]
     ys, state = [], None
     for a, b in cuts:
-        y, every = deltanet.causal_conv1d(x[:, a:b], w, state, every_state=True)
+        y, every = reference.causal_conv1d(x[:, a:b], w, state, every_state=True)
         for t in range(b - a):  # the state after token t is what a pass ending there leaves
-            assert torch.equal(every[:, t], deltanet.causal_conv1d(x[:, a : a + t + 1], w, state)[1])
+            assert torch.equal(every[:, t], reference.causal_conv1d(x[:, a : a + t + 1], w, state)[1])
         ys.append(y)
         state = every[:, -1]
     assert rel_err(torch.cat(ys, 1), want) < 1e-6
@@ -494,13 +495,13 @@ def test_short_conv_and_delta_rule_passes_match_long_ones():
     outs, s = [], torch.zeros(2, 4, 8, 6)
     for a, b in cuts:
         part = [t[:, a:b] for t in (q, k, v, g, beta)]
-        if b - a > deltanet.FEW:
+        if b - a > reference.FEW:
             o, s = deltanet.chunk_gated_delta_rule(*part, s)
         else:
-            o, states = deltanet.recurrent_gated_delta_steps(*part, s)
+            o, states = reference.recurrent_gated_delta_steps(*part, s)
             one = s.clone()
             for t in range(b - a):  # bit for bit the one-token decode step, state by state
-                o1, one = deltanet.recurrent_gated_delta_step(*[p[:, t : t + 1] for p in part], one)
+                o1, one = reference.recurrent_gated_delta_step(*[p[:, t : t + 1] for p in part], one)
                 assert torch.equal(o1[:, 0], o[:, t]) and torch.equal(one, states[:, t])
             s = states[:, -1]
         outs.append(o)
@@ -597,7 +598,7 @@ def test_roll_back_restores_the_kept_state_of_a_slot():
     """RecurrentState.roll_back: slot <- the state kept after token keep - 1 of a row, as numpy
     copies for float32 states and through set_slot for others (a bf16 one here); other slots
     and the kept states untouched."""
-    from moerun.engine.cache import StateSpec
+    from moerun.layers.cache import StateSpec
 
     spec = StateSpec(shapes=(("a", (2, 3)), ("b", (4,))), dtypes=(("a", torch.float32),))
     st = RecurrentState(spec, 3, torch.bfloat16)

@@ -35,7 +35,7 @@ def passes(net, dtype, plans, slot=1):
     verification pass), some for the last position's logits only, some with the final
     hidden state too (`stack.model_pass` makes both) -> every pass's outputs, the cache's
     lengths after each."""
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
 
     ids = torch.randint(0, CFG["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(3))
     cache = Cache(net.cache_spec(), 2, 32, dtype)
@@ -90,7 +90,7 @@ def test_stack_is_bit_identical_to_the_modules(qwen3_path, dtype, quant, monkeyp
 
 def test_hooks_and_batches_run_the_modules(qwen3_path, monkeypatch):
     import moerun
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
 
     net = moerun.load(qwen3_path(), dtype="float32", threads=1, quant="int4").net
     ran = counting(monkeypatch)
@@ -159,7 +159,7 @@ def qwen3_5_passes(net, plans, slot: int, widths: tuple, seed: int, masks=()) ->
     token's DeltaNet states kept, as verification keeps them) -> (every pass's logits, with the
     final hidden state where `masks`, the kept states, the route masks of each `masks` experts
     module per pass, the slot's final recurrent states)."""
-    from moerun.engine.cache import Cache, RecurrentState
+    from moerun.layers.cache import Cache, RecurrentState
 
     kv = net.model.embed_tokens.weight.dtype
     n = 8 + sum(widths)
@@ -213,7 +213,7 @@ def test_a_bad_token_id_is_an_error_in_the_native_pass_too(qwen3_path):
     vocabulary is still nn.Embedding's IndexError (a negative one is not wrapped round by
     numpy's indexing), and the cache does not move."""
     import moerun
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
 
     net = moerun.load(qwen3_path(), dtype="bfloat16", threads=1).net
     cache, s, plans = Cache(net.cache_spec(), 1, 16, torch.bfloat16), torch.tensor([0]), {}
@@ -233,7 +233,7 @@ def test_native_stack_refuses_bad_arguments(qwen3_path):
     import numpy as np
 
     import moerun
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
 
     net = moerun.load(qwen3_path(), dtype="float32", threads=1, quant="int4").net
     cache, s, plans = Cache(net.cache_spec(), 1, 16, torch.float32), torch.tensor([0]), {}

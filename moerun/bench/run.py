@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ..engine.cache import Cache, kv_cache_summary
+from ..layers.cache import Cache, kv_cache_summary
 from ..engine.generate import run_plans
 from ..layers.stack import decode_path
 from ..errors import MoerunError

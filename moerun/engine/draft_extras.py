@@ -142,7 +142,7 @@ def draft_head(lm_head: torch.nn.Module, n: int) -> torch.nn.Module:
     draft vocabulary, with the id order standing in for the ranking) makes an MTP call read
     n/V of the head. Drafts are still verified by the full model, so the output does not
     change; only tokens >= n are never drafted."""
-    from ..quant.modules import QuantizedLinear
+    from ..layers.quantized import QuantizedLinear
 
     if type(lm_head) is QuantizedLinear:
         with torch.device("meta"):

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..layers.stack import decode_path
-from .cache import Cache
+from ..layers.cache import Cache
 from .sampling import History, SamplingParams, Uniforms, sample
 
 

@@ -110,8 +110,8 @@ class LLM:
         the whole checkpoint; `loaders.hf.check_finite`)."""
         from ..config import read_generation_config
         from ..loaders.gguf import is_gguf
-        from ..loaders.hf import build
-        from .cache import kv_cache_dtype
+        from ..loaders import build
+        from ..layers.cache import kv_cache_dtype
 
         kv_dtype = kv_cache_dtype(kv_cache)
 
@@ -128,7 +128,7 @@ class LLM:
         arch, args, net, dtype = build(path, dtype, prepare=lambda net: check_vocab(tokenizer, net.args.vocab_size),
                                        check_weights=check_weights)
         if quant not in (None, "none"):
-            from ..quant.checkpoint import quantize_at_load
+            from ..loaders.quantized import quantize_at_load
 
             quantize_at_load(net, path, quant)
         dtype, kv_dtype = compute_dtype(net, asked, dtype, kv_dtype)

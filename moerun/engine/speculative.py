@@ -52,7 +52,7 @@ import torch
 from ..errors import MoerunError
 from ..layers.mtp import MAX_TOKENS as MTP_CALL_TOKENS
 from ..layers.stack import decode_path
-from .cache import Cache, RecurrentState
+from ..layers.cache import Cache, RecurrentState
 from .draft_extras import DraftPrefetch, ExpertTracker, draft_head, store_figures
 from .generate import GenerationStats, Sequence, long_ids, run_plans
 from .sampling import distribution, draw, greedy_token, greedy_tokens, residual_draw, sample

@@ -21,10 +21,11 @@ from torch import nn
 
 from .. import kernels
 from ..errors import MoerunError
-from ..layers.moe import Experts, dispatch, group_by_expert, native_float_experts, swiglu
+from ..kernels.reference import dispatch, group_by_expert, swiglu
+from ..layers.moe import Experts, native_float_experts
 from ..layers.routes import routed
-from ..quant.formats import expert_code
-from ..quant.modules import QuantizedExperts
+from ..kernels.formats import expert_code
+from ..layers.quantized import QuantizedExperts
 from .store import ExpertStore, LayerExperts, StoreOptions, expert_pieces, quantized_expert_pieces
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
@@ -239,7 +240,7 @@ def _make_store(net, swapped, model_dir: Path, dtype, options: StoreOptions | No
     if names is None:
         from ..loaders.hf import _renamed
         from ..loaders.safetensors import Checkpoint
-        from ..quant.checkpoint import stored_policy
+        from ..loaders.quantized import stored_policy
 
         # a checkpoint written by `moerun quantize` holds our names
         renames = () if stored_policy(model_dir) is not None else getattr(net, "checkpoint_renames", ())
@@ -306,7 +307,7 @@ def attach_store(net: nn.Module, model_dir, options: StoreOptions | None = None)
     """Put an `ExpertStore` behind an already loaded net (its expert tensors are dropped);
     quantized experts only from a checkpoint written by `moerun quantize` (the store reads
     their blocks from its files)."""
-    from ..quant.checkpoint import stored_policy
+    from ..loaders.quantized import stored_policy
 
     if stored_policy(model_dir) is None and any(isinstance(m, QuantizedExperts) for m in net.modules()):
         raise MoerunError("the expert store reads quantized experts from a checkpoint written by `moerun quantize`, "
@@ -317,10 +318,10 @@ def attach_store(net: nn.Module, model_dir, options: StoreOptions | None = None)
 
 
 def build(model_dir, dtype="auto", options: StoreOptions | None = None, prepare=None, check_weights: bool = False):
-    """Like `moerun.loaders.hf.build`, with routed experts in a store and never materialised.
+    """Like `moerun.loaders.build`, with routed experts in a store and never materialised.
     Returns (architecture module, args, net, dtype, store). prepare(net), when given, runs
-    first on the meta-device net; check_weights as `loaders.hf.build`'s."""
-    from ..loaders.hf import build as build_net
+    first on the meta-device net; check_weights as `loaders.build`'s."""
+    from ..loaders import build as build_net
 
     swapped = []
 
@@ -341,7 +342,7 @@ def load(path=None, dtype="auto", threads: int | None = None, options: StoreOpti
     may name its policy (a no-op) but cannot quantize a float checkpoint's experts here."""
     from ..config import read_generation_config
     from ..engine.llm import LLM, check_vocab, compute_dtype, default_model_path, load_tokenizer, set_threads
-    from ..quant.checkpoint import quantize_at_load, stored_policy
+    from ..loaders.quantized import quantize_at_load, stored_policy
 
     path = default_model_path() if path is None else Path(path)
     from ..loaders.gguf import is_gguf

@@ -92,13 +92,13 @@ def _one_expert(hidden: int, inter: int, dtype: torch.dtype, fmt: str | None, do
     """(x [n, H] -> y, weight bytes) for one zero-weight expert: float, or packed in `fmt`
     (down in `down_fmt`, default `fmt`)."""
     if fmt is None:
-        from ..layers.moe import swiglu
+        from ..kernels.reference import swiglu
 
         w = (torch.zeros(inter, hidden, dtype=dtype), torch.zeros(inter, hidden, dtype=dtype),
              torch.zeros(hidden, inter, dtype=dtype))
         return (lambda x: swiglu(x, *w)), sum(t.numel() * t.element_size() for t in w)
     from .. import kernels
-    from ..quant.modules import QuantizedExperts
+    from ..layers.quantized import QuantizedExperts
 
     q = QuantizedExperts(1, hidden, inter, fmt, down_fmt)
     bufs = [t for _, t in q.named_buffers()]

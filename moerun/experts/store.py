@@ -77,7 +77,7 @@ class Piece:
 @dataclass(frozen=True)
 class LayerExperts:
     """The routed experts of one layer: E experts of shape gate/up [I, H], down [H, I]; float,
-    or packed in `fmt` (int4/int8 blocks, `moerun.quant.formats`) as six pieces per expert."""
+    or packed in `fmt` (int4/int8 blocks, `moerun.kernels.formats`) as six pieces per expert."""
 
     layer: int
     num_experts: int
@@ -99,7 +99,7 @@ def _stacked_pieces(ref, num_experts: int, shape: tuple) -> list[Piece]:
 def quantized_shapes(hidden: int, inter: int, fmt: str, down_fmt: str | None = None) -> dict[str, tuple[tuple, torch.dtype]]:
     """Shape and dtype of one expert's packed tensors, by their names in a quantized checkpoint
     (raw GGUF formats: uint8 rows of their blocks and empty [rows, 0] scales)."""
-    from ..quant.formats import packed_shape
+    from ..kernels.formats import packed_shape
 
     out = {}
     for proj, rows, cols, f in (("gate", inter, hidden, fmt), ("up", inter, hidden, fmt),

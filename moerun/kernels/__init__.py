@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..quant import formats
+from . import formats, reference
 
 # M rows, K in features, N out features, T tokens, H hidden, I expert width, E experts,
 # K experts per token (in moe_experts)
@@ -410,7 +410,7 @@ def split_threads(net: torch.nn.Module, threads: int | None = None, max_tokens: 
 
 def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: str, in_features: int,
             views: Packed | None = None) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] float32, W packed by `moerun.quant.formats.quantize`
+    """x [M, K] @ W^T -> [M, N] float32, W packed by `moerun.kernels.formats.quantize`
     (`views`: the same weight's `Packed`, when the caller keeps one)."""
     nat = _native()
     if nat is None:
@@ -751,10 +751,8 @@ def expert_views(*weights) -> tuple:
 
 
 def moe_experts_float_ref(x, ids, weights, gate, up, down) -> torch.Tensor:
-    from ..layers.moe import expert_mlp  # the model's own reference, in float32
-
     gate, up, down = (w.float() if torch.is_tensor(w) else torch.stack(w).float() for w in (gate, up, down))
-    return expert_mlp(x.float(), ids, weights.float(), gate, up, down)
+    return reference.expert_mlp(x.float(), ids, weights.float(), gate, up, down)
 
 
 # -- decode attention ----------------------------------------------------------------------
@@ -845,10 +843,8 @@ def norm_rope_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float, of
 
 
 def norm_rope_heads_ref(x, weight, eps, offset, cos, sin) -> torch.Tensor:
-    from ..layers.rope import apply_rope
-
     y = x.float() if weight is None else rms_norm_ref(x, weight, eps, offset)
-    return apply_rope(y.transpose(0, 1)[None], cos.float(), sin.float())[0].contiguous()
+    return reference.apply_rope(y.transpose(0, 1)[None], cos.float(), sin.float())[0].contiguous()
 
 
 # -- Gated DeltaNet, a few tokens ---------------------------------------------------------
@@ -874,11 +870,9 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
     may be bf16 (a bf16 model), widened exactly, and everything between the projections then
     runs in float32, where the bf16 reference rounds after each op; o is float32, or bf16
     (rounded once) with `dtype=torch.bfloat16`. Otherwise
-    `moerun.layers.deltanet.few_tokens_ref` (o in qkv's dtype)."""
+    `reference.few_tokens_ref` (o in qkv's dtype)."""
     if not deltanet_decode_is_native(qkv, conv, S):
-        from ..layers.deltanet import few_tokens_ref
-
-        o, conv_now, S_now = few_tokens_ref(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps, key_heads,
+        o, conv_now, S_now = reference.few_tokens_ref(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps, key_heads,
                                             every)
         last = (conv_now[:, -1], S_now[:, -1]) if every else (conv_now, S_now)
         for state, value in zip((conv, S), last):
@@ -967,7 +961,7 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
     if _native() is None:
         return 0
     from ..layers.linear import plain_float_linear
-    from ..quant.modules import QuantizedLinear
+    from ..layers.quantized import QuantizedLinear
 
     n = 0
     for m in net.modules():
@@ -1092,7 +1086,7 @@ def _kv_cache_class():
     statement in the decode path costs ~10 us a call on the machines we measure)."""
     cls = _state.get("KVCache")
     if cls is None:
-        from ..engine.cache import KVCache as cls
+        from ..layers.cache import KVCache as cls
 
         _state["KVCache"] = cls
     return cls

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..quant.modules import QuantizedLinear
+from .quantized import QuantizedLinear
 
 
 def project(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..kernels.reference import expert_mlp
 from .linear import packed_views, plain_float_linear, project
 from .norm import RMSNorm
 from .routes import native_observer, route_observers, routed, routes_seen
@@ -60,57 +61,6 @@ def native_float_experts(x: torch.Tensor, gate: torch.Tensor) -> bool:
     return (gate.dtype in kernels.FLOAT_DTYPES and gate.is_cpu and gate.is_contiguous()
             and kernels.float_native_rows(x) and kernels.native())
 
-
-def group_by_expert(ids: torch.Tensor, num_experts: int):
-    """Sort the N*K (token, expert) pairs by expert.
-
-    Returns (order [N*K] indices into the flattened pairs, counts list[E]).
-    """
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    return order, counts
-
-
-def dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, counts: list[int],
-             run_expert) -> torch.Tensor:
-    """sum_k w[n,k] * run_expert(e, x[rows of e]) with e = ids[n,k], tokens grouped per expert.
-
-    `order, counts` come from `group_by_expert`; `run_expert(e, xs [c, H]) -> [c, H]`. Every
-    kind of Experts module (plain, store-backed) goes through here, so they agree bit for bit.
-    """
-    K = ids.shape[1]
-    token_of = order // K
-    w_sorted = weights.reshape(-1)[order].to(x.dtype)
-    out = torch.zeros_like(x)
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        rows = token_of[start : start + c]
-        # rows are distinct within one expert's group; index_put_ avoids index_add_'s
-        # OpenMP region, which stalls for milliseconds on a busy machine
-        out.index_put_((rows,), run_expert(e, x[rows]) * w_sorted[start : start + c, None], accumulate=True)
-        start += c
-    return out
-
-
-def swiglu(xs: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One expert: down(silu(gate xs) * up xs), xs [c, H]."""
-    return (F.silu(xs @ gate.T) * (xs @ up.T)) @ down.T
-
-
-def expert_mlp(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    down: torch.Tensor,
-) -> torch.Tensor:
-    """Reference SwiGLU experts: sum_k w[n,k] * down_e(silu(gate_e x) * up_e x), e = ids[n,k]."""
-    order, counts = group_by_expert(ids, gate.shape[0])
-    return dispatch(x, ids, weights, order, counts, lambda e, xs: swiglu(xs, gate[e], up[e], down[e]))
 
 
 def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .. import kernels
+from ..kernels.reference import apply_rope
 
 
 def inv_frequencies(rope: dict[str, Any], rotary_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
@@ -149,20 +150,3 @@ def norm_rope(x: torch.Tensor, norm, cos_sin: tuple[torch.Tensor, torch.Tensor])
     return apply_rope((x if norm is None else norm(x)).transpose(1, 2), cos, sin)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] channels of x [B, heads, T, D]; the rest pass through."""
-    rd = cos.shape[-1]
-    if rd == x.shape[-1] and not interleaved:  # the whole head rotates (fewer ops: decode runs this per layer)
-        return torch.addcmul(x * cos, rotate_half(x), sin)
-    rot, rest = x[..., :rd], x[..., rd:]
-    if interleaved:
-        # [x0, x1, x2, x3, ...] -> [x0, x2, ..., x1, x3, ...] then the usual half rotation
-        b, h, t, _ = rot.shape
-        rot = rot.view(b, h, t, rd // 2, 2).transpose(-1, -2).reshape(b, h, t, rd)
-    rot = rot * cos + rotate_half(rot) * sin
-    return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot

@@ -1003,7 +1003,7 @@ def _assign(owner: nn.Module, leaf: str, t: torch.Tensor) -> None:
 def _repack(raw: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF Q8_0/Q4_0 rows [..., nb * (2 + per)] -> moerun (qweight, scales): the same
     blocks, their fp16 scales moved to their own array and groups of 8 interleaved."""
-    from ..quant.formats import _interleave
+    from ..kernels.formats import _interleave
 
     per = 16 if fmt == "int4" else 32
     b = raw.reshape(*raw.shape[:-1], -1, 2 + per)
@@ -1043,7 +1043,7 @@ def _quant_rows(f: GGUFFile, t: GGUFTensor, arch: Arch, name: str, args, overrid
 
 def _quantized_linear(net, owner_name, lin: nn.Linear, arch, f, names, t, fmt, done, overrides) -> None:
     from ..quant import replace_module
-    from ..quant.modules import QuantizedLinear
+    from ..layers.quantized import QuantizedLinear
 
     name = f"{owner_name}.weight"
     rows = _quant_rows(f, t, arch, name, net.args, overrides)
@@ -1079,7 +1079,7 @@ def _fill(mod: nn.Module, bufs: tuple[str, str], rows: torch.Tensor, fmt: str) -
 
 def _quantized_experts(net, owner_name, ex, arch, f, names, done) -> None:
     from ..quant import replace_module
-    from ..quant.modules import QuantizedExperts
+    from ..layers.quantized import QuantizedExperts
 
     E, I, H = ex.gate_proj.shape
     ts = {p: _source(f, names, f"{owner_name}.{p}_proj", net) for p in ("gate", "up", "down")}
@@ -1124,7 +1124,7 @@ def _quantized_embedding(net, owner_name, emb: nn.Embedding, f, t, dtype) -> Non
     if getattr(net.args, "tie_word_embeddings", False) and isinstance(getattr(net, "lm_head", None), nn.Linear):
         fmt = TYPE_FORMATS[t.type]
         lin = net.lm_head
-        from ..quant.modules import QuantizedLinear
+        from ..layers.quantized import QuantizedLinear
 
         new = _new_module(f, t, lambda: QuantizedLinear(lin.in_features, lin.out_features, fmt))
         _fill(new, ("qweight", "scales"), f.raw(t), fmt)

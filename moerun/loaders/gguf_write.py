@@ -12,7 +12,7 @@ the other direction. Types per `--type` recipe:
   tensors moerun keeps in float stay float.
 - A quantized checkpoint's int8/int4 modules are written as Q8_0/Q4_0 whatever the recipe:
   the same blocks in natural order with their fp16 scale in front, bit for bit.
-- `q4_k_m`, `q5_k_m`, `q6_k`: each matrix's type is what `ggml_quant.tensor_type` says
+- `q4_k_m`, `q5_k_m`, `q6_k`: each matrix's type is what `quant.gguf_types.tensor_type` says
   llama-quantize gives it, its blocks from `ggml_quant.quantize` (Q8_0/Q4_0 by moerun's
   rule).
 
@@ -35,7 +35,8 @@ from torch import nn
 from tqdm import tqdm
 
 from ..errors import MoerunError, short
-from ..quant import ggml_quant
+from ..kernels import ggml_quant
+from ..quant.gguf_types import tensor_type
 from .gguf import ARCHS, MODEL_TYPES, PRE_TOKENIZERS, SAMPLING, Arch, gguf_names, transform_of
 
 RECIPES = ("bf16", "f32", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")
@@ -61,7 +62,7 @@ def export(model_dir, out, recipe: str = "bf16", force: bool = False, split_byte
     gguf-split (0: one file)."""
     import gguf
 
-    from .hf import build
+    from . import build
 
     src, out = Path(model_dir), Path(out)
     if recipe not in RECIPES:
@@ -128,7 +129,7 @@ def _float_net(net, args):
 
 def _plan(net, args, arch: Arch, recipe: str, dtype) -> list[tuple[str, str, tuple, Callable]]:
     """(GGUF name, GGUF type, torch-order shape, producer of the bytes) per tensor."""
-    from ..quant.modules import QuantizedExperts, QuantizedLinear
+    from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
     meta = _float_net(net, args)
     names = gguf_names(meta, arch)
@@ -178,11 +179,11 @@ def _plan(net, args, arch: Arch, recipe: str, dtype) -> list[tuple[str, str, tup
 
 
 def _k_type(recipe: str, gname: str, shape: tuple, args) -> str:
-    """The GGUF type llama-quantize's `recipe` gives tensor `gname` (ggml_quant.tensor_type)."""
+    """The GGUF type llama-quantize's `recipe` gives tensor `gname` (tensor_type)."""
     # the file's block_count: MTP / nextn blocks count, as llama-quantize counts them
     n_layer = args.num_hidden_layers + (getattr(args, "mtp_num_hidden_layers", 0) or 0) + \
         (getattr(args, "num_nextn_predict_layers", 0) or 0)
-    gtype = str(ggml_quant.tensor_type(recipe, gname, shape, n_layer)).upper()
+    gtype = str(tensor_type(recipe, gname, shape, n_layer)).upper()
     if gtype not in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0"):
         raise MoerunError(f"recipe {recipe} chose type {gtype} for {gname}, which moerun cannot write")
     return "BF16" if gtype == "F16" else gtype
@@ -246,7 +247,7 @@ def _floats(get, gtype: str, tr) -> Callable[[], np.ndarray]:
 def _to_ggml(q: torch.Tensor, s: torch.Tensor, fmt: str) -> np.ndarray:
     """moerun packed rows (qweight [..., N, bytes], scales [..., N, nb]) -> GGUF Q8_0/Q4_0 rows:
     each block's fp16 scale, then its bytes in natural order."""
-    from ..quant.formats import natural_blocks
+    from ..kernels.formats import natural_blocks
 
     blocks = natural_blocks(q, fmt).view(torch.uint8)  # [..., N, nb, per]
     scales = s.contiguous().view(torch.uint8).view(*s.shape, 2)
@@ -255,7 +256,7 @@ def _to_ggml(q: torch.Tensor, s: torch.Tensor, fmt: str) -> np.ndarray:
 
 
 def _quantize(get, fmt: str, tr) -> Callable[[], np.ndarray]:
-    from ..quant.formats import quantize
+    from ..kernels.formats import quantize
 
     def make():
         t = _apply(get(), tr)

@@ -53,13 +53,7 @@ def build(model_dir, dtype="auto", prepare=None, check_weights: bool = False):
     prepare(net), when given, runs on the meta-device net before any weight is read (the
     expert store uses it to take the routed experts out of what gets loaded).
     check_weights: scan every float tensor for NaN and Inf first (`check_finite`).
-    A `.gguf` file goes to loaders/gguf.py."""
-    from .gguf import is_gguf
-
-    if is_gguf(model_dir):
-        from .gguf import build as build_gguf
-
-        return build_gguf(model_dir, dtype, prepare, check_weights)
+    (`moerun.loaders.build` takes a `.gguf` file to loaders/gguf.py.)"""
     module, args, net, ckpt, dtype, renames = open_model(model_dir, dtype, check_weights)
     if prepare is not None:
         prepare(net)
@@ -96,7 +90,7 @@ def open_model(model_dir, dtype="auto", check_weights: bool = False):
         check_finite(ckpt)
     renames = getattr(net, "checkpoint_renames", ())
     if "quantization" in cfg:
-        from ..quant.checkpoint import make_quantized_modules
+        from .quantized import make_quantized_modules
 
         make_quantized_modules(net, cfg["quantization"])
         renames = ()

@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
-from ..engine.cache import KVSpec
+from ..layers.cache import KVSpec
 from ..errors import MoerunError
 from ..layers.moe import Experts, GatedMLP
 from ..layers.norm import RMSNorm, rms_norm_cat
-from ..layers.rope import Rope, apply_rope
+from ..kernels.reference import apply_rope
+from ..layers.rope import Rope
 
 # B batch, T tokens, S cached tokens, H hidden, N heads, E experts, K experts per token,
 # R kv_lora_rank (the latent), Dn/Dr/Dv the no-rope, rope and value head dims

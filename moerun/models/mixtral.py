@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
-from ..engine.cache import KVSpec
+from ..layers.cache import KVSpec
 from ..layers.attention import attend, attn_residual
 from ..layers.moe import Experts, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm

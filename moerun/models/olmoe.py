@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
-from ..engine.cache import KVSpec
+from ..layers.cache import KVSpec
 from ..layers.attention import attend
 from ..layers.moe import Experts, softmax_topk
 from ..layers.norm import RMSNorm

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
-from ..engine.cache import KVSpec
+from ..layers.cache import KVSpec
 from ..layers.attention import attend
 from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm

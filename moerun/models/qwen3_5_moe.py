@@ -32,10 +32,10 @@ from torch import nn
 
 from .. import kernels
 from ..config import BaseModelArgs, rope_parameters
-from ..engine.cache import KVSpec, StateSpec
+from ..layers.cache import KVSpec, StateSpec
 from ..layers.attention import attend, attn_residual
-from ..layers.deltanet import (DELTA_WEIGHTS, FEW, causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, split_heads,
-                               token_by_token)
+from ..kernels.reference import FEW, causal_conv1d, gated_rms_norm, split_heads
+from ..layers.deltanet import DELTA_WEIGHTS, chunk_gated_delta_rule, token_by_token
 from ..layers.linear import native_call_views, packed_views, project
 from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.mtp import MtpParts, native_step, prepare as prepare_drafter
@@ -167,7 +167,7 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """Linear attention: causal conv over q,k,v, then the gated delta rule (layers/deltanet.py)."""
+    """Linear attention: causal conv over q,k,v, then the gated delta rule (layers/deltanet.py, kernels/reference.py)."""
 
     def __init__(self, a: ModelArgs):
         super().__init__()

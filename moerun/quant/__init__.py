@@ -13,7 +13,7 @@ before: attention and head int8, 669 MB a token there) stays for the checkpoints
 with it.
 
 A component may also take one of llama.cpp's raw formats (`q4_k`, `q5_k`, `q6_k`, `q5_0`;
-docs/design/gguf.md), quantized by its reference quantizers (`ggml_quant.quantize`). Where
+docs/design/gguf.md), quantized by its reference quantizers (`kernels.ggml_quant.quantize`). Where
 a weight's rows are not a whole number of the format's blocks (the K-quants' 256: the demo
 model's hidden size is 128) the module falls back as llama.cpp does: q4_k -> q5_0, q5_k and
 q6_k -> int8 (moerun's int8 is Q8_0), per matrix (`formats.fit`), so a policy names what a
@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from .formats import FORMATS
+from ..kernels.formats import FORMATS
 
 # module names never quantized: routers, and projections whose weight a model reads directly
 KEEP_FLOAT = ("gate", "shared_expert_gate", "router", "kv_b_proj")
@@ -74,7 +74,7 @@ def resolve_policy(policy) -> QuantPolicy | None:
 def component_of(name: str, module: nn.Module) -> str | None:
     """Which policy component a module (float or already quantized) belongs to (None: leave it alone)."""
     from ..layers.moe import Experts
-    from .modules import QuantizedExperts, QuantizedLinear
+    from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
     if isinstance(module, (Experts, QuantizedExperts)):
         return "experts"
@@ -98,7 +98,7 @@ def quantize_model(net: nn.Module, policy: str | QuantPolicy | None = DEFAULT_PO
 
     policy: a POLICIES name (default DEFAULT_POLICY), "none"/None, or a QuantPolicy. Returns how many modules were quantized per component.
     """
-    from .modules import QuantizedExperts, QuantizedLinear
+    from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
     policy = resolve_policy(policy)
     counts: dict[str, int] = {}
@@ -128,7 +128,7 @@ def formats_in_use(net: nn.Module) -> dict[str, str]:
     """{component: format} of `net`'s quantized modules ("int4+int8" if a component mixes
     them, "q4_k/q6_k" for experts whose down projection has another); empty when nothing is
     quantized."""
-    from .modules import QuantizedExperts, QuantizedLinear
+    from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
     found: dict[str, set[str]] = {}
     for name, mod in net.named_modules():
@@ -155,7 +155,7 @@ def compute_in_float32(net: nn.Module) -> bool:
     cast at every call, and torch's bf16 ops on a CPU without bf16 arithmetic are slower
     than its float32 ones. Returns False (and changes nothing) when the net has no
     quantized module."""
-    from .modules import QuantizedExperts, QuantizedLinear
+    from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
     quantized = (QuantizedExperts, QuantizedLinear)
     if not any(isinstance(m, quantized) for m in net.modules()):

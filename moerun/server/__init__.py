@@ -6,7 +6,7 @@ stays cheap.
 
 from __future__ import annotations
 
-DEFAULT_MAX_BODY = 4 * 2**20  # bytes (app.DEFAULT_MAX_BODY)
+from .limits import DEFAULT_MAX_BODY
 
 
 def create_app(llm, *, api_key: str | None = None, max_concurrency: int = 4, max_queue: int = 64,

@@ -31,7 +31,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import MoerunError, one_line
-from . import DEFAULT_MAX_BODY
+from .limits import DEFAULT_MAX_BODY
 from .metrics import ServerMetrics
 from .scheduler import Event, Overloaded, Scheduler, ShuttingDown
 

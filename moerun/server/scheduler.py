@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.cache import Cache
+from ..layers.cache import Cache
 from ..engine.generate import Sequence, run_plans
 from ..engine.sampling import SamplingParams, sample
 from ..errors import MoerunError

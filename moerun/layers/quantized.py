@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from . import formats
+from ..kernels import formats
 from ..layers.routes import routed
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
