@@ -249,7 +249,8 @@ def cmd_chat(a) -> int:
 
 def cmd_info(a) -> int:
     from .layers.cache import kv_cache_summary
-    from .engine.info import describe, human_bytes, human_count, layer_pattern
+    from .engine.info import describe, human_count, layer_pattern
+    from .errors import human_bytes
     from .quant import formats_in_use
     from .loaders.quantized import stored_policy
 
@@ -310,7 +311,7 @@ def _quant_row(info: dict) -> str:
 def cmd_quantize(a) -> int:
     from dataclasses import replace
 
-    from .engine.info import human_bytes
+    from .errors import human_bytes
     from .engine.llm import set_threads
     from .quant import POLICIES
     from .loaders.quantized_write import quantize_checkpoint
@@ -330,7 +331,7 @@ QUANT_COMPONENTS = ("experts", "shared_experts", "attention", "lm_head")  # Quan
 
 
 def cmd_export_gguf(a) -> int:
-    from .engine.info import human_bytes
+    from .errors import human_bytes
     from .engine.llm import set_threads
     from .loaders.gguf_write import export
 

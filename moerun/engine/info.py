@@ -95,14 +95,6 @@ def layer_pattern(args) -> str | None:
     return "".join("F" if t == "full_attention" else "L" for t in types)
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n}"
-
-
 def human_count(n: float) -> str:
     for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= div:

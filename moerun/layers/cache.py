@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import MoerunError
+from ..errors import MoerunError, human_bytes
 
 
 @dataclass(frozen=True)
@@ -348,8 +348,6 @@ def check_fits(nbytes: int, batch: int, max_len: int) -> None:
     """Refuse (one sentence) a cache of `nbytes` that would not fit in the available memory."""
     avail = available_memory()
     if avail is not None and nbytes > avail:
-        from .info import human_bytes
-
         rows = f"{batch} sequences" if batch > 1 else "a sequence"
         raise MoerunError(f"the KV cache for {rows} of {max_len} tokens needs {human_bytes(nbytes)}, but this machine has "
                           f"{human_bytes(avail)} of memory available; ask for fewer tokens or sequences")
