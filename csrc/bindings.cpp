@@ -1220,25 +1220,41 @@ void deltanet_block(Array x, Array norm_w, float norm_offset, float norm_eps, st
     o.finish();
 }
 
-// A run's layer stack for one pass shape, one row (moerun.layers.stack): each layer's two
-// halves with their weights, settings, cache slot and states checked once (what
-// attn_block_decode, deltanet_block and moe_block check at every call), then each pass one
-// call: x [1, T, H] through every layer, the halves taking turns writing a and b (each half
-// as its own op computes it: the same bits). A decode pass of the demo model made 16 such
-// calls, each converting its dozen or more arrays again.
+// A run's layer stack for one pass shape (moerun.layers.stack): B rows of T tokens, B > 1
+// only with T = 1 (a batch's decode step). Each layer's two halves with their weights,
+// settings, whole KV cache and states checked once (what attn_block_decode, deltanet_block
+// and moe_block check at every call), then each pass one call: x [B, T, H] through every
+// layer, the halves taking turns writing a and b (each half as its own op computes it: the
+// same bits). Each pass names its rows' cache slots and positions: row b's keys, values and
+// DeltaNet states are those at slot slots[b], its tokens at positions pos[b], pos[b] + 1, ...
+// A batch row's attention is attn_block_rows's (each token a row of its own), its DeltaNet
+// state read and written at its slot in place, its MoE tokens computed each on its own: a
+// row's bits are those it gets alone. A decode pass of the demo model made 16 such calls,
+// each converting its dozen or more arrays again.
 class NativeStack {
   public:
-    NativeStack(size_t T, size_t H, bool bf16) : T_(T), H_(H), bf16_(bf16) {}
+    NativeStack(size_t B, size_t T, size_t H, bool bf16) : B_(B), T_(T), H_(H), bf16_(bf16) {
+        MOERUN_CHECK(B >= 1 && T >= 1 && (B == 1 || T == 1), "a stack runs one row of T tokens or B rows of one");
+    }
     NativeStack(const NativeStack&) = delete;
     NativeStack& operator=(const NativeStack&) = delete;
 
     void add_attention(Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf, Array ow,
                        Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc, Array vc,
                        int pos, int Hq, float scale, bool gated, Array in_norm, float in_offset, float in_eps) {
+        // kc, vc: the layer's whole cache [slots, kv heads, max_len, D]; the arguments as for slot 0
+        MOERUN_CHECK(kc.ndim() == 4, "k cache must be [slots, kv heads, max_len, D]");
+        const size_t S = kc.shape(0), Hkv = kc.shape(1), L = kc.shape(2), D = kc.shape(3);
+        check_shape(vc, {S, Hkv, L, D}, "v cache");
+        const size_t slot_shape[3] = {Hkv, L, D};
+        Array k0(kc.data(), 3, slot_shape, nb::handle(), nullptr, kc.dtype()),
+            v0(vc.data(), 3, slot_shape, nb::handle(), nullptr, vc.dtype());  // (views for the call: kc, vc own them)
         Layer l;
         l.attn = true;
-        l.at = attn_block_args(T_, H_, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps, cos, sin, kc, vc,
-                               pos, Hq, scale, gated, in_norm, in_offset, in_eps, bf16_);
+        l.at = attn_block_args(B_ * T_, H_, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps, cos, sin, k0, v0,
+                               B_ > 1 ? 0 : pos, Hq, scale, gated, in_norm, in_offset, in_eps, bf16_);
+        l.slots = S;
+        l.slot_bytes = Hkv * L * D * (is_bf16(kc) ? 2 : 4);
         keep_.insert(keep_.end(), {qw, qs, kw, ks, vw, vs, ow, os, qn, kn, kc, vc, in_norm});
         layers_.push_back(std::move(l));
     }
@@ -1246,9 +1262,12 @@ class NativeStack {
     void add_deltanet(Array norm_w, float norm_offset, float norm_eps, std::vector<Array> proj,
                       std::vector<Array> proj_s, std::vector<int> proj_fmts, Array ow, Array os, int of, Array conv_w,
                       Array conv, Array A_log, Array dt_bias, Array S, Array gnorm_w, float eps, int Hk) {
+        // conv [slots, C, K - 1], S [slots, Hv, Dk, Dv]: the layer's whole states
         Layer l;
-        l.dn = deltanet_block_args(1, T_, H_, bf16_, norm_w, norm_offset, norm_eps, proj, proj_s, proj_fmts, ow, os, of,
-                                   conv_w, conv, std::nullopt, A_log, dt_bias, S, std::nullopt, gnorm_w, eps, Hk);
+        l.dn = deltanet_block_args(conv.ndim() ? conv.shape(0) : 0, T_, H_, bf16_, norm_w, norm_offset, norm_eps, proj,
+                                   proj_s, proj_fmts, ow, os, of, conv_w, conv, std::nullopt, A_log, dt_bias, S,
+                                   std::nullopt, gnorm_w, eps, Hk);
+        l.slots = conv.shape(0);
         keep_.insert(keep_.end(), {norm_w, ow, os, conv_w, conv, A_log, dt_bias, S, gnorm_w});
         keep_.insert(keep_.end(), proj.begin(), proj.end());
         keep_.insert(keep_.end(), proj_s.begin(), proj_s.end());
@@ -1263,7 +1282,7 @@ class NativeStack {
                  Array shared_gate, std::optional<nb::object> observer) {
         MOERUN_CHECK(!layers_.empty() && !layers_.back().moe, "a MoE half follows an attention or DeltaNet half");
         auto c = std::make_unique<MoeCall>();
-        moe_block_args(*c, T_, H_, bf16_, norm_w, eps, norm_offset, router, K, renorm, efmt, gate, gs, up, us, down, ds,
+        moe_block_args(*c, B_ * T_, H_, bf16_, norm_w, eps, norm_offset, router, K, renorm, efmt, gate, gs, up, us, down, ds,
                        source.value_or(nb::none()), shared, shared_s, shared_fmts, shared_gate,
                        observer.value_or(nb::none()));
         keep_.insert(keep_.end(), {norm_w, router, shared_gate});
@@ -1271,11 +1290,12 @@ class NativeStack {
         layers_.back().moe = std::move(c);
     }
 
-    // x, a, b [1, T, H] in the stack's dtype; cos, sin [T, rd]: the pass's rope rows; pos its
-    // first position. conv_every, S_every: one each per DeltaNet layer (every token's states,
-    // kept for a rollback; T > 1) or none (in place); seen: per layer its experts' route mask
-    // [E + 1] uint8 or empty, or none at all (no layer has one).
-    void run(Array x, Array a, Array b, Array cos, Array sin, int pos, std::vector<Array> conv_every,
+    // x, a, b [B, T, H] in the stack's dtype; cos, sin [B * T, rd]: the pass's rope rows;
+    // slots, pos int64 [B]: each row's cache slot and first position. conv_every, S_every: one
+    // each per DeltaNet layer (every token's states, kept for a rollback; T > 1) or none (in
+    // place); seen: per layer its experts' route mask [E + 1] uint8 or empty, or none at all
+    // (no layer has one).
+    void run(Array x, Array a, Array b, Array cos, Array sin, Array slots, Array pos, std::vector<Array> conv_every,
              std::vector<Array> S_every, std::vector<Array> seen) {
         check_states(conv_every, S_every, seen);
         for (const Array* t : {&x, &a, &b}) {
@@ -1283,8 +1303,18 @@ class NativeStack {
                 MOERUN_CHECK(is_bf16(*t), "x, a, b: the stack's dtype (bf16, as uint16)");
             else
                 check_dtype(*t, dtype_code::Float, 32, "x, a, b");
-            check_shape(*t, {1, T_, H_}, "x, a, b");
+            check_shape(*t, {B_, T_, H_}, "x, a, b");
         }
+        for (const Array* r : {&slots, &pos}) {
+            check_dtype(*r, dtype_code::Int, 64, "slots, pos");
+            check_shape(*r, {B_}, "slots, pos");
+        }
+        const int64_t* sl = (const int64_t*)slots.data();
+        const int64_t* ps = (const int64_t*)pos.data();
+        thread_local std::vector<long> row_off;
+        thread_local std::vector<int> row_pos;
+        row_off.assign(B_, 0);
+        row_pos.assign(B_, 0);
         // this pass's arguments, checked, into copies of each layer's (the stack is not changed:
         // another thread's pass on it would see none of this one's)
         thread_local std::vector<Layer> pass;
@@ -1295,20 +1325,40 @@ class NativeStack {
             Layer& c = pass[i];
             MOERUN_CHECK(l.moe != nullptr, "every layer needs its MoE half");
             c.attn = l.attn;
+            for (size_t r = 0; r < B_; ++r)
+                MOERUN_CHECK(sl[r] >= 0 && (size_t)sl[r] < l.slots, "a slot outside the cache");
             if (l.attn) {
                 c.at = l.at;
-                check_rope_rows(cos, sin, T_, l.at.rd, pos, cache_positions(l.at));
+                const size_t L = cache_positions(l.at);
                 c.at.cos = (const float*)cos.data();
                 c.at.sin = (const float*)sin.data();
-                c.at.pos = pos;
+                if (B_ == 1) {  // one row's T tokens at pos, pos + 1, ... of its slot
+                    MOERUN_CHECK(ps[0] >= 0 && ps[0] <= (int64_t)L, "position outside the cache");
+                    check_rope_rows(cos, sin, T_, l.at.rd, (int)ps[0], L);
+                    c.at.pos = (int)ps[0];
+                    c.at.kc = (char*)l.at.kc + sl[0] * l.slot_bytes;
+                    c.at.vc = (char*)l.at.vc + sl[0] * l.slot_bytes;
+                } else {  // each row a token of its own at its slot and position
+                    check_rope_rows(cos, sin, B_, l.at.rd, 0, L);
+                    for (size_t r = 0; r < B_; ++r) {
+                        MOERUN_CHECK(ps[r] >= 0 && (size_t)ps[r] < L, "position outside the cache");
+                        row_off[r] = (long)(sl[r] * (int64_t)(l.slot_bytes / (l.at.kv_type == moerun::KV_BF16 ? 2 : 4)));
+                        row_pos[r] = (int)ps[r];
+                    }
+                    c.at.row_off = row_off.data();
+                    c.at.row_pos = row_pos.data();
+                }
             } else {
                 c.dn = l.dn;
                 moerun::DeltaArgs& d = c.dn.d;
+                d.B = (int)B_;
+                d.row_slot = sl;
                 d.conv_every = conv_every.empty() ? nullptr : (float*)conv_every[j].data();
                 d.S_every = S_every.empty() ? nullptr : (float*)S_every[j].data();
                 ++j;
             }
             c.moe_args = l.moe->a;
+            c.moe_args.T = (int)(B_ * T_);
             c.moe_args.seen = seen.empty() || seen[i].size() == 0 ? nullptr : (uint8_t*)seen[i].data();
         }
         nb::gil_scoped_release release;
@@ -1365,12 +1415,14 @@ class NativeStack {
 
     struct Layer {
         bool attn = false;
+        size_t slots = 0;       // the cache's slots (a pass's rows must name one of them)
+        size_t slot_bytes = 0;  // an attention layer's: one slot of its k (or v) cache
         moerun::AttnBlockArgs at{};
         moerun::DeltaBlockArgs dn{};
         std::unique_ptr<MoeCall> moe;  // the MoE half's weights (its arguments point into them)
         moerun::MoeBlockArgs moe_args{};  // a pass's copy of moe->a, with its x, y and route mask
     };
-    size_t T_, H_;
+    size_t B_, T_, H_;
     bool bf16_;
     size_t deltanets_ = 0;
     std::vector<Layer> layers_;
@@ -1523,7 +1575,7 @@ NB_MODULE(_native, m) {
           "the linear-attention half of a Qwen3.5 decoder layer for a few tokens per row: out = x + "
           "out_proj(DeltaNet(projections of RMSNorm(x)))");
     nb::class_<NativeStack>(m, "NativeStack", "a run's layer stack for one pass shape: the halves' arguments checked once")
-        .def(nb::init<size_t, size_t, bool>(), nb::arg("T"), nb::arg("H"), nb::arg("bf16"))
+        .def(nb::init<size_t, size_t, size_t, bool>(), nb::arg("B"), nb::arg("T"), nb::arg("H"), nb::arg("bf16"))
         .def("add_attention", &NativeStack::add_attention)
         .def("add_deltanet", &NativeStack::add_deltanet)
         .def("add_moe", &NativeStack::add_moe, nb::arg("norm_w"), nb::arg("eps"), nb::arg("norm_offset"),
@@ -1532,7 +1584,7 @@ NB_MODULE(_native, m) {
              nb::arg("shared"), nb::arg("shared_scales"), nb::arg("shared_fmts"), nb::arg("shared_gate"),
              nb::arg("observer").none() = nb::none())
         .def("run", &NativeStack::run, nb::arg("x"), nb::arg("a"), nb::arg("b"), nb::arg("cos"), nb::arg("sin"),
-             nb::arg("pos"), nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"));
+             nb::arg("slots"), nb::arg("pos"), nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"));
     nb::class_<NativeMtp>(m, "NativeMtp", "a one-layer MTP head's calls on one cache slot: its arguments checked once")
         .def(nb::init<Array, Array, float, Array, Array, int, Array, Array, int, Array, Array, int, Array, Array, int,
                       Array, Array, int, Array, Array, float, Array, Array, Array, Array, int, float, bool, Array, float,

@@ -52,7 +52,8 @@ void deltanet_decode(const DeltaArgs& a) {
     std::vector<float>& ext = work->conv_ext;
     ext.resize((size_t)(Km + T) * C);
     for (int b = 0; b < B; ++b) {
-        float* st = a.conv + (size_t)b * C * Km;  // [C, Km]
+        const size_t rb = a.row_slot ? (size_t)a.row_slot[b] : (size_t)b;
+        float* st = a.conv + rb * C * Km;  // [C, Km]
         for (int c = 0; c < C; ++c)
             for (int j = 0; j < Km; ++j) ext[(size_t)j * C + c] = st[(size_t)c * Km + j];
         for (int t = 0; t < T; ++t)
@@ -120,9 +121,10 @@ void deltanet_decode(const DeltaArgs& a) {
         d.x_st = C;
         d.decay = gates.data() + (size_t)task * T;
         d.beta = gates.data() + (size_t)B * Hv * T + (size_t)task * T;
-        d.S = a.S + (size_t)task * SS;
+        const size_t rs = ((a.row_slot ? (size_t)a.row_slot[b] : (size_t)b) * Hv + h) * SS;  // the row's state
+        d.S = a.S + rs;
         // every token's state ([B, T, Hv, Dk, Dv]), or the state itself, in place
-        d.S_out = a.S_every ? a.S_every + ((size_t)b * T * Hv + h) * SS : a.S + (size_t)task * SS;
+        d.S_out = a.S_every ? a.S_every + ((size_t)b * T * Hv + h) * SS : a.S + rs;
         d.s_st = a.S_every ? (long)(Hv * SS) : 0;
         d.z = a.z + b * a.z_sb + (size_t)h * a.Dv;
         d.z_st = a.z_st;
@@ -132,7 +134,7 @@ void deltanet_decode(const DeltaArgs& a) {
         d.o_st = (long)Hv * a.Dv;
         d.scratch = scratch.data();
         kt.delta_head(d);
-        if (a.S_every) std::copy(d.S_out + (T - 1) * d.s_st, d.S_out + (T - 1) * d.s_st + SS, a.S + (size_t)task * SS);
+        if (a.S_every) std::copy(d.S_out + (T - 1) * d.s_st, d.S_out + (T - 1) * d.s_st + SS, a.S + rs);
     });
 }
 

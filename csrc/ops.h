@@ -240,6 +240,9 @@ struct DeltaArgs {
     const float* norm_w;           // [Dv]
     float eps;
     float* out;                    // [B, T, Hv, Dv]
+    // rows at slots of a larger state: row b's conv and S are those at index row_slot[b] of
+    // `conv` and `S` (null: row b at index b)
+    const int64_t* row_slot = nullptr;
 };
 void deltanet_decode(const DeltaArgs& a);
 

@@ -1,6 +1,7 @@
 """A decode pass through the whole layer stack as its native calls in one loop
-(`layers.stack.stack_run`): bit-identical to the modules, and out of the way wherever they
-must run (the first pass of a run, a batch, hooks, a layer without both fused halves)."""
+(`layers.stack.stack_run`), for one row or a batch's decode step: bit-identical to the
+modules, and out of the way wherever they must run (the first pass of each shape in a run, a
+batch of several tokens a row, hooks, a layer without both fused halves)."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def test_stack_is_bit_identical_to_the_modules(qwen3_path, dtype, quant, monkeyp
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-def test_hooks_and_batches_run_the_modules(qwen3_path, monkeypatch):
+def test_hooks_and_several_token_batches_run_the_modules(qwen3_path, monkeypatch):
     import moerun
     from moerun.layers.cache import Cache
 
@@ -124,13 +125,56 @@ def test_hooks_and_batches_run_the_modules(qwen3_path, monkeypatch):
         h.remove()
         assert not any(ran) and seen.count("layer") == 9
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-        # a batch of two rows: the modules
+        # a batch of two rows of three tokens each (a batch's verification pass): the modules
         cache, s, plans = Cache(net.cache_spec(), 2, 16, torch.float32), torch.tensor([0, 1]), {}
         ran.clear()
         net(torch.randint(0, 97, (2, 4)), cache, s, plans=plans)
         for i in range(3):
-            net(torch.randint(0, 97, (2, 1)), cache, s, plans=plans)
+            net(torch.randint(0, 97, (2, 3)), cache, s, plans=plans)
         assert not any(ran)
+        assert "several tokens" in stack.decode_path(plans)["why"]
+
+
+def batch_steps(net, plans, dtype, seed: int = 11) -> list:
+    """Rows of different lengths in slots 2, 0 and 3 of a 4-slot cache (prefilled one by
+    one), then one-token batch steps of all three rows, of two of them (a row finished) and of
+    one, some with the final hidden state too -> every step's outputs and the lengths."""
+    from moerun.layers.cache import Cache
+
+    g = torch.Generator().manual_seed(seed)
+    cache = Cache(net.cache_spec(), 4, 40, dtype)
+    kw = {} if plans is None else {"plans": plans}
+    for slot, n in ((2, 5), (0, 9), (3, 2)):
+        net(torch.randint(0, CFG["vocab_size"], (1, n), generator=g), cache, torch.tensor([slot]), **kw)
+    out = []
+    for j, rows in enumerate([(2, 0, 3)] * 4 + [(3, 2)] * 3 + [(0,)] * 2):
+        ids = torch.randint(0, CFG["vocab_size"], (len(rows), 1), generator=g)
+        got = net(ids, cache, torch.tensor(rows), last_only=j % 2 == 0, return_hidden=j % 3 == 1, **kw)
+        out.extend(got if isinstance(got, tuple) else [got])
+        out.append(cache.lengths.clone())
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_a_batch_step_takes_the_stack_bit_identical_to_the_modules(qwen3_path, dtype, quant, monkeypatch):
+    """A batch's one-token steps, rows at scattered slots and positions, go through the stack
+    (after the first step of each width makes the plans), giving the modules' bits."""
+    import moerun
+
+    net = moerun.load(qwen3_path(), dtype=dtype, threads=1, quant=quant).net
+    kv = net.model.embed_tokens.weight.dtype
+    ran = counting(monkeypatch)
+    with torch.inference_mode():
+        want = batch_steps(net, None, kv)
+        assert not any(ran)
+        ran.clear()
+        plans = {}
+        got = batch_steps(net, plans, kv)
+    # three prefills (modules), then per width: the first step the modules, the next the stack
+    assert ran == [False] * 3 + [False, True, True, True] + [False, True, True] + [False, True]
+    assert stack.decode_path(plans)["native_stack_passes"] == 6
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_a_dense_layer_runs_the_modules(qwen3_path, monkeypatch):
@@ -246,11 +290,12 @@ def test_native_stack_refuses_bad_arguments(qwen3_path):
     x, a, b = (np.zeros((1, 1, H), dtype=np.float32) for _ in range(3))
     rope = net.model.rope.float_rows(6, 1, torch.float32)
     seen = [np.zeros(0, dtype=np.uint8)] * len(experts)
-    native.run(x, a, b, *rope, 6, [], [], seen)  # as a pass makes it: runs
-    native.run(x, a, b, *rope, 6, [], [], [])  # (no route masks at all: the same)
+    slot, pos = np.array([0]), np.array([6])
+    native.run(x, a, b, *rope, slot, pos, [], [], seen)  # as a pass makes it: runs
+    native.run(x, a, b, *rope, slot, pos, [], [], [])  # (no route masks at all: the same)
 
     def bad(match, **change):
-        args = dict(x=x, a=a, b=b, cos=rope[0], sin=rope[1], pos=6, conv_every=[], S_every=[], seen=seen)
+        args = dict(x=x, a=a, b=b, cos=rope[0], sin=rope[1], slots=slot, pos=pos, conv_every=[], S_every=[], seen=seen)
         args.update(change)
         with pytest.raises(ValueError, match=match):
             native.run(**args)
@@ -258,7 +303,10 @@ def test_native_stack_refuses_bad_arguments(qwen3_path):
     bad("x, a, b", x=np.zeros((1, 2, H), dtype=np.float32))
     bad("x, a, b", b=np.zeros((1, 1, H), dtype=np.float64))
     bad("cos, sin", cos=np.zeros((2, rope[0].shape[1]), dtype=np.float32))
-    bad("position outside the cache", pos=16)
+    bad("position outside the cache", pos=np.array([16]))
+    bad("a slot outside the cache", slots=np.array([1]))
+    bad("slots, pos", slots=np.array([0, 0]))
+    bad("slots, pos", pos=np.array([6], dtype=np.int32))
     bad("seen: one per layer", seen=seen[:1])
     bad("seen", seen=[np.zeros(3, dtype=np.uint8)] * len(experts))
     bad("conv_every, S_every", conv_every=[np.zeros(1, dtype=np.float32)])
@@ -286,3 +334,43 @@ def test_stack_on_two_threads_with_route_masks_is_bit_identical_to_the_modules(q
     for a, c in zip(got, want, strict=True):
         assert len(a) == len(c)
         assert all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) for x, y in zip(a, c))
+
+
+@pytest.mark.parametrize("dtype,quant", [("float32", None), ("bfloat16", None), ("float32", "int4")])
+def test_a_qwen3_5_batch_step_takes_the_stack_bit_identical_to_the_modules(qwen3_5_path, dtype, quant, monkeypatch):
+    """Gated DeltaNet rows at scattered slots: the stack reads and writes each row's states at
+    its slot in place, where the modules gather and scatter them; the same logits, hidden
+    states and final states."""
+    import moerun
+    from moerun.layers.cache import RecurrentState
+
+    net = moerun.load(qwen3_5_path, dtype=dtype, threads=1, quant=quant).net
+    kv = net.model.embed_tokens.weight.dtype
+    ran = counting(monkeypatch)
+    states = []
+    real_steps = batch_steps
+
+    def run(plans):
+        from moerun.layers.cache import Cache
+
+        made = []
+        real_init = Cache.__init__
+
+        def keep(self, *a, **k):
+            real_init(self, *a, **k)
+            made.append(self)
+
+        monkeypatch.setattr(Cache, "__init__", keep)
+        out = real_steps(net, plans, kv, seed=12)
+        monkeypatch.setattr(Cache, "__init__", real_init)
+        states.append([t.clone() for layer in made[0].layers if isinstance(layer, RecurrentState)
+                       for t in layer.tensors.values()])
+        return out
+
+    with torch.inference_mode():
+        want = run(None)
+        ran.clear()
+        got = run({})
+    assert ran == [False] * 3 + [False, True, True, True] + [False, True, True] + [False, True]
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert len(states[0]) > 0 and all(torch.equal(a, b) for a, b in zip(*states, strict=True))

@@ -105,6 +105,12 @@ class Rope(torch.nn.Module):
         rows = self._float(pos + T, dtype)[2]
         return rows[0][pos : pos + T], rows[1][pos : pos + T]
 
+    def float_rows_at(self, positions, dtype: torch.dtype) -> tuple:
+        """`float_rows` at each of `positions` (int64 numpy [B]: a batch's rows, one token each),
+        copied into [B, rotary_dim] rows."""
+        rows = self._float(int(positions.max()) + 1, dtype)[2]
+        return rows[0][positions], rows[1][positions]
+
     def _float(self, need: int, dtype: torch.dtype) -> tuple:
         """(the tables, `float_table`'s tensors, their numpy views), kept per dtype until the
         tables grow."""

@@ -12,7 +12,11 @@ arguments as one native call (`NativeStack`, csrc/bindings.cpp: the halves' argu
 checked once a run, where a call per half converted a dozen or more arrays each time; a
 demo-model pass ~0.2 ms faster at every T in one process taking turns, ad hoc):
 bit-identical to the module path, which runs whenever the stack does not apply (no plans,
-a batch, a layer without both plans, hooks).
+a batch whose rows carry several tokens, a layer without both plans, hooks).
+
+A stack serves one pass shape: one row of T tokens, or a batch's decode step of B rows of one
+token each. It holds each layer's whole cache; each pass names its rows' slots and positions,
+so one stack serves every slot and every batch of that width.
 """
 
 from __future__ import annotations
@@ -41,29 +45,31 @@ def run_layers(layers, x: torch.Tensor, cos_sin: tuple, cache, slots, pos0, plan
 
 
 def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torch.Tensor, pos0: torch.Tensor | None,
-              plans: dict | None, rope: tuple | None = None, pos: int | None = None) -> torch.Tensor | None:
-    """x [1, T, H] (the embeddings) through `layers` at positions pos0.. of cache slot
-    slots[0] -> [1, T, H]; None where the stack does not apply, and the caller runs the
-    modules. A layer is input_layernorm, self_attn or linear_attn, post_attention_layernorm
-    and mlp. The first pass of each shape in a run returns None: its modules make the plans
-    that the next one reads. `rope` and `pos` (`model_pass`): the rope rows as the native
-    calls take them and the first position, in place of cos_sin and pos0."""
-    if plans is None or cache is None or x.shape[0] != 1:
-        return _why(plans, "a batch of rows: each layer's halves are native calls, made one by one") \
-            if plans is not None and x.shape[0] != 1 else None
-    T, H = x.shape[1], x.shape[2]
-    s = int(slots[0])
-    key = _stack_key(x.shape, x.dtype, s, cache)
+              plans: dict | None, rope: tuple | None = None, pos=None) -> torch.Tensor | None:
+    """x [B, T, H] (the embeddings; B > 1 only with T = 1) through `layers`, row b at
+    positions pos0[b].. of cache slot slots[b] -> [B, T, H]; None where the stack does not
+    apply, and the caller runs the modules. A layer is input_layernorm, self_attn or
+    linear_attn, post_attention_layernorm and mlp. The first pass of each shape in a run
+    returns None: its modules make the plans that the next one reads. `rope` and `pos`
+    (`model_pass`): the rope rows as the native calls take them and the rows' first positions
+    (int64 numpy [B]), in place of cos_sin and pos0."""
+    if plans is None or cache is None:
+        return None
+    B, T, H = x.shape
+    if B > 1 and T > 1:
+        return _why(plans, "a batch whose rows carry several tokens each (a speculative verification): "
+                           "each layer's halves are native calls, made one by one")
+    key = _stack_key(x.shape, x.dtype, cache)
     stack = plans.get(key, _UNSET)
     if stack is _UNSET:
         plans[key] = _SEEN
         return None
     nat = kernels._native()
-    rope = kernels._rope_rows(cos_sin, T) if rope is None else rope
-    p = int(pos0[0]) if pos is None else pos
+    rope = kernels._rope_rows(cos_sin, B * T) if rope is None else rope
+    p = pos0.numpy() if pos is None else pos
     if stack is _SEEN or (type(stack) is tuple and plans.get(("observers", key)) != observers_epoch()):
         # built now, or again: route observers came or went since (their calls are bound in)
-        stack = plans[key] = _build(layers, x, cache, s, plans, rope, p)
+        stack = plans[key] = _build(layers, x, cache, plans, rope, int(p[0]))
         plans[("observers", key)] = observers_epoch()
     if stack is None:
         return _why(plans, plans.get(_WHY_BUILD, "a layer half does not run natively"))
@@ -72,7 +78,7 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
         return _why(plans, "forward hooks on the routed experts, or global ones: the modules call them")
     kernels._sync_threads(nat)
     # two buffers taking turns: each first half writes a, each MoE half b
-    a, b = kernels._out((1, T, H), x.dtype), kernels._out((1, T, H), x.dtype)
+    a, b = kernels._out((B, T, H), x.dtype), kernels._out((B, T, H), x.dtype)
     # a pass of several tokens keeps every token's DeltaNet states (for a rollback); an expert
     # tracker's route masks, where there are any
     kept, conv_every, S_every = [], [], []
@@ -85,8 +91,8 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
             kept.append((state, conv_all, S_all))
     masks = list(map(routes_seen, experts))
     seen = [kernels._EMPTY_U8_NP if m is None else m for m in masks] if any(m is not None for m in masks) else []
-    native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope, p, conv_every, S_every,
-               seen)
+    native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope, slots.numpy(), p,
+               conv_every, S_every, seen)
     _path(plans)["native_stack_passes"] += 1
     for state, conv_all, S_all in kept:
         state.keep_every(conv=conv_all, recurrent=S_all)
@@ -120,9 +126,9 @@ def _why(plans: dict, why: str) -> None:
     return None
 
 
-def _stack_key(shape, dtype: torch.dtype, s: int, cache) -> tuple:
-    """A stack's key in the run's plans: the calls hold views of this cache's slot."""
-    return "stack", torch.Size(shape), dtype, s, cache
+def _stack_key(shape, dtype: torch.dtype, cache) -> tuple:
+    """A stack's key in the run's plans: the calls hold views of this cache's tensors."""
+    return "stack", torch.Size(shape), dtype, cache
 
 
 def _hooked(experts) -> bool:
@@ -135,12 +141,12 @@ def _hooked(experts) -> bool:
 _ATTN, _DELTA = "attention", "deltanet"
 
 
-def _build(layers, x: torch.Tensor, cache, s: int, plans: dict, rope: tuple, pos: int) -> tuple | None:
+def _build(layers, x: torch.Tensor, cache, plans: dict, rope: tuple, pos: int) -> tuple | None:
     """The native stack (`NativeStack`: per layer its first half's and its MoE half's
     arguments, from the run's plans, checked once), the layers' experts modules and the
     DeltaNet layers' states; None unless every layer has both plans and no hooks."""
-    T, H = x.shape[1], x.shape[2]
-    native = kernels._native().NativeStack(T, H, x.dtype == torch.bfloat16)
+    B, T, H = x.shape
+    native = kernels._native().NativeStack(B, T, H, x.dtype == torch.bfloat16)
     experts, deltanets = [], []
     for i, layer in enumerate(layers):
         mods = layer._modules
@@ -150,8 +156,8 @@ def _build(layers, x: torch.Tensor, cache, s: int, plans: dict, rope: tuple, pos
             plans[_WHY_BUILD] = (f"layer {i} has hooks" if kernels.has_hooks(layer) else
                                  f"layer {i}'s MLP half is not one native call (a dense MLP, or a part torch runs)")
             return None
-        first = _attention(mods.get("self_attn"), x, cache.layers[i], s, plans) if "self_attn" in mods else \
-            _deltanet(mods.get("linear_attn"), x, cache.layers[i], s, plans)
+        first = _attention(mods.get("self_attn"), x, cache.layers[i], plans) if "self_attn" in mods else \
+            _deltanet(mods.get("linear_attn"), x, cache.layers[i], plans)
         if first is None:
             plans[_WHY_BUILD] = f"layer {i}'s attention half is not one native call (an int8 KV cache, or a part torch runs)"
             return None
@@ -168,24 +174,25 @@ def _build(layers, x: torch.Tensor, cache, s: int, plans: dict, rope: tuple, pos
     return native, experts, deltanets
 
 
-def _attention(attn, x, kv, s: int, plans: dict) -> tuple | None:
+def _attention(attn, x, kv, plans: dict) -> tuple | None:
     plan = plans.get((attn, (x.shape, x.dtype, kv)))  # attn_residual's: (attn_plan, half_norm_args)
     if plan is None or not plan[1]:
         return None
     (weights, heads_scale, gated), half = plan
-    return _ATTN, weights, heads_scale, gated, half, kernels._cache_slot(kv, s)
+    return _ATTN, weights, heads_scale, gated, half, (kernels._np(kv.k), kernels._np(kv.v))
 
 
-def _deltanet(dn, x, state, s: int, plans: dict) -> tuple | None:
+def _deltanet(dn, x, state, plans: dict) -> tuple | None:
     """GatedDeltaNet.residual's native call: its plans (the weights' views, and the fused
-    call's projections, out_proj and norm), and its states' slot as views, updated in place."""
+    call's projections, out_proj and norm), and its whole states as views, each row's slot
+    updated in place."""
     views = plans.get((dn, DELTA_WEIGHTS))
     fused = plans.get((dn, (x.shape, x.dtype)))
     if dn is None or views is None or fused is None or kernels.has_hooks(dn):
         return None
     proj, out_proj, (norm_weight, norm_eps, norm_offset) = fused
     cw, al, dt, nw = views
-    conv, S = (state.tensors[name][s : s + 1] for name in ("conv", "recurrent"))
+    conv, S = state.tensors["conv"], state.tensors["recurrent"]
     if not kernels.deltanet_decode_is_native(x, conv, S):
         return None
     head = (kernels._np(norm_weight), norm_offset, norm_eps, [q.w for q in proj], [q.s for q in proj],
@@ -195,51 +202,55 @@ def _deltanet(dn, x, state, s: int, plans: dict) -> tuple | None:
 
 def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None, last_only: bool,
                plans: dict | None) -> tuple | None:
-    """(logits, the final normed hidden state) of one decode pass of `model`, a causal LM
-    whose `model` holds embed_tokens, rope, layers and norm and whose lm_head gives the
-    logits, with the embedding rows, the stack (`stack_run`), the final norm and the LM head
-    as native calls and nothing else: what its forward returns, bit for bit. Around the
-    stack's loop, a demo-model decode pass spent ~0.5 of ~1.8 ms in the modules' own calls
-    (embedding, rope rows, cache positions, norm, LM head). None (nothing run, the cache
-    untouched) until the run's modules have made the stack for this shape, or where a part
-    would not run natively: the caller runs the modules."""
-    if plans is None or cache is None or input_ids.shape[0] != 1:
+    """(logits, the final normed hidden state) of one decode pass of `model` (one row of a few
+    tokens, or a batch's step of one token a row), a causal LM whose `model` holds
+    embed_tokens, rope, layers and norm and whose lm_head gives the logits, with the embedding
+    rows, the stack (`stack_run`), the final norm and the LM head as native calls and nothing
+    else: what its forward returns, bit for bit. Around the stack's loop, a demo-model decode
+    pass spent ~0.5 of ~1.8 ms in the modules' own calls (embedding, rope rows, cache
+    positions, norm, LM head). None (nothing run, the cache untouched) until the run's modules
+    have made the stack for this shape, or where a part would not run natively: the caller
+    runs the modules."""
+    if plans is None or cache is None:
         return None
-    s = 0 if slots is None else int(slots[0])
-    T = input_ids.shape[1]
+    B, T = input_ids.shape
+    if B > 1 and T > 1:
+        return None
     m = model.model
-    head = plans.get(("head", T, s, cache), _UNSET)
+    head = plans.get(("head", B, T, cache), _UNSET)
     if head is _UNSET:
-        head = plans[("head", T, s, cache)] = _head(model, T, cache)
+        head = plans[("head", B, T, cache)] = _head(model, B, T, cache)
     if head is None or kernels.has_hooks(m.embed_tokens, m.norm, model.lm_head):
         return None
     emb, dtype, lengths, (norm_w, eps, offset), lm = head
     H = emb.shape[1]
-    stack = plans.get(_stack_key((1, T, H), dtype, s, cache))
+    stack = plans.get(_stack_key((B, T, H), dtype, cache))
     if type(stack) is not tuple or _hooked(stack[1]):  # the modules make it first, and serve hooks
         return None
-    ids = input_ids.numpy()[0]
+    ids = input_ids.numpy().reshape(B * T)
     if int(ids.min()) < 0:  # (numpy would wrap it round; nn.Embedding says what is wrong)
         return None
-    p = int(lengths[s])
+    slots = torch.arange(B) if slots is None else slots
+    s = slots.numpy()
+    pos = lengths[s]  # (a copy: the rows' first positions)
     rows = emb[ids]  # the embedding's rows, as nn.Embedding copies them (an id past the end raises)
-    x = torch.from_numpy(rows).view(dtype).view(1, T, H)
-    rope = m.rope.float_rows(p, T, dtype)
-    y = stack_run(m.layers, x, None, cache, torch.tensor([s]) if slots is None else slots, None, plans, rope=rope, pos=p)
+    x = torch.from_numpy(rows).view(dtype).view(B, T, H)
+    rope = m.rope.float_rows(int(pos[0]), T, dtype) if B == 1 else m.rope.float_rows_at(pos, dtype)
+    y = stack_run(m.layers, x, None, cache, slots, None, plans, rope=rope, pos=pos)
     if y is None:
         return None
     lengths[s] += T  # cache.advance
     nat = kernels._native()
-    hidden = kernels._out((1, T, H), dtype)
-    h2 = kernels._np(hidden).reshape(T, H)
-    nat.rms_norm(kernels._np(y).reshape(T, H), norm_w, h2, eps, offset)
-    rows_out = h2[T - 1 :] if last_only else h2
-    logits = kernels._out((1, rows_out.shape[0], lm.w.shape[0]), dtype)
+    hidden = kernels._out((B, T, H), dtype)
+    h2 = kernels._np(hidden).reshape(B * T, H)
+    nat.rms_norm(kernels._np(y).reshape(B * T, H), norm_w, h2, eps, offset)
+    rows_out = h2[T - 1 :] if last_only and B == 1 else h2  # (a batch's rows have one token each)
+    logits = kernels._out((B, rows_out.shape[0] // B, lm.w.shape[0]), dtype)
     nat.qlinear_multi(rows_out, [lm.w], [lm.s], [lm.code], kernels._np(logits).reshape(rows_out.shape[0], -1))
     return logits, hidden
 
 
-def _head(model, T: int, cache) -> tuple | None:
+def _head(model, B: int, T: int, cache) -> tuple | None:
     """What `model_pass` reads besides the stack: the embedding as a numpy array (bf16 as its
     bits), the dtype, the cache's lengths as a numpy view, the final norm's native arguments
     and the LM head's `kernels.Packed`; None where the modules' calls would not be exactly
@@ -254,10 +265,10 @@ def _head(model, T: int, cache) -> tuple | None:
     w = embed.weight.detach()
     dtype = w.dtype
     H = w.shape[1]
-    if (dtype not in kernels.FLOAT_DTYPES or T * H > kernels.RMS_NORM_MAX
+    if (dtype not in kernels.FLOAT_DTYPES or B * T * H > kernels.RMS_NORM_MAX
             or (dtype == torch.float32 and norm.weight.dtype != torch.float32)):
         return None  # RMSNorm.forward would not make exactly one native call
-    lm = native_call_views(model.lm_head, torch.empty(1, 1, H, dtype=dtype))
+    lm = native_call_views(model.lm_head, torch.empty(B, 1, H, dtype=dtype))  # (the rows the head gets)
     if lm is None or lm.w.shape[0] != model.lm_head.out_features:
         return None
     nw, eps, offset = kernels.norm_args(norm)
