@@ -1220,21 +1220,22 @@ void deltanet_block(Array x, Array norm_w, float norm_offset, float norm_eps, st
     o.finish();
 }
 
-// A run's layer stack for one pass shape (moerun.layers.stack): B rows of T tokens, B > 1
-// only with T = 1 (a batch's decode step). Each layer's two halves with their weights,
+// A run's layer stack for one pass shape (moerun.layers.stack): B rows of T tokens (a
+// decode step, or a speculative verification pass). Each layer's two halves with their weights,
 // settings, whole KV cache and states checked once (what attn_block_decode, deltanet_block
 // and moe_block check at every call), then each pass one call: x [B, T, H] through every
 // layer, the halves taking turns writing a and b (each half as its own op computes it: the
 // same bits). Each pass names its rows' cache slots and positions: row b's keys, values and
 // DeltaNet states are those at slot slots[b], its tokens at positions pos[b], pos[b] + 1, ...
-// A batch row's attention is attn_block_rows's (each token a row of its own), its DeltaNet
+// A batch row's attention is attn_block_rows's (each token a row of its own, at its row's
+// slot and its position), its DeltaNet
 // state read and written at its slot in place, its MoE tokens computed each on its own: a
 // row's bits are those it gets alone. A decode pass of the demo model made 16 such calls,
 // each converting its dozen or more arrays again.
 class NativeStack {
   public:
     NativeStack(size_t B, size_t T, size_t H, bool bf16) : B_(B), T_(T), H_(H), bf16_(bf16) {
-        MOERUN_CHECK(B >= 1 && T >= 1 && (B == 1 || T == 1), "a stack runs one row of T tokens or B rows of one");
+        MOERUN_CHECK(B >= 1 && T >= 1, "a stack runs B >= 1 rows of T >= 1 tokens");
     }
     NativeStack(const NativeStack&) = delete;
     NativeStack& operator=(const NativeStack&) = delete;
@@ -1249,10 +1250,15 @@ class NativeStack {
         const size_t slot_shape[3] = {Hkv, L, D};
         Array k0(kc.data(), 3, slot_shape, nb::handle(), nullptr, kc.dtype()),
             v0(vc.data(), 3, slot_shape, nb::handle(), nullptr, vc.dtype());  // (views for the call: kc, vc own them)
+        // a batch's arguments are checked as one token's (each pass checks its rows' positions)
+        MOERUN_CHECK(cos.ndim() == 2 && sin.ndim() == 2 && cos.shape(0) >= 1, "cos, sin must be [T, rd]");
+        const size_t TA = B_ > 1 ? 1 : T_, cs[2] = {TA, cos.shape(1)}, ss[2] = {TA, sin.shape(1)};
+        Array c1(cos.data(), 2, cs, nb::handle(), nullptr, cos.dtype()), s1(sin.data(), 2, ss, nb::handle(), nullptr, sin.dtype());
         Layer l;
         l.attn = true;
-        l.at = attn_block_args(B_ * T_, H_, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps, cos, sin, k0, v0,
+        l.at = attn_block_args(TA, H_, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps, c1, s1, k0, v0,
                                B_ > 1 ? 0 : pos, Hq, scale, gated, in_norm, in_offset, in_eps, bf16_);
+        l.at.T = (int)(B_ * T_);
         l.slots = S;
         l.slot_bytes = Hkv * L * D * (is_bf16(kc) ? 2 : 4);
         keep_.insert(keep_.end(), {qw, qs, kw, ks, vw, vs, ow, os, qn, kn, kc, vc, in_norm});
@@ -1313,8 +1319,8 @@ class NativeStack {
         const int64_t* ps = (const int64_t*)pos.data();
         thread_local std::vector<long> row_off;
         thread_local std::vector<int> row_pos;
-        row_off.assign(B_, 0);
-        row_pos.assign(B_, 0);
+        row_off.assign(B_ * T_, 0);
+        row_pos.assign(B_ * T_, 0);
         // this pass's arguments, checked, into copies of each layer's (the stack is not changed:
         // another thread's pass on it would see none of this one's)
         thread_local std::vector<Layer> pass;
@@ -1338,12 +1344,15 @@ class NativeStack {
                     c.at.pos = (int)ps[0];
                     c.at.kc = (char*)l.at.kc + sl[0] * l.slot_bytes;
                     c.at.vc = (char*)l.at.vc + sl[0] * l.slot_bytes;
-                } else {  // each row a token of its own at its slot and position
-                    check_rope_rows(cos, sin, B_, l.at.rd, 0, L);
+                } else {  // each token a row of its own, at its row's slot and its position
+                    check_rope_rows(cos, sin, B_ * T_, l.at.rd, 0, L);
                     for (size_t r = 0; r < B_; ++r) {
-                        MOERUN_CHECK(ps[r] >= 0 && (size_t)ps[r] < L, "position outside the cache");
-                        row_off[r] = (long)(sl[r] * (int64_t)(l.slot_bytes / (l.at.kv_type == moerun::KV_BF16 ? 2 : 4)));
-                        row_pos[r] = (int)ps[r];
+                        MOERUN_CHECK(ps[r] >= 0 && (size_t)ps[r] + T_ <= L, "position outside the cache");
+                        for (size_t t = 0; t < T_; ++t) {
+                            row_off[r * T_ + t] =
+                                (long)(sl[r] * (int64_t)(l.slot_bytes / (l.at.kv_type == moerun::KV_BF16 ? 2 : 4)));
+                            row_pos[r * T_ + t] = (int)(ps[r] + t);
+                        }
                     }
                     c.at.row_off = row_off.data();
                     c.at.row_pos = row_pos.data();
@@ -1401,8 +1410,8 @@ class NativeStack {
                 const moerun::DeltaArgs& d = l.dn.d;
                 check_dtype(conv_every[j], dtype_code::Float, 32, "conv_every");
                 check_dtype(S_every[j], dtype_code::Float, 32, "S_every");
-                check_shape(conv_every[j], {1, T_, (size_t)d.C, (size_t)d.K - 1}, "conv_every");
-                check_shape(S_every[j], {1, T_, (size_t)d.Hv, (size_t)d.Dk, (size_t)d.Dv}, "S_every");
+                check_shape(conv_every[j], {B_, T_, (size_t)d.C, (size_t)d.K - 1}, "conv_every");
+                check_shape(S_every[j], {B_, T_, (size_t)d.Hv, (size_t)d.Dk, (size_t)d.Dv}, "S_every");
             }
             j += !l.attn;
             if (!seen.empty() && seen[i].size() > 0) {

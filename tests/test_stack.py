@@ -1,7 +1,7 @@
 """A decode pass through the whole layer stack as its native calls in one loop
 (`layers.stack.stack_run`), for one row or a batch's decode step: bit-identical to the
-modules, and out of the way wherever they must run (the first pass of each shape in a run, a
-batch of several tokens a row, hooks, a layer without both fused halves)."""
+modules, and out of the way wherever they must run (the first pass of each shape in a run,
+hooks, a layer without both fused halves)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_stack_is_bit_identical_to_the_modules(qwen3_path, dtype, quant, monkeyp
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-def test_hooks_and_several_token_batches_run_the_modules(qwen3_path, monkeypatch):
+def test_hooks_run_the_modules(qwen3_path, monkeypatch):
     import moerun
     from moerun.layers.cache import Cache
 
@@ -125,14 +125,6 @@ def test_hooks_and_several_token_batches_run_the_modules(qwen3_path, monkeypatch
         h.remove()
         assert not any(ran) and seen.count("layer") == 9
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-        # a batch of two rows of three tokens each (a batch's verification pass): the modules
-        cache, s, plans = Cache(net.cache_spec(), 2, 16, torch.float32), torch.tensor([0, 1]), {}
-        ran.clear()
-        net(torch.randint(0, 97, (2, 4)), cache, s, plans=plans)
-        for i in range(3):
-            net(torch.randint(0, 97, (2, 3)), cache, s, plans=plans)
-        assert not any(ran)
-        assert "several tokens" in stack.decode_path(plans)["why"]
 
 
 def batch_steps(net, plans, dtype, seed: int = 11) -> list:
@@ -374,3 +366,75 @@ def test_a_qwen3_5_batch_step_takes_the_stack_bit_identical_to_the_modules(qwen3
     assert ran == [False] * 3 + [False, True, True, True] + [False, True, True] + [False, True]
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert len(states[0]) > 0 and all(torch.equal(a, b) for a, b in zip(*states, strict=True))
+
+
+def verify_passes(net, plans, dtype, rows=((2, 5), (0, 9)), T: int = 3, n: int = 3, seed: int = 13) -> list:
+    """Rows prefilled one by one at their slots of a 4-slot cache, then `n` passes of T tokens
+    each for all of them together (a batch's verification passes) -> each pass's logits,
+    hidden states and the lengths; with one row, that row alone."""
+    from moerun.layers.cache import Cache
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = {slot: torch.randint(0, CFG["vocab_size"], (1, k), generator=g) for slot, k in ((2, 5), (0, 9))}
+    steps = torch.randint(0, CFG["vocab_size"], (2, n * T), generator=g)
+    cache = Cache(net.cache_spec(), 4, 40, dtype)
+    kw = {} if plans is None else {"plans": plans}
+    slots = [slot for slot, _ in rows]
+    for slot in slots:
+        net(prompts[slot], cache, torch.tensor([slot]), **kw)
+    ids = steps[[0 if s == 2 else 1 for s in slots]]
+    out = []
+    for j in range(n):
+        logits, hidden = net(ids[:, j * T : (j + 1) * T], cache, torch.tensor(slots), return_hidden=True, **kw)
+        out += [logits, hidden, cache.lengths[slots].clone()]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_batch_verification_pass_takes_the_stack_and_gives_each_row_its_own_bits(qwen3_path, dtype, monkeypatch):
+    """Rows of three tokens each (a batch's verification pass): through the stack after the
+    first pass of the shape, the modules' bits, and each row's logits those it gets alone."""
+    import moerun
+
+    net = moerun.load(qwen3_path(), dtype=dtype, threads=1, quant="int4").net
+    kv = net.model.embed_tokens.weight.dtype
+    ran = counting(monkeypatch)
+    with torch.inference_mode():
+        want = verify_passes(net, None, kv)
+        ran.clear()
+        got = verify_passes(net, {}, kv)
+        assert ran == [False, False, False, True, True]
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        for r, row in enumerate(((2, 5), (0, 9))):
+            alone = verify_passes(net, {}, kv, rows=(row,))
+            for j in range(3):
+                assert torch.equal(alone[3 * j][0], got[3 * j][r]) and torch.equal(alone[3 * j + 1][0], got[3 * j + 1][r])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_qwen3_5_batch_verification_pass_keeps_each_rows_states(qwen3_5_path, dtype, monkeypatch):
+    """A batch's verification passes on Gated DeltaNet layers: the stack keeps every row's
+    state after each token (what a rollback restores) and each row's logits, as the row alone."""
+    import moerun
+    from moerun.layers.cache import RecurrentState
+
+    net = moerun.load(qwen3_5_path, dtype=dtype, threads=1).net
+    kv = net.model.embed_tokens.weight.dtype
+    ran = counting(monkeypatch)
+    kept = []
+    real_keep = RecurrentState.keep_every
+    monkeypatch.setattr(RecurrentState, "keep_every",
+                        lambda self, **st: kept.append({k: v.clone() for k, v in st.items()}) or real_keep(self, **st))
+    with torch.inference_mode():
+        got = verify_passes(net, {}, kv)
+        assert ran[-2:] == [True, True]
+        nd = sum(isinstance(m, type(net.model.layers[0].linear_attn)) for m in net.modules())
+        batch_kept = kept[-3 * nd :]  # the three verification passes' (a state per DeltaNet layer each)
+        assert nd > 0 and len(batch_kept) == 3 * nd
+        for r, row in enumerate(((2, 5), (0, 9))):
+            kept.clear()
+            alone = verify_passes(net, {}, kv, rows=(row,))
+            for j in range(3):
+                assert torch.equal(alone[3 * j][0], got[3 * j][r])
+            for a, b in zip(kept[-3 * nd :], batch_kept, strict=True):
+                assert set(a) == {"conv", "recurrent"} and all(torch.equal(a[k][0], b[k][r]) for k in a)

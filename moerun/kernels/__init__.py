@@ -983,16 +983,16 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
 
 
 def fused_attention_applies(x: torch.Tensor, kv) -> bool:
-    """Whether a fused attention (`fuse_decode_attention`) takes this pass natively: one row
-    of at most FUSED_MAX_TOKENS tokens, or a batch's decode step (one token a row, each row
-    computed as it would be alone: `attn_block_rows`), a float32 or bf16 KV cache, no autograd."""
+    """Whether a fused attention (`fuse_decode_attention`) takes this pass natively: rows of at
+    most FUSED_MAX_TOKENS tokens (a decode step or a verification pass; a batch's rows each
+    computed as they would be alone: `attn_block_rows`), a float32 or bf16 KV cache, no autograd."""
     B, T, _ = x.shape
-    return ((B == 1 and T <= FUSED_MAX_TOKENS or T == 1 and B <= FUSED_MAX_ROWS) and type(kv) is _kv_cache_class()
+    return (T <= FUSED_MAX_TOKENS and (B == 1 or B * T <= FUSED_MAX_ROWS) and type(kv) is _kv_cache_class()
             and kv.k.dtype in FLOAT_DTYPES and kv.k.is_contiguous() and _native() is not None
             and not torch.is_grad_enabled())
 
 
-FUSED_MAX_ROWS = 64  # a batch's decode step through `attn_block_rows` (the server's widest batches)
+FUSED_MAX_ROWS = 64  # a batch's tokens through `attn_block_rows` (the server's widest batches' decode steps)
 
 
 def _fused_forward(self, x, cos_sin, kv, slots, pos0, norm=None, plan=None):
@@ -1005,9 +1005,11 @@ def _fused_forward(self, x, cos_sin, kv, slots, pos0, norm=None, plan=None):
             return self._unfused_forward(x, cos_sin, kv, slots, pos0)
         plan = fused_call_plan(self, norm)
     B, T, H = x.shape
-    if B > 1:  # a batch's decode step: row b at its own slot and position
-        return attn_block_rows_run(x.reshape(B, H), plan[0], _rope_rows(cos_sin, B), kv, slots, pos0,
-                                   plan[1]).view(B, 1, H).to(x.dtype)
+    if B > 1:  # a batch: row b's tokens at its own slot and positions pos0[b], pos0[b] + 1, ...
+        if T > 1:
+            slots, pos0 = slots.repeat_interleave(T), (pos0[:, None] + torch.arange(T)).reshape(B * T)
+        return attn_block_rows_run(x.reshape(B * T, H), plan[0], _rope_rows(cos_sin, B * T), kv, slots, pos0,
+                                   plan[1]).view(B, T, H).to(x.dtype)
     s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
     return attn_block_run(x.reshape(T, H), plan[0], _rope_rows(cos_sin, T), _cache_slot(kv, s), p,
                           plan[1]).view(1, T, H).to(x.dtype)

@@ -12,15 +12,16 @@ arguments as one native call (`NativeStack`, csrc/bindings.cpp: the halves' argu
 checked once a run, where a call per half converted a dozen or more arrays each time; a
 demo-model pass ~0.2 ms faster at every T in one process taking turns, ad hoc):
 bit-identical to the module path, which runs whenever the stack does not apply (no plans,
-a batch whose rows carry several tokens, a layer without both plans, hooks).
+a layer without both plans, hooks).
 
-A stack serves one pass shape: one row of T tokens, or a batch's decode step of B rows of one
-token each. It holds each layer's whole cache; each pass names its rows' slots and positions,
-so one stack serves every slot and every batch of that width.
+A stack serves one pass shape: B rows of T tokens (a decode step, a verification pass, one
+row or a batch). It holds each layer's whole cache; each pass names its rows' slots and
+positions, so one stack serves every slot and every batch of that shape.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import kernels
@@ -46,7 +47,7 @@ def run_layers(layers, x: torch.Tensor, cos_sin: tuple, cache, slots, pos0, plan
 
 def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torch.Tensor, pos0: torch.Tensor | None,
               plans: dict | None, rope: tuple | None = None, pos=None) -> torch.Tensor | None:
-    """x [B, T, H] (the embeddings; B > 1 only with T = 1) through `layers`, row b at
+    """x [B, T, H] (the embeddings) through `layers`, row b at
     positions pos0[b].. of cache slot slots[b] -> [B, T, H]; None where the stack does not
     apply, and the caller runs the modules. A layer is input_layernorm, self_attn or
     linear_attn, post_attention_layernorm and mlp. The first pass of each shape in a run
@@ -56,9 +57,6 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
     if plans is None or cache is None:
         return None
     B, T, H = x.shape
-    if B > 1 and T > 1:
-        return _why(plans, "a batch whose rows carry several tokens each (a speculative verification): "
-                           "each layer's halves are native calls, made one by one")
     key = _stack_key(x.shape, x.dtype, cache)
     stack = plans.get(key, _UNSET)
     if stack is _UNSET:
@@ -84,8 +82,8 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
     kept, conv_every, S_every = [], [], []
     if T > 1:
         for state in deltanets:
-            conv_all = state.scratch("conv", (1, T, *state.tensors["conv"].shape[1:]))
-            S_all = state.scratch("recurrent", (1, T, *state.tensors["recurrent"].shape[1:]))
+            conv_all = state.scratch("conv", (B, T, *state.tensors["conv"].shape[1:]))
+            S_all = state.scratch("recurrent", (B, T, *state.tensors["recurrent"].shape[1:]))
             conv_every.append(kernels._np(conv_all))
             S_every.append(kernels._np(S_all))
             kept.append((state, conv_all, S_all))
@@ -202,8 +200,8 @@ def _deltanet(dn, x, state, plans: dict) -> tuple | None:
 
 def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None, last_only: bool,
                plans: dict | None) -> tuple | None:
-    """(logits, the final normed hidden state) of one decode pass of `model` (one row of a few
-    tokens, or a batch's step of one token a row), a causal LM whose `model` holds
+    """(logits, the final normed hidden state) of one decode pass of `model` (rows of a few
+    tokens each: a decode step or a verification pass), a causal LM whose `model` holds
     embed_tokens, rope, layers and norm and whose lm_head gives the logits, with the embedding
     rows, the stack (`stack_run`), the final norm and the LM head as native calls and nothing
     else: what its forward returns, bit for bit. Around the stack's loop, a demo-model decode
@@ -214,8 +212,6 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     if plans is None or cache is None:
         return None
     B, T = input_ids.shape
-    if B > 1 and T > 1:
-        return None
     m = model.model
     head = plans.get(("head", B, T, cache), _UNSET)
     if head is _UNSET:
@@ -235,7 +231,8 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     pos = lengths[s]  # (a copy: the rows' first positions)
     rows = emb[ids]  # the embedding's rows, as nn.Embedding copies them (an id past the end raises)
     x = torch.from_numpy(rows).view(dtype).view(B, T, H)
-    rope = m.rope.float_rows(int(pos[0]), T, dtype) if B == 1 else m.rope.float_rows_at(pos, dtype)
+    rope = m.rope.float_rows(int(pos[0]), T, dtype) if B == 1 else \
+        m.rope.float_rows_at((pos[:, None] + np.arange(T)).reshape(B * T), dtype)
     y = stack_run(m.layers, x, None, cache, slots, None, plans, rope=rope, pos=pos)
     if y is None:
         return None
@@ -244,7 +241,7 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     hidden = kernels._out((B, T, H), dtype)
     h2 = kernels._np(hidden).reshape(B * T, H)
     nat.rms_norm(kernels._np(y).reshape(B * T, H), norm_w, h2, eps, offset)
-    rows_out = h2[T - 1 :] if last_only and B == 1 else h2  # (a batch's rows have one token each)
+    rows_out = h2 if not last_only or T == 1 else h2[T - 1 :] if B == 1 else h2.reshape(B, T, H)[:, -1].copy()
     logits = kernels._out((B, rows_out.shape[0] // B, lm.w.shape[0]), dtype)
     nat.qlinear_multi(rows_out, [lm.w], [lm.s], [lm.code], kernels._np(logits).reshape(rows_out.shape[0], -1))
     return logits, hidden
@@ -268,7 +265,7 @@ def _head(model, B: int, T: int, cache) -> tuple | None:
     if (dtype not in kernels.FLOAT_DTYPES or B * T * H > kernels.RMS_NORM_MAX
             or (dtype == torch.float32 and norm.weight.dtype != torch.float32)):
         return None  # RMSNorm.forward would not make exactly one native call
-    lm = native_call_views(model.lm_head, torch.empty(B, 1, H, dtype=dtype))  # (the rows the head gets)
+    lm = native_call_views(model.lm_head, torch.empty(B, T, H, dtype=dtype))  # (the most rows the head gets)
     if lm is None or lm.w.shape[0] != model.lm_head.out_features:
         return None
     nw, eps, offset = kernels.norm_args(norm)
