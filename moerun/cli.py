@@ -193,6 +193,14 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def _path_summary(d: dict) -> str:
+    """`moerun info`'s line: whether a decode step is one native call over the layer stack,
+    and if not why (`LLM.probe_decode_path`)."""
+    if d["native_stack_passes"]:
+        return "one native call over the layer stack a step (every layer's halves native)"
+    return f"the layers' modules, each half a native call where it can be: {d['why'] or 'no native stack'}"
+
+
 def _decode_path_line(llm) -> str:
     """How the last generation run's decode passes ran (`layers.stack.decode_path`)."""
     from .layers.stack import decode_path
@@ -273,6 +281,7 @@ def cmd_info(a) -> int:
         "quantized_checkpoint": stored_policy(llm.path) is not None or str(llm.path).endswith(".gguf"),
         **kv_cache_summary(llm.net.cache_spec(), llm.dtype, llm.kv_dtype),
         **d,
+        "decode_path": llm.probe_decode_path(),
     }
     if a.json:
         print(json.dumps(info, indent=2))
@@ -290,6 +299,7 @@ def cmd_info(a) -> int:
         *([("bf16 products", info["bf16_products"])] if info["bf16_products"] else []),
         ("quantization", _quant_row(info)),
         ("KV cache", f"{info['kv_cache']}, {human_bytes(info['kv_bytes_per_token'])} per token of context"),
+        ("decode path", _path_summary(info["decode_path"])),
         ("bytes/token", human_bytes(d["bytes_per_token"]) + " read per decoded token"),
     ]
     for comp, b in sorted(d["bytes_per_token_by_component"].items(), key=lambda kv: -kv[1]):

@@ -438,3 +438,22 @@ def test_a_qwen3_5_batch_verification_pass_keeps_each_rows_states(qwen3_5_path, 
                 assert torch.equal(alone[3 * j][0], got[3 * j][r])
             for a, b in zip(kept[-3 * nd :], batch_kept, strict=True):
                 assert set(a) == {"conv", "recurrent"} and all(torch.equal(a[k][0], b[k][r]) for k in a)
+
+
+def test_info_says_how_decode_steps_run(qwen3_path, capsys):
+    """`moerun info` runs a few decode steps and says whether they took the native stack,
+    and if not which piece kept them off it."""
+    import json
+
+    from moerun.cli import main
+
+    def info(path, *flags):
+        assert main(["info", "-m", str(path), "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["decode_path"]
+
+    assert info(qwen3_path(), "--quant", "int4")["native_stack_passes"] > 0
+    dense = info(qwen3_path(mlp_only_layers=[1]), "--quant", "int4")
+    assert dense["native_stack_passes"] == 0 and "layer 1's MLP half" in dense["why"]
+    assert main(["info", "-m", str(qwen3_path(mlp_only_layers=[1]))]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("decode path"))
+    assert "the layers' modules" in line and "MLP half" in line

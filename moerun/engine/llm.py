@@ -237,6 +237,17 @@ class LLM:
             pass
         return [s.out_ids for s in seqs]
 
+    def probe_decode_path(self, rows: int = 1) -> dict:
+        """How this model's decode steps run (`layers.stack.decode_path`), found by running
+        them: `rows` one-token prompts, then three greedy steps (the first pass of a shape
+        makes the run's plans, the next ones take the native stack where it applies). For
+        `moerun info`; costs a few tokens' compute."""
+        stats = GenerationStats()
+        seqs = [Sequence([0], self.sampling_params(max_tokens=4, temperature=0.0)) for _ in range(rows)]
+        for _ in run(self.net, seqs, set(), self.dtype, stats, kv_dtype=self.kv_dtype):
+            pass
+        return stats.decode_path
+
     # -- text ----------------------------------------------------------------
     def _sequences(self, prompts, sampling) -> list[Sequence]:
         from ..tokenizer import IncrementalDecoder
