@@ -16,6 +16,7 @@ import time
 import weakref
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -137,8 +138,8 @@ class StoreSource:
 
     def fetch(self, ids, T: int) -> tuple:
         m = self.module
-        counts = torch.bincount(torch.from_numpy(ids), minlength=m.num_experts)
-        needed = counts.nonzero().flatten().tolist()  # ascending
+        counts = np.bincount(ids, minlength=m.num_experts)  # (numpy: ~2 us where torch's took ~20-50)
+        needed = np.flatnonzero(counts).tolist()  # ascending
         counts = counts.tolist()
         where: dict[int, str] = {}
         got = m.store.get(m.layer, needed, n_tokens=T, counts=counts, where=where)
