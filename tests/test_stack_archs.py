@@ -205,3 +205,16 @@ def test_clip_qkv_keeps_olmoe_on_the_modules(arch_path, tmp_path):
     llm.generate_ids([[1, 2, 3, 4]], max_tokens=4, temperature=0.0)
     path = llm.last_stats.decode_path
     assert path["native_stack_passes"] == 0 and "attention half" in path["why"], path
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe-window", "olmoe", "mixtral-window"])
+def test_bench_json_reports_the_native_stack(arch_path, arch, capsys):
+    """`moerun bench --json`'s decode_path: every timed decode pass as one native call."""
+    import json
+
+    from moerun.cli import main
+
+    argv = ["bench", "-m", arch_path(arch), "--prompt-tokens", "8", "--gen-tokens", "6", "--threads", "1", "--json"]
+    assert main([*map(str, argv), "--quant", "int4"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["decode_path"] == {"native_stack_passes": 6, "module_passes": 0, "why": None}, d["decode_path"]
