@@ -86,7 +86,7 @@ def passes(net, dtype, plans, slot=1):
     verification pass), some for the last position's logits only, some with the final hidden
     state too -> every pass's outputs and the cache's lengths after each. Positions reach 22:
     past the 5- and 6-position windows."""
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
 
     ids = torch.randint(0, V, (1, 24), generator=torch.Generator().manual_seed(3))
     cache = Cache(net.cache_spec(), 2, 32, dtype)
@@ -127,7 +127,7 @@ def batch_steps(net, dtype, plans, rows, steps=5):
     """Rows of different lengths prefilled one by one into slots (2, 0) of a 3-slot cache,
     then `steps` decode steps of the batch (or, with one row, of that row alone) -> per step
     the logits [rows, V]."""
-    from moerun.engine.cache import Cache
+    from moerun.layers.cache import Cache
 
     g = torch.Generator().manual_seed(11)
     prompts = {2: torch.randint(0, V, (1, 9), generator=g), 0: torch.randint(0, V, (1, 4), generator=g)}
@@ -181,7 +181,7 @@ def test_generate_reports_the_native_stack(arch_path, arch):
     assert path["native_stack_passes"] >= 8 and path["why"] is None, path
     net = llm.net
     with torch.inference_mode():  # the same tokens greedily through the modules alone
-        from moerun.engine.cache import Cache
+        from moerun.layers.cache import Cache
 
         cache = Cache(net.cache_spec(), 1, 32, net.model.embed_tokens.weight.dtype)
         ids = torch.tensor([prompt])
