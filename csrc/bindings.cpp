@@ -834,12 +834,15 @@ size_t cache_positions(const moerun::AttnBlockArgs& a) { return (size_t)(a.c_sh 
 // (q: Hq * D rows, 2 * Hq * D when gated); qn, kn [D] or empty; cos, sin [T, rd]; kc, vc
 // [Hkv, max_len, D] (one slot of the cache: float32, or bf16 as uint16); token t sits at
 // position pos + t. With in_norm [H] (float32) the call is the layer's first half (x + the
-// block of the normed x; round_bf16 for a bf16 model's). -> attn_block_decode's arguments.
+// block of the normed x; round_bf16 for a bf16 model's). The variants: qn [Hq * D] and kn
+// [Hkv * D] (both, Hq > 1) are norms across all heads (OLMoE); qkv_bias [q_proj's rows + 2 * Hkv
+// * D] float32 (Qwen2-MoE); window > 0 a sliding window. -> attn_block_decode's arguments.
 moerun::AttnBlockArgs attn_block_args(size_t T, size_t H, Array qw, Array qs, int qf, Array kw, Array ks, int kf,
                                       Array vw, Array vs, int vf, Array ow, Array os, int of, Array qn, Array kn,
                                       float eps, Array cos, Array sin, Array kc, Array vc, int pos, int Hq, float scale,
                                       bool gated, const std::optional<Array>& in_norm, float in_offset, float in_eps,
-                                      bool round_bf16) {
+                                      bool round_bf16, const std::optional<Array>& qkv_bias = std::nullopt,
+                                      int window = 0) {
     const bool bf16 = is_bf16(kc);
     MOERUN_CHECK((bf16 || kc.dtype() == nb::dtype<float>()) && vc.dtype() == kc.dtype(),
                  "k, v cache: must be both float32 or both bf16 (as uint16)");
@@ -852,9 +855,18 @@ moerun::AttnBlockArgs attn_block_args(size_t T, size_t H, Array qw, Array qs, in
     a.k = qweight_of(kw, ks, kf, Hkv * D, H, "k_proj");
     a.v = qweight_of(vw, vs, vf, Hkv * D, H, "v_proj");
     a.o = qweight_of(ow, os, of, H, Hq * D, "o_proj");
+    // q/k norms across all heads (OLMoE): q's [Hq * D], k's [Hkv * D] (with one q head, per head is the same)
+    const bool across = Hq > 1 && qn.ndim() == 1 && qn.shape(0) == (size_t)Hq * D;
     for (const Array* n : {&qn, &kn}) {
         check_dtype(*n, dtype_code::Float, 32, "q/k norm");
-        MOERUN_CHECK(n->ndim() == 1 && (n->shape(0) == 0 || n->shape(0) == D), "q/k norm weight must be [D] or empty");
+        const size_t want = !across ? D : n == &qn ? (size_t)Hq * D : Hkv * D;
+        MOERUN_CHECK(n->ndim() == 1 && (n->shape(0) == 0 || n->shape(0) == want),
+                     "q/k norm weight must be [D] (per head), [heads * D] for both (across heads) or empty");
+    }
+    MOERUN_CHECK(window >= 0, "window must be 0 (none) or a positive number of positions");
+    if (qkv_bias) {
+        check_dtype(*qkv_bias, dtype_code::Float, 32, "qkv_bias");
+        check_shape(*qkv_bias, {Hq * D * (gated ? 2 : 1) + 2 * Hkv * D}, "qkv_bias (q_proj's, k_proj's, v_proj's rows)");
     }
     const size_t rd = check_rope_rows(cos, sin, T, 0, pos, L);
     MOERUN_CHECK(rd % 2 == 0 && rd <= D, "rotary dims must be even and at most the head dim");
@@ -882,6 +894,9 @@ moerun::AttnBlockArgs attn_block_args(size_t T, size_t H, Array qw, Array qs, in
     a.T = (int)T;
     a.has_half = in_norm.has_value();
     a.half = {in_norm ? (const float*)in_norm->data() : nullptr, in_offset, in_eps, round_bf16};
+    a.qkv_bias = qkv_bias ? (const float*)qkv_bias->data() : nullptr;
+    a.norm_across = across;
+    a.window = window;
     return a;
 }
 
@@ -890,14 +905,15 @@ moerun::AttnBlockArgs attn_block_args(size_t T, size_t H, Array qw, Array qs, in
 void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf,
                        Array ow, Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc,
                        Array vc, int pos, int Hq, float scale, Array out, bool gated,
-                       std::optional<Array> in_norm, float in_offset, float in_eps) {
+                       std::optional<Array> in_norm, float in_offset, float in_eps, std::optional<Array> qkv_bias,
+                       int window) {
     MOERUN_CHECK(x.ndim() == 2 && x.shape(0) >= 1, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
     check_shape(out, {T, H}, "out");
     if (in_norm) MOERUN_CHECK(is_bf16(x) == is_bf16(out), "with in_norm, x and out: both float32 or both bf16");
     const moerun::AttnBlockArgs a = attn_block_args(T, H, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps,
                                                     cos, sin, kc, vc, pos, Hq, scale, gated, in_norm, in_offset, in_eps,
-                                                    is_bf16(out));
+                                                    is_bf16(out), qkv_bias, window);
     ActIn xin(x, "x");
     ActOut o(out, "out");
     nb::gil_scoped_release release;
@@ -913,7 +929,8 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
 void attn_block_rows(Array x, Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf,
                      Array ow, Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc,
                      Array vc, Array slots, Array pos, int Hq, float scale, Array out, bool gated,
-                     std::optional<Array> in_norm, float in_offset, float in_eps) {
+                     std::optional<Array> in_norm, float in_offset, float in_eps, std::optional<Array> qkv_bias,
+                     int window) {
     MOERUN_CHECK(x.ndim() == 2 && x.shape(0) >= 1, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
     check_shape(out, {T, H}, "out");
@@ -927,7 +944,7 @@ void attn_block_rows(Array x, Array qw, Array qs, int qf, Array kw, Array ks, in
         v0(vc.data(), 3, slot_shape, nb::handle(), nullptr, vc.dtype());  // (views for the call: kc, vc own them)
     moerun::AttnBlockArgs a = attn_block_args(T, H, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps, cos,
                                               sin, k0, v0, 0, Hq, scale, gated, in_norm, in_offset, in_eps,
-                                              is_bf16(out));
+                                              is_bf16(out), qkv_bias, window);
     for (const Array* r : {&slots, &pos}) {
         check_dtype(*r, dtype_code::Int, 64, "slots, pos");
         check_shape(*r, {T}, "slots, pos");
@@ -1242,7 +1259,8 @@ class NativeStack {
 
     void add_attention(Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf, Array ow,
                        Array os, int of, Array qn, Array kn, float eps, Array cos, Array sin, Array kc, Array vc,
-                       int pos, int Hq, float scale, bool gated, Array in_norm, float in_offset, float in_eps) {
+                       int pos, int Hq, float scale, bool gated, Array in_norm, float in_offset, float in_eps,
+                       std::optional<Array> qkv_bias, int window) {
         // kc, vc: the layer's whole cache [slots, kv heads, max_len, D]; the arguments as for slot 0
         MOERUN_CHECK(kc.ndim() == 4, "k cache must be [slots, kv heads, max_len, D]");
         const size_t S = kc.shape(0), Hkv = kc.shape(1), L = kc.shape(2), D = kc.shape(3);
@@ -1257,11 +1275,12 @@ class NativeStack {
         Layer l;
         l.attn = true;
         l.at = attn_block_args(TA, H_, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps, c1, s1, k0, v0,
-                               B_ > 1 ? 0 : pos, Hq, scale, gated, in_norm, in_offset, in_eps, bf16_);
+                               B_ > 1 ? 0 : pos, Hq, scale, gated, in_norm, in_offset, in_eps, bf16_, qkv_bias, window);
         l.at.T = (int)(B_ * T_);
         l.slots = S;
         l.slot_bytes = Hkv * L * D * (is_bf16(kc) ? 2 : 4);
         keep_.insert(keep_.end(), {qw, qs, kw, ks, vw, vs, ow, os, qn, kn, kc, vc, in_norm});
+        if (qkv_bias) keep_.push_back(*qkv_bias);
         layers_.push_back(std::move(l));
     }
 
@@ -1547,7 +1566,7 @@ NB_MODULE(_native, m) {
           nb::arg("os"), nb::arg("of"), nb::arg("qn"), nb::arg("kn"), nb::arg("eps"), nb::arg("cos"), nb::arg("sin"),
           nb::arg("kc"), nb::arg("vc"), nb::arg("slots"), nb::arg("pos"), nb::arg("hq"), nb::arg("scale"),
           nb::arg("out"), nb::arg("gated") = false, nb::arg("in_norm").none() = nb::none(), nb::arg("in_offset") = 0.f,
-          nb::arg("in_eps") = 1e-6f,
+          nb::arg("in_eps") = 1e-6f, nb::arg("qkv_bias").none() = nb::none(), nb::arg("window") = 0,
           "a batch's decode step through a fused attention block: row t of x at slot slots[t], position pos[t] of the "
           "whole cache; each row's arithmetic that of attn_block_decode on it alone");
     m.def("attn_block_decode", &attn_block_decode, nb::arg("x"), nb::arg("qw"), nb::arg("qs"), nb::arg("qf"),
@@ -1555,10 +1574,11 @@ NB_MODULE(_native, m) {
           nb::arg("os"), nb::arg("of"), nb::arg("qn"), nb::arg("kn"), nb::arg("eps"), nb::arg("cos"), nb::arg("sin"),
           nb::arg("kc"), nb::arg("vc"), nb::arg("pos"), nb::arg("hq"), nb::arg("scale"), nb::arg("out"),
           nb::arg("gated") = false, nb::arg("in_norm").none() = nb::none(), nb::arg("in_offset") = 0.f,
-          nb::arg("in_eps") = 1e-6f,
+          nb::arg("in_eps") = 1e-6f, nb::arg("qkv_bias").none() = nb::none(), nb::arg("window") = 0,
           "a few tokens of one row through a quantized GQA attention block with a float32 or bf16 cache (gated: Qwen3.5's "
           "sigmoid output gate, q_proj giving each head's query then its gate); with in_norm [H], a decoder layer's "
-          "first half: out = x + block(RMSNorm(x))");
+          "first half: out = x + block(RMSNorm(x)); qkv_bias: the q/k/v projections' biases (Qwen2-MoE); qn [hq * D] "
+          "and kn [kv heads * D]: q/k norms across all heads (OLMoE); window > 0: attend to the last window positions");
     m.def("norm_rope_heads", &norm_rope_heads, nb::arg("x"), nb::arg("w"), nb::arg("cos"), nb::arg("sin"),
           nb::arg("out"), nb::arg("eps"), nb::arg("w_offset") = 0.f,
           "out[H, T, D] = rope(RMSNorm(x[T, H, D]) * (w + w_offset)) per head (w empty: no norm), rotate-half on "
@@ -1585,7 +1605,11 @@ NB_MODULE(_native, m) {
           "out_proj(DeltaNet(projections of RMSNorm(x)))");
     nb::class_<NativeStack>(m, "NativeStack", "a run's layer stack for one pass shape: the halves' arguments checked once")
         .def(nb::init<size_t, size_t, size_t, bool>(), nb::arg("B"), nb::arg("T"), nb::arg("H"), nb::arg("bf16"))
-        .def("add_attention", &NativeStack::add_attention)
+        .def("add_attention", &NativeStack::add_attention, nb::arg("qw"), nb::arg("qs"), nb::arg("qf"), nb::arg("kw"),
+             nb::arg("ks"), nb::arg("kf"), nb::arg("vw"), nb::arg("vs"), nb::arg("vf"), nb::arg("ow"), nb::arg("os"),
+             nb::arg("of"), nb::arg("qn"), nb::arg("kn"), nb::arg("eps"), nb::arg("cos"), nb::arg("sin"), nb::arg("kc"),
+             nb::arg("vc"), nb::arg("pos"), nb::arg("hq"), nb::arg("scale"), nb::arg("gated"), nb::arg("in_norm"),
+             nb::arg("in_offset"), nb::arg("in_eps"), nb::arg("qkv_bias").none() = nb::none(), nb::arg("window") = 0)
         .def("add_deltanet", &NativeStack::add_deltanet)
         .def("add_moe", &NativeStack::add_moe, nb::arg("norm_w"), nb::arg("eps"), nb::arg("norm_offset"),
              nb::arg("router"), nb::arg("k"), nb::arg("renorm"), nb::arg("efmt"), nb::arg("gate"), nb::arg("gate_scales"),

@@ -621,7 +621,7 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
                        const QWeight& v, const QWeight& o, const float* qn, const float* kn, float eps,
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
                        float scale, float* out, int kv_type, bool gated, int T, const AttnHalf* half, int first_out,
-                       const long* row_off, const int* row_pos) {
+                       const long* row_off, const int* row_pos, const float* qkv_bias, bool norm_across, int window) {
     Workspace& W = ws();
     const float* x_in = x;
     if (half) {
@@ -636,6 +636,12 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
     const QWeight parts[3] = {q, k, v};
     const int rows[3] = {nqr, nk, nk};
     qlinear_multi(T, H, 3, parts, rows, x, W.qkv.data());
+    if (qkv_bias) {  // (Qwen2-MoE) the projections' biases, as a biased linear adds them after its product
+        for (int t = 0; t < T; ++t) {
+            float* r = W.qkv.data() + (size_t)t * ld;
+            for (int i = 0; i < ld; ++i) r[i] += qkv_bias[i];
+        }
+    }
     W.att.resize((size_t)T * nq);
     if (gated) W.gate.resize((size_t)T * nq);
     const size_t esize = kv_type == KV_BF16 ? 2 : 4;
@@ -653,14 +659,18 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
                 std::copy(qt + (size_t)(2 * h) * D, qt + (size_t)(2 * h + 1) * D, qt + (size_t)h * D);
             }
         }
+        if (norm_across) {  // (OLMoE) one norm over all heads' q, one over all heads' k
+            if (qn && wanted) rms_norm(1, nq, qt, qn, 0.f, eps, qt);
+            if (kn) rms_norm(1, nk, qt + nqr, kn, 0.f, eps, qt + nqr);
+        }
         for (int h = 0; wanted && h < Hq; ++h) {
-            if (qn) rms_norm(1, D, qt + (size_t)h * D, qn, 0.f, eps, qt + (size_t)h * D);
+            if (qn && !norm_across) rms_norm(1, D, qt + (size_t)h * D, qn, 0.f, eps, qt + (size_t)h * D);
             head_rope(qt + (size_t)h * D, ct, st, rd);
         }
         for (int j = 0; j < Hkv; ++j) {
             float* kj = qt + nqr + (size_t)j * D;
             const float* vj = qt + nqr + nk + (size_t)j * D;
-            if (kn) rms_norm(1, D, kj, kn, 0.f, eps, kj);
+            if (kn && !norm_across) rms_norm(1, D, kj, kn, 0.f, eps, kj);
             head_rope(kj, ct, st, rd);
             const long at = j * c_sh + (long)p * D;
             if (kv_type == KV_BF16) {
@@ -673,7 +683,11 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
         }
         if (!wanted) continue;
         float* at = W.att.data() + (size_t)t * nq;
-        attn_decode(Hq, Hkv, p + 1, D, D, qt, kt, c_sh, D, vt, c_sh, D, scale, at, kv_type);
+        // a sliding window: only positions s0..p (the cache keeps the older ones)
+        const int s0 = window > 0 ? std::max(0, p + 1 - window) : 0;
+        const size_t skip = (size_t)s0 * D * esize;
+        attn_decode(Hq, Hkv, p + 1 - s0, D, D, qt, (const char*)kt + skip, c_sh, D, (const char*)vt + skip, c_sh, D,
+                    scale, at, kv_type);
         if (gated) {
             const float* gt = W.gate.data() + (size_t)t * nq;
             for (int i = 0; i < nq; ++i) at[i] *= sigmoid(gt[i]);

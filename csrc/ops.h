@@ -124,6 +124,11 @@ void swiglu_mlp(int M, int H, int I, const QWeight& gate, const QWeight& up, con
 // norm_w + offset, eps), the normed x, the block's output and out each rounded to bf16 with
 // round_bf16 (a bf16 model), where the separate ops hand them on in bf16. Tokens before
 // first_out only write their keys and values: their rows of out are left as they were.
+// Variants (defaults: none of them): qkv_bias [rows of q_proj + 2 * Hkv * D] is added to the
+// projections' outputs (Qwen2-MoE; q_proj's rows then k's then v's, in float32 after the
+// product); norm_across: qn [Hq * D] and kn [Hkv * D] are one RMSNorm over all heads' q and
+// all heads' k (OLMoE) instead of per-head weights [D]; window > 0: token t at position p
+// attends only to positions p - window + 1 .. p (sliding-window attention: Mixtral, Qwen2).
 struct AttnHalf {
     const float* norm_w;
     float offset, eps;
@@ -134,7 +139,8 @@ void attn_block_decode(int H, int Hq, int Hkv, int D, const float* x, const QWei
                        const float* cos, const float* sin, int rd, void* kc, void* vc, long c_sh, int pos,
                        float scale, float* out, int kv_type = KV_F32, bool gated = false, int T = 1,
                        const AttnHalf* half = nullptr, int first_out = 0, const long* row_off = nullptr,
-                       const int* row_pos = nullptr);
+                       const int* row_pos = nullptr, const float* qkv_bias = nullptr, bool norm_across = false,
+                       int window = 0);
 
 // attn_block_decode's arguments but x and out, for an op that runs it inside (mtp_step_decode)
 struct AttnBlockArgs {
@@ -158,11 +164,15 @@ struct AttnBlockArgs {
     // values, at position row_pos[t] (null: the tokens are one row's, at pos, pos + 1, ...)
     const long* row_off = nullptr;
     const int* row_pos = nullptr;
+    // the variants (attn_block_decode): q/k/v bias, q/k norms across heads, a sliding window
+    const float* qkv_bias = nullptr;
+    bool norm_across = false;
+    int window = 0;
 };
 inline void attn_block_decode(const AttnBlockArgs& a, const float* x, float* out) {
     attn_block_decode(a.H, a.Hq, a.Hkv, a.D, x, a.q, a.k, a.v, a.o, a.qn, a.kn, a.eps, a.cos, a.sin, a.rd, a.kc, a.vc,
                       a.c_sh, a.pos, a.scale, out, a.kv_type, a.gated, a.T, a.has_half ? &a.half : nullptr, a.first_out,
-                      a.row_off, a.row_pos);
+                      a.row_off, a.row_pos, a.qkv_bias, a.norm_across, a.window);
 }
 
 // The MoE half of a decoder layer for T tokens (decode-sized), in one call: y = x + moe(h)

@@ -128,3 +128,105 @@ def test_recurrent_state_scratch_is_one_buffer_per_name_grown_when_needed():
     assert st.scratch("conv", (2, 3, 4, 3)).data_ptr() == d.data_ptr() != b.data_ptr()
     assert st.scratch("conv", (2, 3, 4, 3), torch.float64).dtype == torch.float64
     assert st.scratch("recurrent", (1,)).data_ptr() != b.data_ptr()
+
+
+# -- the fused attention block's variants against the modules' own torch forward -------------
+# (Qwen2-MoE: q/k/v biases and per-layer sliding windows; OLMoE: q/k norms across all heads;
+# Mixtral: a sliding window), on every kernel path this CPU has
+
+from moerun import kernels  # noqa: E402
+
+NATIVE = [i for i in kernels.available_isas() if i != "torch"]
+
+
+def _variant_net(arch: str, tmp_path, dtype: str, quant):
+    """A tiny random model of `arch` (test_stack_archs.ARCHS) loaded with its attention modules'
+    own forward (the torch reference); fused again by `kernels.fuse_decode_attention`."""
+    import moerun
+    from test_stack_archs import ARCHS
+
+    torch.manual_seed(0)
+    ARCHS[arch]().eval().save_pretrained(tmp_path)
+    net = moerun.load(tmp_path, dtype=dtype, threads=1, quant=quant).net
+    for m in net.modules():
+        if hasattr(m, "_unfused_forward"):
+            del m.forward, m._unfused_forward
+    return net
+
+
+def _variant_run(net, dtype):
+    """Two rows of different lengths prefilled into slots (2, 0), then each row alone for
+    one-token steps and a pass of three (past the windows), then three decode steps of the
+    batch -> the logits of every step, the cache."""
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, 97, (1, 16), generator=g), torch.randint(0, 97, (1, 16), generator=g)
+    cache = Cache(net.cache_spec(), 3, 24, dtype)
+    out = []
+    for ids, s in ((a, 2), (b, 0)):
+        sl = torch.tensor([s])
+        out.append(net(ids[:, :6], cache, sl)[:, -1])
+        out += [net(ids[:, i : i + 1], cache, sl)[:, -1] for i in range(6, 9)]
+        out += list(net(ids[:, 9:12], cache, sl)[0])
+    both = torch.cat([a, b])
+    out += list(net(both[:, i : i + 1], cache, torch.tensor([2, 0]))[:, -1] for i in range(12, 15))
+    return torch.cat([o.reshape(-1, 97) for o in out]), cache
+
+
+@pytest.mark.skipif(not NATIVE, reason="needs the native extension")
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen2_moe-window", "olmoe", "mixtral-window"])
+@pytest.mark.parametrize("dtype, quant, tol, cache_tol", [("float32", "int4", 1e-4, 1e-5), ("float32", None, 1e-4, 1e-5),
+                                                          ("bfloat16", "int4", 6e-2, 0.1)])
+def test_fused_attention_variants_match_the_module(isa, arch, dtype, quant, tol, cache_tol, tmp_path):
+    """The native block (bias, norms across heads, windows) against the module's own torch
+    forward: the same logits, alone and in a batch, and the same keys and values in the cache
+    (bf16: within bf16 rounding, the block keeps q and k in float32 where the module rounds
+    them after each op)."""
+    net = _variant_net(arch, tmp_path, dtype, quant)
+    kv = net.model.embed_tokens.weight.dtype
+    attn = net.model.layers[0].self_attn
+    with torch.inference_mode(), kernels.use_isa(isa):
+        want, want_cache = _variant_run(net, kv)
+        assert kernels.fuse_decode_attention(net) == len(net.model.layers)
+        variants = kernels.attn_plan(attn)[3]
+        assert set(variants) == {"qwen2_moe": {"qkv_bias"}, "qwen2_moe-window": {"qkv_bias", "window"},
+                                 "olmoe": set(), "mixtral-window": {"window"}}[arch]
+        if arch == "olmoe":  # the norms across heads: weights of all heads' width
+            assert kernels.attn_plan(attn)[0][12].shape == (attn.n_heads * attn.head_dim,)
+        got, got_cache = _variant_run(net, kv)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    for a, b in zip(got_cache.layers, want_cache.layers):
+        torch.testing.assert_close(a.k.float(), b.k.float(), rtol=cache_tol, atol=cache_tol)
+        torch.testing.assert_close(a.v.float(), b.v.float(), rtol=cache_tol, atol=cache_tol)
+
+
+@pytest.mark.skipif(not NATIVE, reason="needs the native extension")
+def test_attn_block_variants_refuse_bad_arguments():
+    """The variants' arguments are checked: one line each."""
+    from moerun.kernels import formats
+
+    nat = kernels._native()
+    H, Hq, Hkv, D = 64, 4, 2, 16
+    lin = {n: formats.quantize(torch.randn(r, c) * 0.1, "int8") for n, r, c in
+           (("q", Hq * D, H), ("k", Hkv * D, H), ("v", Hkv * D, H), ("o", H, Hq * D))}
+    kc, vc = torch.zeros(Hkv, 8, D), torch.zeros(Hkv, 8, D)
+    none = torch.empty(0)
+
+    def call(qn=none, kn=none, **variants):
+        args = [torch.randn(1, H).numpy()]
+        for n in "qkvo":
+            args += [lin[n][0].numpy(), lin[n][1].numpy(), 8]
+        nat.attn_block_decode(*args, qn.numpy(), kn.numpy(), 1e-6, torch.ones(1, D).numpy(), torch.zeros(1, D).numpy(),
+                              kc.numpy(), vc.numpy(), 3, Hq, 0.25, torch.empty(1, H).numpy(), **variants)
+
+    call(qkv_bias=torch.zeros((Hq + 2 * Hkv) * D).numpy(), window=2)  # well-formed: runs
+    call(qn=torch.ones(Hq * D), kn=torch.ones(Hkv * D))  # norms across heads
+    call(qn=torch.ones(D), kn=torch.ones(D))  # per head
+    with pytest.raises(ValueError, match="qkv_bias"):
+        call(qkv_bias=torch.zeros(Hq * D).numpy())
+    with pytest.raises(ValueError, match="qkv_bias"):
+        call(qkv_bias=torch.zeros((Hq + 2 * Hkv) * D, dtype=torch.float64).numpy())
+    with pytest.raises(ValueError, match="window"):
+        call(window=-1)
+    with pytest.raises(ValueError, match="q/k norm"):
+        call(qn=torch.ones(Hq * D), kn=torch.ones(D))  # across for q, per head for k

@@ -538,8 +538,11 @@ def test_fused_decode_attention_skips_mixed_and_biased_modules():
     assert kernels.fuse_decode_attention(net) == (1 if kernels.isa() != "torch" else 0)  # only layer 1
     net = tiny_model()
     quantize_model(net, "int4")
-    net.model.layers[0].self_attn.q_proj.bias = torch.zeros(net.model.layers[0].self_attn.q_proj.out_features)
+    # a biased q/k/v projection fuses (the block adds the bias: Qwen2-MoE); a biased o_proj does not
+    net.model.layers[0].self_attn.o_proj.bias = torch.zeros(net.model.layers[0].self_attn.o_proj.out_features)
+    net.model.layers[1].self_attn.q_proj.bias = torch.zeros(net.model.layers[1].self_attn.q_proj.out_features)
     assert kernels.fuse_decode_attention(net) == (1 if kernels.isa() != "torch" else 0)
+    assert "_unfused_forward" in net.model.layers[1].self_attn.__dict__ or kernels.isa() == "torch"
 
 
 @pytest.mark.parametrize("isa", NATIVE)

@@ -35,6 +35,28 @@ PRESETS: dict[str, dict] = {
                          "mrope_section": [11, 11, 10], "mrope_interleaved": True},
         tie_word_embeddings=False, full_attention_interval=4,
     ),
+    # Qwen1.5-MoE-A2.7B (Qwen2-MoE: q/k/v biases, a shared expert with a sigmoid gate)
+    "qwen1.5-moe-a2.7b": dict(
+        model_type="qwen2_moe", vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+        moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=16, num_experts=60, num_experts_per_tok=4,
+        norm_topk_prob=False, decoder_sparse_step=1, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=8192, use_sliding_window=False, tie_word_embeddings=False,
+    ),
+    # OLMoE-1B-7B-0924 (q/k norms across all heads)
+    "olmoe-1b-7b": dict(
+        model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+        num_experts_per_tok=8, norm_topk_prob=False, clip_qkv=None, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
+    ),
+    # Mixtral-8x7B-v0.1 (its config has no sliding window; Mistral's 4096 with sliding_window=4096)
+    "mixtral-8x7b": dict(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+        num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=32768, sliding_window=None, tie_word_embeddings=False,
+    ),
 }
 
 SHARD_BYTES = 2 << 30

@@ -725,7 +725,9 @@ class MtpStep:
         (`layers.mtp.Drafter`): the weights' arguments checked and held natively
         (`NativeMtp`), where converting them at each call took ~30 of its ~100 us on the demo
         model."""
-        weights, heads_scale, gated = attn
+        weights, heads_scale, gated, variants = attn
+        if variants:
+            raise ValueError(f"an MTP head's attention takes no {', '.join(variants)} (NativeMtp)")
         native = _native().NativeMtp(self.embed, *self.pre, *weights, *rope, *kv_slot, *heads_scale, gated, *attn_norm,
                                      *moe, *self.post)
         return native, _EMPTY_U8_NP if seen is None else seen, moe[4]
@@ -952,9 +954,13 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
     (a bf16 model's own forward rounds q and k to bf16 on the way). The module keeps its own
     forward for everything else (prefill, batches, int8 caches) and its
     weights and state_dict are untouched: only the instance's forward is wrapped. Applies
-    where q/k/v/o are all QuantizedLinear without bias or all `plain_float_linear` (float32
-    or bf16 weights read as they are; without autograd) and q_norm/k_norm (if any) are
-    per-head RMSNorms; returns how many modules it wrapped. The native layer stack needs it
+    where q/k/v/o are all QuantizedLinear or all float linears (float32 or bf16 weights read
+    as they are, `plain_float_linear` but for q/k/v's biases; without autograd), o_proj
+    without bias, and q_norm/k_norm (if any) are per-head RMSNorms ([head_dim]) or RMSNorms
+    across all heads (OLMoE: [heads * head_dim] and [kv heads * head_dim]); returns how many
+    modules it wrapped. The variants the native block takes, each from the module: q/k/v
+    biases (Qwen2-MoE), norms across heads (OLMoE) and a sliding window (`window`: Mixtral,
+    Qwen2-MoE's windowed layers). The native layer stack needs it
     (its attention half is this call): 4 Qwen3-30B-A3B-shaped int4 layers, 2 threads on the
     Zen 4 EPYC (family 25 model 17), decode 54.5 tok/s with it against 46.6 without (median of 3 interleaved
     rounds, 2026-12-03, docs/benchmarks.md)."""
@@ -968,11 +974,15 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
         if not getattr(m, "fused_decode", False) or hasattr(m, "_unfused_forward"):
             continue
         projs = [getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        if not (all(isinstance(p, QuantizedLinear) and p.bias is None for p in projs)
-                or all(plain_float_linear(p) for p in projs)):
+        if not (all(isinstance(p, QuantizedLinear) for p in projs) and projs[3].bias is None
+                or plain_float_linear(projs[3]) and all(plain_float_linear(p) or _biased_float_linear(p)
+                                                        for p in projs[:3])):
             continue
         norms = [getattr(m, name, None) for name in ("q_norm", "k_norm")]
-        if any(nm is not None and nm.weight.numel() != m.head_dim for nm in norms):
+        per_head = all(nm is None or nm.weight.numel() == m.head_dim for nm in norms)
+        across = all(nm is not None for nm in norms) and norms[0].weight.numel() == m.n_heads * m.head_dim \
+            and norms[1].weight.numel() == getattr(m, "n_kv", -1) * m.head_dim
+        if not (per_head or across):
             continue
         m._unfused_forward = m.forward
         m._fused_eps = float(getattr(getattr(m, "q_norm", None), "eps", 1e-6))
@@ -980,6 +990,16 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
         m.forward = _fused_forward.__get__(m)
         n += 1
     return n
+
+
+def _biased_float_linear(lin: torch.nn.Module) -> bool:
+    """A float32 or bf16 `nn.Linear` with a bias [out] and no hooks, its weight contiguous in
+    CPU memory: a fused attention's q/k/v projection whose bias the native block adds."""
+    if type(lin) is not torch.nn.Linear:
+        return False
+    w, b = lin._parameters.get("weight"), lin._parameters.get("bias")
+    return (w is not None and b is not None and w.dtype in FLOAT_DTYPES and b.dtype in FLOAT_DTYPES and w.is_cpu
+            and b.is_cpu and w.is_contiguous() and b.shape == (w.shape[0],) and not has_hooks(lin))
 
 
 def fused_attention_applies(x: torch.Tensor, kv) -> bool:
@@ -1023,10 +1043,12 @@ def fused_call_plan(attn, norm=None) -> tuple:
 
 def attn_plan(attn) -> tuple:
     """A fused attention's weights and settings as `attn_block_run` takes them (kept on it:
-    `module_plan`)."""
+    `module_plan`): (weights, (heads, scale), gated, variants), the variants a dict of the
+    native block's keyword arguments (`qkv_bias`, `window`), empty where it has none."""
     m = attn._modules
     group = tuple(m[n] for n in _FUSED_MODULES if n in m)  # the projections, then the norms if any
-    key = (attn.n_heads, attn.scale, attn._fused_eps, attn._fused_gate)  # settings: plain attributes
+    # settings: plain attributes
+    key = (attn.n_heads, attn.scale, attn._fused_eps, attn._fused_gate, getattr(attn, "window", None))
     return module_plan(attn, group, key, lambda: _fused_args(attn))
 
 
@@ -1046,12 +1068,12 @@ def attn_block_run(x: torch.Tensor, plan: tuple, rope: tuple, kv_slot: tuple, po
     """x [T, H] (float32 or bf16) through a fused attention (`attn_plan`) at positions pos..
     (its rope rows `_rope_rows`, its cache slot `_cache_slot`); with `half` (`half_norm_args`)
     x + attention(norm(x)). -> [T, H] in x's dtype."""
-    weights, heads_scale, gated = plan
+    weights, heads_scale, gated, variants = plan
     out = _out(x.shape, x.dtype)
     nat = _native()
     _sync_threads(nat)
     nat.attn_block_decode(_np(_act(x.contiguous())), *weights, *rope, *kv_slot, pos, *heads_scale, _np(out), gated,
-                          *half)
+                          *half, **variants)
     return out
 
 
@@ -1059,13 +1081,13 @@ def attn_block_rows_run(x: torch.Tensor, plan: tuple, rope: tuple, kv, slots: to
                         half: tuple = ()) -> torch.Tensor:
     """`attn_block_run` for a batch's decode step: x [B, H], row b at cache slot slots[b] and
     position pos0[b] -> [B, H] in x's dtype, each row's bits those of its one-row call."""
-    weights, heads_scale, gated = plan
+    weights, heads_scale, gated, variants = plan
     out = _out(x.shape, x.dtype)
     nat = _native()
     _sync_threads(nat)
     nat.attn_block_rows(_np(_act(x.contiguous())), *weights, *rope, _np(kv.k), _np(kv.v),
                         _np(slots.to(torch.int64).contiguous()), _np(pos0.to(torch.int64).contiguous()), *heads_scale,
-                        _np(out), gated, *half)
+                        _np(out), gated, *half, **variants)
     return out
 
 
@@ -1075,12 +1097,20 @@ _FUSED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 def _fused_args(attn) -> tuple:
     """The fused attention's weights as the binding takes them (q, k, v, o `Packed`, then the q
     and k norms' effective weights, `_norm_weight`: empty for none, and their eps), then its
-    heads and scale, then whether it is gated."""
+    heads and scale, then whether it is gated, then its variants as keyword arguments:
+    `qkv_bias` (q/k/v's biases, float32, one vector; zeros for a projection without one)
+    where any has a bias, `window` where it has a sliding window."""
     projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
     q, k, v, o = (float_linear_views(m) if type(m) is torch.nn.Linear else m.views() for m in projs)
     qn, kn = (_norm_weight(getattr(attn, name, None)) for name in ("q_norm", "k_norm"))
+    variants = {}
+    if any(p.bias is not None for p in projs[:3]):
+        variants["qkv_bias"] = _np(torch.cat([torch.zeros(p.out_features) if p.bias is None else p.bias.detach().float()
+                                              for p in projs[:3]]))
+    if getattr(attn, "window", None):
+        variants["window"] = int(attn.window)
     return ((q.w, q.s, q.code, k.w, k.s, k.code, v.w, v.s, v.code, o.w, o.s, o.code, qn, kn, attn._fused_eps),
-            (attn.n_heads, float(attn.scale)), attn._fused_gate)
+            (attn.n_heads, float(attn.scale)), attn._fused_gate, variants)
 
 
 def _kv_cache_class():

@@ -160,8 +160,8 @@ def _build(layers, x: torch.Tensor, cache, plans: dict, rope: tuple, pos: int) -
             plans[_WHY_BUILD] = f"layer {i}'s attention half is not one native call (an int8 KV cache, or a part torch runs)"
             return None
         if first[0] is _ATTN:
-            _, weights, heads_scale, gated, half, kv_slot = first
-            native.add_attention(*weights, *rope, *kv_slot, pos, *heads_scale, gated, *half)
+            _, (weights, heads_scale, gated, variants), half, kv_slot = first
+            native.add_attention(*weights, *rope, *kv_slot, pos, *heads_scale, gated, *half, **variants)
         else:
             _, state, head, conv, S, tail = first
             native.add_deltanet(*head, conv, *tail[:2], S, *tail[2:])
@@ -176,8 +176,8 @@ def _attention(attn, x, kv, plans: dict) -> tuple | None:
     plan = plans.get((attn, (x.shape, x.dtype, kv)))  # attn_residual's: (attn_plan, half_norm_args)
     if plan is None or not plan[1]:
         return None
-    (weights, heads_scale, gated), half = plan
-    return _ATTN, weights, heads_scale, gated, half, (kernels._np(kv.k), kernels._np(kv.v))
+    attn_args, half = plan  # attn_args: `kernels.attn_plan`
+    return _ATTN, attn_args, half, (kernels._np(kv.k), kernels._np(kv.v))
 
 
 def _deltanet(dn, x, state, plans: dict) -> tuple | None:

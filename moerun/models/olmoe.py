@@ -11,10 +11,11 @@ from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
 from ..layers.cache import KVSpec
-from ..layers.attention import attend
-from ..layers.moe import Experts, softmax_topk
+from ..layers.attention import attend, attn_residual
+from ..layers.moe import Experts, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, norm_rope
+from ..layers.stack import model_pass, run_layers
 
 # B batch, T tokens, H hidden, E experts, K experts per token, D head dim
 
@@ -67,6 +68,9 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = a.head_dim**-0.5
         self.clip = a.clip_qkv
+        # the fused native decode call (`kernels.fuse_decode_attention`: its q/k norms across
+        # all heads) clips nothing: only without clip_qkv
+        self.fused_decode = a.clip_qkv is None
         self.q_proj = nn.Linear(a.hidden_size, self.n_heads * a.head_dim, bias=a.attention_bias)
         self.k_proj = nn.Linear(a.hidden_size, self.n_kv * a.head_dim, bias=a.attention_bias)
         self.v_proj = nn.Linear(a.hidden_size, self.n_kv * a.head_dim, bias=a.attention_bias)
@@ -110,9 +114,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, cos_sin, kv, slots, pos0):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, slots, pos0)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos_sin, kv, slots, pos0, plans=None):
+        """plans: a run's (`kernels.run_plan`)."""
+        x = attn_residual(x, self.input_layernorm, self.self_attn, cos_sin, kv, slots, pos0, plans)  # x + attn(norm(x))
+        return moe_residual(x, self.post_attention_layernorm, self.mlp, plans)  # x + mlp(norm(x))
 
 
 class OlmoeModel(nn.Module):
@@ -125,6 +130,7 @@ class OlmoeModel(nn.Module):
 
 
 class Model(nn.Module):
+    takes_plans = True  # forward(..., plans=): a run's layer checks made once (`kernels.run_plan`)
     tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, args: ModelArgs):
@@ -137,9 +143,13 @@ class Model(nn.Module):
         a = self.args
         return [KVSpec(a.num_key_value_heads, a.head_dim, a.head_dim)] * a.num_hidden_layers
 
-    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False):
-        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final hidden state [B, T, H])."""
+    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False, plans=None):
+        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final hidden state [B, T, H]).
+        plans: a dict a decode loop keeps for one run (`kernels.run_plan`)."""
         B, T = input_ids.shape
+        fast = model_pass(self, input_ids, cache, slots, last_only, plans)  # a decode pass: all native calls
+        if fast is not None:
+            return fast if return_hidden else fast[0]
         if cache is not None:
             slots = torch.arange(B) if slots is None else slots
             pos0 = cache.start_positions(slots)
@@ -148,8 +158,7 @@ class Model(nn.Module):
         m = self.model
         x = m.embed_tokens(input_ids)
         cos_sin = m.rope.span(pos0, T, x.dtype)
-        for i, layer in enumerate(m.layers):
-            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
+        x = run_layers(m.layers, x, cos_sin, cache, slots, pos0, plans)  # a decode pass: one loop of native calls
         if cache is not None:
             cache.advance(slots, T)
         hidden = m.norm(x)

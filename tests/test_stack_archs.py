@@ -1,0 +1,222 @@
+"""Qwen2-MoE (q/k/v biases, a shared expert with a sigmoid gate, softmax top-k without
+renormalisation), OLMoE (q/k norms across all heads) and Mixtral with a sliding window on the
+native layer stack: decode steps take it (`decode_path`), and its logits and hidden states are
+those of the module path bit for bit, in float32 and bf16, plain and int4; a batch's decode
+step (the fused attention over the rows, `attn_block_rows`) gives each row the bits it gets
+alone. The fused attention block against each module's own torch forward is in
+test_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moerun import kernels
+from moerun.layers import stack
+
+pytestmark = pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+
+V = 97
+
+
+def _randomise(ref, norms=False):
+    """transformers' init leaves biases at zero and norms at one: make them count."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("proj.bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif norms and name.endswith("norm.weight"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+    return ref
+
+
+def make_qwen2(**over):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = dict(vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+               shared_expert_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, **over)
+    return _randomise(Qwen2MoeForCausalLM(Qwen2MoeConfig(**cfg, experts_implementation="eager")))
+
+
+def make_olmoe(**over):
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    cfg = dict(vocab_size=V, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, **over)
+    return _randomise(OlmoeForCausalLM(OlmoeConfig(**cfg, eos_token_id=None, pad_token_id=None,
+                                                   experts_implementation="eager")), norms=True)
+
+
+def make_mixtral(**over):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = dict(vocab_size=V, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2, **over)
+    return MixtralForCausalLM(MixtralConfig(**cfg, eos_token_id=None, experts_implementation="eager"))
+
+
+ARCHS = {
+    "qwen2_moe": lambda: make_qwen2(),
+    # windows of 6 on layers 0 and 2 (transformers' rule), which the decode steps cross
+    "qwen2_moe-window": lambda: make_qwen2(use_sliding_window=True, sliding_window=6, max_window_layers=3),
+    "olmoe": lambda: make_olmoe(),
+    "mixtral-window": lambda: make_mixtral(sliding_window=5),
+}
+
+
+@pytest.fixture(scope="module")
+def arch_path(tmp_path_factory):
+    made = {}
+
+    def make(name):
+        if name not in made:
+            torch.manual_seed(0)
+            path = tmp_path_factory.mktemp(name)
+            ARCHS[name]().eval().save_pretrained(path)
+            made[name] = path
+        return made[name]
+
+    return make
+
+
+def passes(net, dtype, plans, slot=1):
+    """A prompt into slot 1 of a 2-slot cache, then one-token steps and passes of three (a
+    verification pass), some for the last position's logits only, some with the final hidden
+    state too -> every pass's outputs and the cache's lengths after each. Positions reach 22:
+    past the 5- and 6-position windows."""
+    from moerun.layers.cache import Cache
+
+    ids = torch.randint(0, V, (1, 24), generator=torch.Generator().manual_seed(3))
+    cache = Cache(net.cache_spec(), 2, 32, dtype)
+    s = torch.tensor([slot])
+    kw = {} if plans is None else {"plans": plans}
+    out = [net(ids[:, :8], cache, s, **kw)]
+    for j, (i, T) in enumerate(((8, 1), (9, 1), (10, 1), (11, 3), (14, 1), (15, 3), (18, 1), (19, 3))):
+        got = net(ids[:, i : i + T], cache, s, last_only=j % 2 == 1, return_hidden=j % 3 > 0, **kw)
+        out.extend(got if isinstance(got, tuple) else [got])
+        out.append(cache.lengths.clone())
+    return out, cache
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_stack_is_bit_identical_to_the_modules(arch_path, arch, dtype, quant):
+    import moerun
+
+    net = moerun.load(arch_path(arch), dtype=dtype, threads=1, quant=quant).net
+    assert net.takes_plans
+    assert all("_unfused_forward" in layer.self_attn.__dict__ for layer in net.model.layers)  # fused at load
+    kv = net.model.embed_tokens.weight.dtype
+    with torch.inference_mode():
+        want, want_cache = passes(net, kv, None)
+        plans = {}
+        got, got_cache = passes(net, kv, plans)
+    path = stack.decode_path(plans)
+    # the prefill runs the modules; so does the first pass of each decode shape (it makes the
+    # plans); the other six through the stack
+    assert path == {"native_stack_passes": 6, "module_passes": 2, "why": None}, path
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    for a, b in zip(got_cache.layers, want_cache.layers):  # the keys and values written, too
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+def batch_steps(net, dtype, plans, rows, steps=5):
+    """Rows of different lengths prefilled one by one into slots (2, 0) of a 3-slot cache,
+    then `steps` decode steps of the batch (or, with one row, of that row alone) -> per step
+    the logits [rows, V]."""
+    from moerun.layers.cache import Cache
+
+    g = torch.Generator().manual_seed(11)
+    prompts = {2: torch.randint(0, V, (1, 9), generator=g), 0: torch.randint(0, V, (1, 4), generator=g)}
+    nexts = torch.randint(0, V, (2, steps), generator=g)
+    cache = Cache(net.cache_spec(), 3, 32, dtype)
+    kw = {} if plans is None else {"plans": plans}
+    for s in rows:
+        net(prompts[s], cache, torch.tensor([s]), **kw)
+    slots = torch.tensor(rows)
+    pick = [list(prompts).index(s) for s in rows]
+    return [net(nexts[pick, i : i + 1], cache, slots, **kw)[:, -1] for i in range(steps)]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_batch_row_has_the_bits_of_the_row_alone(arch_path, arch, dtype, monkeypatch):
+    """A batch's decode steps against each row decoded alone, both through the native stack
+    after their first step (whose modules run the batch's attention half as the fused block
+    over the rows, `attn_block_rows`): the same logits, bit for bit."""
+    import moerun
+
+    net = moerun.load(arch_path(arch), dtype=dtype, threads=1, quant="int4").net
+    kv = net.model.embed_tokens.weight.dtype
+    rows_calls = []
+    real = kernels.attn_block_rows_run
+    monkeypatch.setattr(kernels, "attn_block_rows_run", lambda *a, **k: rows_calls.append(1) or real(*a, **k))
+    with torch.inference_mode():
+        plans = {}
+        batch = batch_steps(net, kv, plans, (2, 0))
+        assert len(rows_calls) == len(net.model.layers)  # the first step's modules
+        assert stack.decode_path(plans)["native_stack_passes"] == 4
+        alone = {}
+        for r, s in enumerate((2, 0)):
+            plans = {}
+            alone[r] = batch_steps(net, kv, plans, (s,))
+            assert stack.decode_path(plans)["native_stack_passes"] == 4  # all but the first step
+    for i, step in enumerate(batch):
+        for r in (0, 1):
+            assert torch.equal(step[r], alone[r][i][0]), (i, r)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe", "mixtral-window"])
+def test_generate_reports_the_native_stack(arch_path, arch):
+    """`generate`'s decode path (what `moerun generate --verbose` and `bench --json` show):
+    every decode step after the first through the native stack, greedy tokens those of the
+    modules' path (no plans)."""
+    import moerun
+
+    llm = moerun.load(arch_path(arch), dtype="float32", threads=1, quant="int4")
+    prompt = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    got = llm.generate_ids([prompt], max_tokens=10, temperature=0.0)[0]
+    path = llm.last_stats.decode_path
+    assert path["native_stack_passes"] >= 8 and path["why"] is None, path
+    net = llm.net
+    with torch.inference_mode():  # the same tokens greedily through the modules alone
+        from moerun.layers.cache import Cache
+
+        cache = Cache(net.cache_spec(), 1, 32, net.model.embed_tokens.weight.dtype)
+        ids = torch.tensor([prompt])
+        want = []
+        for _ in range(10):
+            t = int(net(ids, cache, last_only=True)[0, -1].argmax())
+            want.append(t)
+            ids = torch.tensor([[t]])
+    assert got == want
+
+
+def test_clip_qkv_keeps_olmoe_on_the_modules(arch_path, tmp_path):
+    """OLMoE with clip_qkv: the fused block does not clip, so its attention stays a module and
+    the stack steps aside, saying why."""
+    import moerun
+
+    torch.manual_seed(0)
+    make_olmoe(clip_qkv=1.5).eval().save_pretrained(tmp_path)
+    llm = moerun.load(tmp_path, dtype="float32", threads=1)
+    assert not any("_unfused_forward" in layer.self_attn.__dict__ for layer in llm.net.model.layers)
+    llm.generate_ids([[1, 2, 3, 4]], max_tokens=4, temperature=0.0)
+    path = llm.last_stats.decode_path
+    assert path["native_stack_passes"] == 0 and "attention half" in path["why"], path
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe-window", "olmoe", "mixtral-window"])
+def test_bench_json_reports_the_native_stack(arch_path, arch, capsys):
+    """`moerun bench --json`'s decode_path: every timed decode pass as one native call."""
+    import json
+
+    from moerun.cli import main
+
+    argv = ["bench", "-m", arch_path(arch), "--prompt-tokens", "8", "--gen-tokens", "6", "--threads", "1", "--json"]
+    assert main([*map(str, argv), "--quant", "int4"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["decode_path"] == {"native_stack_passes": 6, "module_passes": 0, "why": None}, d["decode_path"]
