@@ -568,7 +568,6 @@ def cmd_predict_eval(a) -> int:
 
 def cmd_simulate(a) -> int:
     from .bench.simulate import simulate
-
     from .errors import MoerunError
 
     if a.trace and a.trace_flag:
