@@ -286,3 +286,27 @@ def test_speculative_on_a_model_with_an_mtp_head_still_runs(capsys):
     assert main(["generate", "def", "--speculative", "mtp", "--draft-tokens", "2", "--max-tokens", "4",
                  "--temperature", "0", "--threads", "1"]) == 0
     assert "[speculative: acceptance" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny, tmp_path_factory):
+    from moerun.loaders.gguf_write import export
+
+    out = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    export(tiny, out, "f32")
+    return out
+
+
+def test_a_gguf_file_is_checked_before_its_weights(tiny_gguf, tmp_path, no_weights, capsys):
+    assert_one_line_error(cli(capsys, "generate", "-m", tiny_gguf, "hi"), "weights were read")  # the guard holds
+    assert_one_line_error(cli(capsys, "generate", "-m", tiny_gguf, "hi", "--speculative", "mtp"),
+                          "needs a checkpoint with a multi-token-prediction head")
+    data = bytearray(tiny_gguf.read_bytes())  # a tokenizer kind moerun cannot build
+    key = b"tokenizer.ggml.model"
+    at = data.index(len(key).to_bytes(8, "little") + key) + 8 + len(key) + 4 + 8
+    assert data[at : at + 4] == b"gpt2"
+    data[at : at + 4] = b"bert"
+    bad = tmp_path / "bert.gguf"
+    bad.write_bytes(bytes(data))
+    assert_one_line_error(cli(capsys, "chat", "-m", bad), "tokenizer model 'bert' is not supported")
+    assert_one_line_error(cli(capsys, "info", "-m", bad), "weights were read")  # info needs no tokenizer
