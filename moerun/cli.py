@@ -96,8 +96,117 @@ def _check_flags(a) -> None:
         from .experts.predict import check_name
 
         check_name(a.predictor)
-    if getattr(a, "predictor_trace", None) and not Path(a.predictor_trace).is_file():
-        raise MoerunError(f"--predictor-trace {a.predictor_trace} is not a file")
+    if getattr(a, "predictor_trace", None):
+        if not a.predictor:
+            raise MoerunError("--predictor-trace fits a predictor: give --predictor too")
+        if not Path(a.predictor_trace).is_file():
+            raise MoerunError(f"--predictor-trace {a.predictor_trace} is not a file")
+    if "gen_tokens" in vars(a) and (a.prompt_tokens < 1 or a.gen_tokens < 1):  # bench
+        raise MoerunError("--prompt-tokens and --gen-tokens must be at least 1")
+    _check_store_flags(a)
+    _check_model(a)
+
+
+def _check_store_flags(a) -> None:
+    """The expert store's flags that cannot go together (the store refuses them too, once the
+    experts' bytes are known, for callers of the Python API)."""
+    from .errors import MoerunError
+    from .experts.store import StoreOptions, parse_budget
+
+    StoreOptions(**{k: getattr(a, k) for k in STORE_FLAGS if getattr(a, k, None) is not None})  # the spelling
+    vram = getattr(a, "vram_budget", None) is not None and parse_budget(a.vram_budget, 1 << 60, "--vram-budget") > 0
+    if getattr(a, "emulate_link", None) and not vram:
+        raise MoerunError("--emulate-link needs a device tier: give --vram-budget too")
+    if getattr(a, "execute", None) not in (None, "device") and not vram:
+        raise MoerunError(f"--execute {a.execute} places device misses, so it needs a device tier "
+                          "(--vram-budget, with --emulate-link pcie4 without a GPU)")
+    if vram and not a.emulate_link:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise MoerunError("--vram-budget needs a CUDA GPU; without one, add --emulate-link pcie4 to emulate it")
+
+
+TEXT_COMMANDS = ("generate", "chat", "serve")
+
+
+def _check_model(a) -> None:
+    """What the model's small files tell, checked before any weight loads (a 30B model takes
+    minutes to load): a command that writes text needs a tokenizer (chat, a chat template
+    too), and --speculative mtp a model with an MTP head. This builds the tokenizer once more
+    (a fraction of a second) and the model on the meta device (no weight read)."""
+    from pathlib import Path
+
+    from .engine.llm import default_model_path
+    from .engine.speculative import check_speculative
+
+    text = a.command in TEXT_COMMANDS
+    if not text and not getattr(a, "speculative", None):
+        return
+    path = default_model_path() if a.model is None else Path(a.model)
+    if text:
+        _check_tokenizer(path, chat=a.command == "chat")
+    if getattr(a, "speculative", None):
+        net = _meta_model(path)
+        if net is not None:
+            check_speculative(net, a.speculative)
+
+
+def _check_tokenizer(path, chat: bool) -> None:
+    from .config import read_config
+    from .engine.llm import gguf_extras, load_tokenizer
+    from .errors import MoerunError
+    from .loaders.gguf import is_gguf
+
+    if is_gguf(path):
+        if not path.is_file():
+            return  # the loader says what the path is
+        tok, _, why = gguf_extras(path)
+        why = why or f"{path} holds no tokenizer; text generation needs one"
+    else:
+        if not path.is_dir():
+            return
+        read_config(path)  # a directory that is no model at all is told so first
+        tok, why = load_tokenizer(path), f"{path} has no tokenizer.json; text generation needs one"
+    if tok is None:
+        raise MoerunError(why)
+    if chat and not tok.chat_template:
+        raise MoerunError(f"{path} has no chat template; use `moerun generate`")
+
+
+def _meta_model(path):
+    """The model as the loader builds it before reading any weight, on the meta device: from
+    config.json and the safetensors headers (an MTP head the checkpoint was stripped of is
+    dropped), or from a GGUF file's metadata. None where it cannot be built: the loader then
+    says why."""
+    from .loaders.gguf import is_gguf
+
+    if is_gguf(path):
+        from .loaders.gguf import GGUFFile, arch_of, config_of
+        from .models import build_on_meta, module_for
+
+        if not path.is_file():
+            return None
+        f = GGUFFile(path)
+        try:
+            cfg = config_of(f, arch_of(f))
+        finally:
+            f.close()
+        try:
+            module = module_for(cfg["model_type"])
+            return build_on_meta(module, module.ModelArgs.from_dict(cfg))
+        except (ValueError, TypeError, KeyError, IndexError, ArithmeticError):
+            return None
+    from .loaders.hf import open_model, plan_state
+
+    if not path.is_dir():
+        return None
+    _, _, net, ckpt, _, renames = open_model(path)
+    try:
+        plan_state(net, ckpt, renames)
+    finally:
+        ckpt.close()
+    return net
 
 
 def _load_model(a):
@@ -130,15 +239,23 @@ def _load_model(a):
 
 def _speculative(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, choices=["mtp"], help="self-speculative decoding with the model's MTP head")
-    p.add_argument("--draft-tokens", default="1", help="drafts per step: 1..4 or auto")
+    p.add_argument("--draft-tokens", default=None, help="drafts per step with --speculative: 1..4 or auto (default 1)")
     p.add_argument("--draft-vocab", default=None,
-                   help="draft among the first N token ids only (a cheaper MTP call on a large vocabulary)")
+                   help="with --speculative: draft among the first N token ids only (a cheaper MTP call on a "
+                        "large vocabulary)")
 
 
 def _spec_kwargs(a) -> dict:
+    from .engine.speculative import check_draft_tokens
+    from .errors import MoerunError
+
     if not a.speculative:
+        for flag, v in (("--draft-tokens", a.draft_tokens), ("--draft-vocab", a.draft_vocab)):
+            if v is not None:
+                raise MoerunError(f"{flag} sets speculative decoding: give --speculative mtp too")
         return {}
-    n = a.draft_tokens if a.draft_tokens == "auto" else _int_flag("--draft-tokens", a.draft_tokens)
+    n = a.draft_tokens or "1"
+    n = check_draft_tokens(n if n == "auto" else _int_flag("--draft-tokens", n))
     vocab = None if a.draft_vocab is None else _int_flag("--draft-vocab", a.draft_vocab, auto=False)
     return {"speculative": a.speculative, "draft_tokens": n, "draft_vocab": vocab}
 
@@ -171,12 +288,8 @@ def cmd_generate(a) -> int:
     s = llm.last_stats
     out.write("\n")
     out.flush()
-    timed = s.generated_tokens - s.decode_rows_started  # the first token comes out of the prompt's pass
-    print(
-        f"[prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | generated {s.generated_tokens} tok; "
-        f"decode timed over {timed} tok after the first, {s.decode_tok_s:.1f} tok/s | {a.threads or _threads()} threads]",
-        file=sys.stderr,
-    )
+    print(f"[prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | {_generated(s)} | "
+          f"{a.threads or _threads()} threads]", file=sys.stderr)
     if a.speculative:
         d = s.as_dict()
         print(f"[speculative: acceptance {d['acceptance_rate']:.2f}, {d['accepted_tokens_per_step']:.2f} tokens/step]", file=sys.stderr)
@@ -199,6 +312,20 @@ def _path_summary(d: dict) -> str:
     if d["native_stack_passes"]:
         return "one native call over the layer stack a step (every layer's halves native)"
     return f"the layers' modules, each half a native call where it can be: {d['why'] or 'no native stack'}"
+
+
+def _generated(s) -> str:
+    """The summary's account of the generated tokens: which were timed, at what rate. The
+    first token comes out of the prompt's pass and the first decode pass is the run's warm-up
+    (`GenerationStats.warmup_tokens`); neither counts in the rate."""
+    if not s.generated_tokens:
+        return "generated 0 tok"
+    parts = ["the first from the prompt's pass"]
+    if s.warmup_tokens:
+        parts.append(f"{s.warmup_tokens} in the warm-up pass")
+    parts.append(f"{s.timed_tokens} timed at {s.decode_tok_s:.1f} tok/s" if s.timed_tokens > 0
+                 else "too few to time the decode")
+    return f"generated {s.generated_tokens} tok: " + ", ".join(parts)
 
 
 def _decode_path_line(llm) -> str:
@@ -451,11 +578,12 @@ def cmd_predict_eval(a) -> int:
 
 def cmd_simulate(a) -> int:
     from .bench.simulate import simulate
+    from .errors import MoerunError
 
+    if a.trace and a.trace_flag:
+        raise MoerunError("give the trace once: moerun simulate TRACE.npz")
     trace = a.trace or a.trace_flag
     if trace is None:
-        from .errors import MoerunError
-
         raise MoerunError("simulate needs a trace: moerun simulate TRACE.npz (written by `moerun profile`)")
     simulate(trace, a.hardware, a.model_geometry, vram_gb=a.vram_gb, as_json=a.json)
     return 0
@@ -464,9 +592,11 @@ def cmd_simulate(a) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = _Parser(prog="moerun", description="Fast inference for sparse Mixture-of-Experts language models.")
+    p = _Parser(prog="moerun", description="Fast inference for sparse Mixture-of-Experts language models.",
+                epilog='try: moerun generate "def fibonacci(n):" (without -m, every command uses the bundled demo model)')
     p.add_argument("--version", action="version", version=f"moerun {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND",
+                           help="one of these; moerun COMMAND --help lists its options")
 
     g = sub.add_parser("generate", help="continue a prompt, streaming text")
     g.add_argument("prompt", help="the text to continue; - reads it from standard input")
@@ -537,7 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     si = sub.add_parser("simulate", help="replay a trace through a CPU+GPU+link model")
     si.add_argument("trace", nargs="?", default=None, help="a routing trace (.npz) written by `moerun profile`")
-    si.add_argument("--trace", dest="trace_flag", default=None, help=argparse.SUPPRESS)  # the older spelling
+    si.add_argument("--trace", dest="trace_flag", default=None, help=argparse.SUPPRESS)  # the older spelling, hidden
     si.add_argument("--hardware", default="pcie4+rtx4090", help="link + GPU preset to model, e.g. pcie4+rtx4090")
     si.add_argument("--model-geometry", default="qwen3.6-35b-a3b", help="the model whose shapes the trace is mapped onto")
     si.add_argument("--vram-gb", type=float, default=None, help="GPU memory for experts (default: the preset's)")

@@ -376,7 +376,7 @@ def simulate(trace, hardware_name: str = "pcie4+rtx4090", geometry_name: str = "
              vram_gb: float | None = None, link_gbps: float | None = None, link_latency_us: float | None = None,
              vram_gbps: float | None = None, bits: float | None = None, predictors=None, factor: float = 1.0, warmup: float = 0.2,
              max_tokens: int | None = 1000, as_json: bool = False, quiet: bool = False) -> dict:
-    """`moerun simulate --trace TRACE --hardware PRESET [--model-geometry PRESET] [--json]`.
+    """`moerun simulate TRACE --hardware PRESET [--model-geometry PRESET] [--json]`.
 
     Returns {policy: {"decode_tok_s", "compute_s", "transfer_s", "stall_s", ...}} (plus
     "_setup" describing the run); prints JSON with as_json, else a table."""

@@ -22,6 +22,10 @@ class GenerationStats:
     decode_s: float = 0.0
     decode_steps: int = 0
     decode_rows_started: int = 0  # rows whose first token came out of prefill
+    # the run's first decode pass is its warm-up (first use of the cache, the thread pool and
+    # the plans: several times a later pass); decode_s includes it, decode_tok_s does not
+    warmup_s: float = 0.0
+    warmup_tokens: int = 0  # tokens that came out of the warm-up pass (one per row in it)
     decode_path: dict | None = None  # how the run's decode passes ran (`layers.stack.decode_path`)
 
     @property
@@ -29,10 +33,15 @@ class GenerationStats:
         return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
+    def timed_tokens(self) -> int:
+        """The tokens decode_tok_s counts: neither a row's first (it comes out of prefill) nor
+        the warm-up pass's."""
+        return self.generated_tokens - self.decode_rows_started - self.warmup_tokens
+
+    @property
     def decode_tok_s(self) -> float:
-        # the first token comes out of prefill; decode speed counts the tokens after it
-        n = self.generated_tokens - self.decode_rows_started
-        return n / self.decode_s if self.decode_s > 0 else 0.0
+        s = self.decode_s - self.warmup_s
+        return self.timed_tokens / s if s > 0 and self.timed_tokens > 0 else 0.0
 
 
 @dataclass
@@ -181,6 +190,7 @@ def _decode(net, seqs: list[Sequence], eos_ids: set[int], stats: GenerationStats
                 s.finish_reason = "length"
         stats.decode_rows_started += len(active)
         slots = torch.tensor(active)
+        warm_up = True
         t0 = time.perf_counter()
         while active:
             tokens = []
@@ -204,6 +214,10 @@ def _decode(net, seqs: list[Sequence], eos_ids: set[int], stats: GenerationStats
             ids = long_ids([[t] for _, t in still])
             logits, hidden = forward(ids, slots)
             stats.decode_steps += 1
+            if warm_up:  # this run's first decode pass: timed apart
+                warm_up = False
+                stats.warmup_s += time.perf_counter() - t0
+                stats.warmup_tokens += len(active)
             for i, b in enumerate(active):
                 last[b] = logits[i]
                 hid[b] = hidden[i : i + 1] if hidden is not None else None
