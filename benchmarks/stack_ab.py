@@ -58,6 +58,7 @@ def demo(a) -> None:
 
 def random_30b(a) -> None:
     from moerun import kernels
+    from moerun.layers.attention import fuse_decode_attention
     from moerun.layers.cache import Cache
     from vs_llamacpp import build_model
 
@@ -65,7 +66,7 @@ def random_30b(a) -> None:
     torch.set_num_threads(a.threads)
     kernels.set_threads(None)
     kernels.split_threads(net, a.threads)
-    kernels.fuse_decode_attention(net)
+    fuse_decode_attention(net)
     prompt = torch.randint(300, args.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
     cache = Cache(net.cache_spec(), 1, 512 + 16, torch.bfloat16)
     plans, times = {}, {"stack": [], "modules": []}

@@ -5,7 +5,7 @@ of benchmarks/vs_llamacpp.py (random weights, quantized by a policy, built in me
         [--context 512] [--steps 30] [--dtype float32|bfloat16] [--no-fuse]
 
 Wall time per part, measured with forward hooks around each module while the model runs as
-moerun.load sets it up (kernels.split_threads; kernels.fuse_decode_attention unless
+moerun.load sets it up (kernels.split_threads; fuse_decode_attention unless
 --no-fuse): attention blocks (everything from the normed input to o_proj), routed experts,
 the router and the rest of each MoE block, the LM head, and what is left (embedding, norms,
 residual adds, Python). Weight-streaming parts also show GB/s: the bytes they read per token
@@ -24,6 +24,7 @@ import torch
 
 from moerun import kernels
 from moerun.layers.cache import Cache
+from moerun.layers.attention import fuse_decode_attention
 from moerun.layers.quantized import QuantizedExperts, QuantizedLinear
 from vs_llamacpp import build_model
 
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
         prm.data = prm.data.to(dtype)
     torch.set_num_threads(a.threads)
     kernels.split_threads(net, a.threads)
-    fused = 0 if a.no_fuse else kernels.fuse_decode_attention(net)
+    fused = 0 if a.no_fuse else fuse_decode_attention(net)
     print(f"{a.layers} layers, policy {a.row}, {a.dtype}, {a.threads} threads, kernels {kernels.isa()}, "
           f"{fused} attention blocks fused", file=sys.stderr)
     prompt = torch.randint(300, args.vocab_size, (1, a.context), generator=torch.Generator().manual_seed(0))

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from moerun.layers.cache import Cache, KVSpec
 from moerun.layers.attention import attend, decode_attention
+from moerun.layers.attention import fuse_decode_attention
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -141,7 +142,7 @@ NATIVE = [i for i in kernels.available_isas() if i != "torch"]
 
 def _variant_net(arch: str, tmp_path, dtype: str, quant):
     """A tiny random model of `arch` (test_stack_archs.ARCHS) loaded with its attention modules'
-    own forward (the torch reference); fused again by `kernels.fuse_decode_attention`."""
+    own forward (the torch reference); fused again by `fuse_decode_attention`."""
     import moerun
     from test_stack_archs import ARCHS
 
@@ -187,7 +188,7 @@ def test_fused_attention_variants_match_the_module(isa, arch, dtype, quant, tol,
     attn = net.model.layers[0].self_attn
     with torch.inference_mode(), kernels.use_isa(isa):
         want, want_cache = _variant_run(net, kv)
-        assert kernels.fuse_decode_attention(net) == len(net.model.layers)
+        assert fuse_decode_attention(net) == len(net.model.layers)
         variants = kernels.attn_plan(attn)[3]
         assert set(variants) == {"qwen2_moe": {"qkv_bias"}, "qwen2_moe-window": {"qkv_bias", "window"},
                                  "olmoe": set(), "mixtral-window": {"window"}}[arch]

@@ -24,6 +24,8 @@ import torch
 from moerun import kernels
 from moerun.kernels.reference import expert_mlp
 from moerun.layers.moe import Experts
+from moerun.layers.attention import fuse_decode_attention
+from moerun.layers.linear import native_float_linears
 from moerun.kernels import formats
 from moerun.layers.quantized import QuantizedExperts, QuantizedLinear
 
@@ -483,7 +485,7 @@ def test_attn_decode_bad_shapes_and_fallbacks():
                                                              (16, torch.bfloat16, 6e-2, 0.1)])
 @pytest.mark.parametrize("quant", ["int4", "none"])
 def test_fused_decode_attention_matches_the_module(isa, head_dim, dtype, tol, cache_tol, quant):
-    """kernels.fuse_decode_attention: decode steps and a few-token pass through the native
+    """fuse_decode_attention: decode steps and a few-token pass through the native
     attention block give the module's own logits and leave the same keys and values in the
     cache (bf16: within
     bf16 rounding: the block keeps q and k in float32 where the module rounds them after
@@ -514,8 +516,8 @@ def test_fused_decode_attention_matches_the_module(isa, head_dim, dtype, tol, ca
     keys = list(net.state_dict())
     with torch.inference_mode(), kernels.use_isa(isa):
         want, want_cache = run()
-        assert kernels.fuse_decode_attention(net) == 2
-        assert kernels.fuse_decode_attention(net) == 0  # already wrapped
+        assert fuse_decode_attention(net) == 2
+        assert fuse_decode_attention(net) == 0  # already wrapped
         got, got_cache = run()
         batch = net(ids[:, :3].repeat(2, 1))  # uncached batch of two: the module's forward
     assert got.dtype == want.dtype == dtype
@@ -535,13 +537,13 @@ def test_fused_decode_attention_skips_mixed_and_biased_modules():
     attn = net.model.layers[0].self_attn
     attn.o_proj = QuantizedLinear.from_linear(attn.o_proj, "int8")  # one packed projection among float ones
     attn.q_proj.register_forward_hook(lambda *a: None)  # and a hooked float projection
-    assert kernels.fuse_decode_attention(net) == (1 if kernels.isa() != "torch" else 0)  # only layer 1
+    assert fuse_decode_attention(net) == (1 if kernels.isa() != "torch" else 0)  # only layer 1
     net = tiny_model()
     quantize_model(net, "int4")
     # a biased q/k/v projection fuses (the block adds the bias: Qwen2-MoE); a biased o_proj does not
     net.model.layers[0].self_attn.o_proj.bias = torch.zeros(net.model.layers[0].self_attn.o_proj.out_features)
     net.model.layers[1].self_attn.q_proj.bias = torch.zeros(net.model.layers[1].self_attn.q_proj.out_features)
-    assert kernels.fuse_decode_attention(net) == (1 if kernels.isa() != "torch" else 0)
+    assert fuse_decode_attention(net) == (1 if kernels.isa() != "torch" else 0)
     assert "_unfused_forward" in net.model.layers[1].self_attn.__dict__ or kernels.isa() == "torch"
 
 
@@ -666,7 +668,7 @@ def test_fused_decode_attention_gated(isa, tmp_path):
 
     with torch.inference_mode(), kernels.use_isa(isa):
         want, want_cache = run()
-        assert kernels.fuse_decode_attention(net) == sum(t == "full_attention" for t in net.args.layer_types)
+        assert fuse_decode_attention(net) == sum(t == "full_attention" for t in net.args.layer_types)
         got, got_cache = run()
     assert max_rel(got, want) < 1e-4
     for a, b in zip(got_cache.layers, want_cache.layers):
@@ -1134,8 +1136,8 @@ def test_native_float_linears(dtype):
     net = torch.nn.Sequential(torch.nn.Linear(40, 24, bias=False), torch.nn.Linear(24, 8), torch.nn.Linear(8, 8, bias=False))
     net.to(dtype)
     net[2].register_forward_pre_hook(lambda *a: None)
-    assert kernels.native_float_linears(net) == 1  # the biased and the hooked ones are left alone
-    assert kernels.native_float_linears(net) == 0  # already wrapped
+    assert native_float_linears(net) == 1  # the biased and the hooked ones are left alone
+    assert native_float_linears(net) == 0  # already wrapped
     lin = net[0]
     seen = []
     lin.register_forward_hook(lambda m, a, o: seen.append(o.shape))

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import kernels
 from ..layers.moe import Experts
+from ..layers.linear import native_float_linears
 
 
 class ExpertTracker:
@@ -156,7 +156,7 @@ def draft_head(lm_head: torch.nn.Module, n: int) -> torch.nn.Module:
         sub.weight = torch.nn.Parameter(lm_head.weight.detach()[:n], requires_grad=False)
         if lm_head.bias is not None:
             sub.bias = torch.nn.Parameter(lm_head.bias.detach()[:n], requires_grad=False)
-        kernels.native_float_linears(sub)  # as the head itself runs (`LLM` wraps the net's)
+        native_float_linears(sub)  # as the head itself runs (`LLM` wraps the net's)
         return sub
     return _FirstRows(lm_head, n)
 

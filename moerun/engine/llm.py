@@ -11,6 +11,8 @@ import torch
 
 from .. import kernels
 from ..errors import MoerunError
+from ..layers.attention import fuse_decode_attention
+from ..layers.linear import native_float_linears
 from .generate import GenerationStats, Sequence, run
 from .sampling import SamplingParams
 
@@ -93,8 +95,8 @@ class LLM:
         self.generation_config = generation_config
         self.last_stats = GenerationStats()
         kernels.split_threads(net)  # torch's small decode ops on one thread while native kernels run
-        kernels.fuse_decode_attention(net)  # ... and each attention block's decode step one native call
-        kernels.native_float_linears(net)  # ... and each other float linear's
+        fuse_decode_attention(net)  # ... and each attention block's decode step one native call
+        native_float_linears(net)  # ... and each other float linear's
 
     @classmethod
     def load(cls, path=None, dtype="auto", threads: int | None = None, quant: str | None = None,

@@ -944,95 +944,7 @@ def deltanet_block(x: torch.Tensor, norm: tuple, proj: tuple, out_proj: Packed, 
 
 # -- fused decode attention ----------------------------------------------------------------
 
-def fuse_decode_attention(net: torch.nn.Module) -> int:
-    """Run the few-token passes of one row (a decode step, a speculative verification pass of
-    up to FUSED_MAX_TOKENS) of each attention module that declares `fused_decode = True` as
-    one native call (`attn_block_decode`: q/k/v projections on one pool job, per-head q/k
-    norms, rope, the cache writes, each token's attention, the output gate where the module
-    says `output_gate = True`, o projection), instead of ~40 small torch ops and five native
-    calls. float32 or bf16 models and caches; between the projections it computes in float32
-    (a bf16 model's own forward rounds q and k to bf16 on the way). The module keeps its own
-    forward for everything else (prefill, batches, int8 caches) and its
-    weights and state_dict are untouched: only the instance's forward is wrapped. Applies
-    where q/k/v/o are all QuantizedLinear or all float linears (float32 or bf16 weights read
-    as they are, `plain_float_linear` but for q/k/v's biases; without autograd), o_proj
-    without bias, and q_norm/k_norm (if any) are per-head RMSNorms ([head_dim]) or RMSNorms
-    across all heads (OLMoE: [heads * head_dim] and [kv heads * head_dim]); returns how many
-    modules it wrapped. The variants the native block takes, each from the module: q/k/v
-    biases (Qwen2-MoE), norms across heads (OLMoE) and a sliding window (`window`: Mixtral,
-    Qwen2-MoE's windowed layers). The native layer stack needs it
-    (its attention half is this call): 4 Qwen3-30B-A3B-shaped int4 layers, 2 threads on the
-    Zen 4 EPYC (family 25 model 17), decode 54.5 tok/s with it against 46.6 without (median of 3 interleaved
-    rounds, 2026-12-03, docs/benchmarks.md)."""
-    if _native() is None:
-        return 0
-    from ..layers.linear import plain_float_linear
-    from ..layers.quantized import QuantizedLinear
-
-    n = 0
-    for m in net.modules():
-        if not getattr(m, "fused_decode", False) or hasattr(m, "_unfused_forward"):
-            continue
-        projs = [getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        if not (all(isinstance(p, QuantizedLinear) for p in projs) and projs[3].bias is None
-                or plain_float_linear(projs[3]) and all(plain_float_linear(p) or _biased_float_linear(p)
-                                                        for p in projs[:3])):
-            continue
-        norms = [getattr(m, name, None) for name in ("q_norm", "k_norm")]
-        per_head = all(nm is None or nm.weight.numel() == m.head_dim for nm in norms)
-        across = all(nm is not None for nm in norms) and norms[0].weight.numel() == m.n_heads * m.head_dim \
-            and norms[1].weight.numel() == getattr(m, "n_kv", -1) * m.head_dim
-        if not (per_head or across):
-            continue
-        m._unfused_forward = m.forward
-        m._fused_eps = float(getattr(getattr(m, "q_norm", None), "eps", 1e-6))
-        m._fused_gate = bool(getattr(m, "output_gate", False))
-        m.forward = _fused_forward.__get__(m)
-        n += 1
-    return n
-
-
-def _biased_float_linear(lin: torch.nn.Module) -> bool:
-    """A float32 or bf16 `nn.Linear` with a bias [out] and no hooks, its weight contiguous in
-    CPU memory: a fused attention's q/k/v projection whose bias the native block adds."""
-    if type(lin) is not torch.nn.Linear:
-        return False
-    w, b = lin._parameters.get("weight"), lin._parameters.get("bias")
-    return (w is not None and b is not None and w.dtype in FLOAT_DTYPES and b.dtype in FLOAT_DTYPES and w.is_cpu
-            and b.is_cpu and w.is_contiguous() and b.shape == (w.shape[0],) and not has_hooks(lin))
-
-
-def fused_attention_applies(x: torch.Tensor, kv) -> bool:
-    """Whether a fused attention (`fuse_decode_attention`) takes this pass natively: rows of at
-    most FUSED_MAX_TOKENS tokens (a decode step or a verification pass; a batch's rows each
-    computed as they would be alone: `attn_block_rows`), a float32 or bf16 KV cache, no autograd."""
-    B, T, _ = x.shape
-    return (T <= FUSED_MAX_TOKENS and (B == 1 or B * T <= FUSED_MAX_ROWS) and type(kv) is _kv_cache_class()
-            and kv.k.dtype in FLOAT_DTYPES and kv.k.is_contiguous() and _native() is not None
-            and not torch.is_grad_enabled())
-
-
 FUSED_MAX_ROWS = 64  # a batch's tokens through `attn_block_rows` (the server's widest batches' decode steps)
-
-
-def _fused_forward(self, x, cos_sin, kv, slots, pos0, norm=None, plan=None):
-    """The fused attention's forward; with `norm` (`layers.attention.attn_residual`, which
-    checks that it may), x + this attention of norm(x) in the same call. `plan`: the call's
-    (`attn_plan`, `half_norm_args` of norm or ()) where the caller has them (a run's, with
-    the checks made: `run_plan`)."""
-    if plan is None:
-        if not fused_attention_applies(x, kv):
-            return self._unfused_forward(x, cos_sin, kv, slots, pos0)
-        plan = fused_call_plan(self, norm)
-    B, T, H = x.shape
-    if B > 1:  # a batch: row b's tokens at its own slot and positions pos0[b], pos0[b] + 1, ...
-        if T > 1:
-            slots, pos0 = slots.repeat_interleave(T), (pos0[:, None] + torch.arange(T)).reshape(B * T)
-        return attn_block_rows_run(x.reshape(B * T, H), plan[0], _rope_rows(cos_sin, B * T), kv, slots, pos0,
-                                   plan[1]).view(B, T, H).to(x.dtype)
-    s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
-    return attn_block_run(x.reshape(T, H), plan[0], _rope_rows(cos_sin, T), _cache_slot(kv, s), p,
-                          plan[1]).view(1, T, H).to(x.dtype)
 
 
 def fused_call_plan(attn, norm=None) -> tuple:
@@ -1113,17 +1025,6 @@ def _fused_args(attn) -> tuple:
             (attn.n_heads, float(attn.scale)), attn._fused_gate, variants)
 
 
-def _kv_cache_class():
-    """engine.cache.KVCache (imported on first use: the engine imports this module; an import
-    statement in the decode path costs ~10 us a call on the machines we measure)."""
-    cls = _state.get("KVCache")
-    if cls is None:
-        from ..layers.cache import KVCache as cls
-
-        _state["KVCache"] = cls
-    return cls
-
-
 def _norm_weight(norm):
     """A per-head RMSNorm's effective float32 weight (1 + w when zero-centred) as the fused
     attention takes it (kept on the norm: `native_views`), an empty one for none."""
@@ -1154,39 +1055,6 @@ def _cache_slot(kv, s: int) -> tuple:
     if got is None or got[0] != (kv.k.data_ptr(), kv.v.data_ptr()):
         got = views[s] = ((kv.k.data_ptr(), kv.v.data_ptr()), _np(kv.k[s]), _np(kv.v[s]))
     return got[1], got[2]
-
-
-def native_float_linears(net: torch.nn.Module) -> int:
-    """Run each plain float linear's few-row calls (`layers.linear.plain_float_linear`:
-    float32 or bf16 weight, no bias, no hooks when wrapped; at most FLOAT_LINEAR_MAX_TOKENS
-    rows, or any number of bf16 rows where torch's bf16 GEMM is slow (`float_native_rows`),
-    no autograd) as one native call over its weight as it is (`qlinear_multi` with
-    `float_packed`), where torch's bf16 product of one row costs ~0.2 ms on a CPU without
-    bf16 arithmetic. Other calls, and the module's weights and state_dict, are untouched:
-    only the instance's forward is wrapped (hooks still see every call). Returns how many
-    modules it wrapped. On 4 Qwen3-30B-A3B-shaped int4 layers (whose float linears are only
-    the routers, inside the native MoE call) decode was 54.5 tok/s with it against 52.3
-    without (median of 3 interleaved rounds, per-round ratios 0.79 / 0.96 / 1.00: within
-    this shared machine's noise, 2026-12-03); what it is for is a bf16 model's one-row
-    products, where torch's bf16 GEMM is slow."""
-    if _native() is None:
-        return 0
-    from ..layers.linear import plain_float_linear
-
-    n = 0
-    for m in net.modules():
-        if type(m) is torch.nn.Linear and plain_float_linear(m) and "forward" not in m.__dict__:
-            m.forward = float_linear_forward.__get__(m)
-            n += 1
-    return n
-
-
-def float_linear_forward(self, x):
-    w = self._parameters["weight"]
-    if (x.dtype != w.dtype or not float_native_rows(x) or not w.is_cpu or self.bias is not None
-            or _native() is None):
-        return F.linear(x, w, self.bias)
-    return qlinear_multi(x, [float_linear_views(self)], dtype=x.dtype)[0]
 
 
 FUSED_MAX_TOKENS = 5  # a decode step, or a speculative verification pass of up to 4 drafts

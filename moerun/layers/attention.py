@@ -1,4 +1,6 @@
-"""Scaled dot-product attention over a preallocated cache, for any batch of slots."""
+"""Scaled dot-product attention over a preallocated cache, for any batch of slots; and, at load,
+the fused native decode call in place of an attention module's few-token forward
+(`fuse_decode_attention`)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from .cache import KVCache
+from .linear import plain_float_linear
 from .norm import RMSNorm
+from .quantized import QuantizedLinear
 
 
 def attend(
@@ -80,8 +85,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 def attn_residual(x, norm, attn, cos_sin, kv, slots, pos0, plans=None) -> torch.Tensor:
     """x + attn(norm(x), cos_sin, kv, slots, pos0): a decoder layer's first half. Where the
-    attention's decode passes are fused (`kernels.fuse_decode_attention`) and this pass is
-    one of them (`kernels.fused_attention_applies`), the norm and the residual add join the
+    attention's decode passes are fused (`fuse_decode_attention`) and this pass is
+    one of them (`fused_attention_applies`), the norm and the residual add join the
     same native call: bit-identical to the modules one by one, which run otherwise (and
     whenever the norm or the attention has hooks). `plans`: a run's (`kernels.run_plan`)."""
     plan = kernels.run_plan(plans, attn, (x.shape, x.dtype, kv), lambda: _half_plan(x, norm, attn, kv))
@@ -99,4 +104,91 @@ def attn_half_fuses(x, norm, attn, kv) -> bool:
     """Whether x + attn(norm(x)) runs as one native call (`attn_residual`): a fused attention
     that takes this pass, an RMSNorm of x's dtype, no hooks on either."""
     return (type(norm) is RMSNorm and norm.weight.dtype == x.dtype and "_unfused_forward" in attn.__dict__
-            and kernels.fused_attention_applies(x, kv) and not kernels.has_hooks(attn, norm))
+            and fused_attention_applies(x, kv) and not kernels.has_hooks(attn, norm))
+
+
+# -- at load: the fused decode call in place of an attention module's few-token forward ----
+
+def fuse_decode_attention(net: torch.nn.Module) -> int:
+    """Run the few-token passes (a decode step, a speculative verification pass of up to
+    kernels.FUSED_MAX_TOKENS a row; one row or a batch) of each attention module that declares `fused_decode = True` as
+    one native call (`attn_block_decode`: q/k/v projections on one pool job, per-head q/k
+    norms, rope, the cache writes, each token's attention, the output gate where the module
+    says `output_gate = True`, o projection), instead of ~40 small torch ops and five native
+    calls. float32 or bf16 models and caches; between the projections it computes in float32
+    (a bf16 model's own forward rounds q and k to bf16 on the way). The module keeps its own
+    forward for everything else (prefill, int8 caches) and its
+    weights and state_dict are untouched: only the instance's forward is wrapped. Applies
+    where q/k/v/o are all QuantizedLinear or all float linears (float32 or bf16 weights read
+    as they are, `plain_float_linear` but for q/k/v's biases; without autograd), o_proj
+    without bias, and q_norm/k_norm (if any) are per-head RMSNorms ([head_dim]) or RMSNorms
+    across all heads (OLMoE: [heads * head_dim] and [kv heads * head_dim]); returns how many
+    modules it wrapped. The variants the native block takes, each from the module: q/k/v
+    biases (Qwen2-MoE), norms across heads (OLMoE) and a sliding window (`window`: Mixtral,
+    Qwen2-MoE's windowed layers). The native layer stack needs it
+    (its attention half is this call): 4 Qwen3-30B-A3B-shaped int4 layers, 2 threads on the
+    Zen 4 EPYC (family 25 model 17), decode 54.5 tok/s with it against 46.6 without (median of 3 interleaved
+    rounds, 2026-12-03, docs/benchmarks.md)."""
+    if kernels._native() is None:
+        return 0
+    n = 0
+    for m in net.modules():
+        if not getattr(m, "fused_decode", False) or hasattr(m, "_unfused_forward"):
+            continue
+        projs = [getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if not (all(isinstance(p, QuantizedLinear) for p in projs) and projs[3].bias is None
+                or plain_float_linear(projs[3]) and all(plain_float_linear(p) or _biased_float_linear(p)
+                                                        for p in projs[:3])):
+            continue
+        norms = [getattr(m, name, None) for name in ("q_norm", "k_norm")]
+        per_head = all(nm is None or nm.weight.numel() == m.head_dim for nm in norms)
+        across = all(nm is not None for nm in norms) and norms[0].weight.numel() == m.n_heads * m.head_dim \
+            and norms[1].weight.numel() == getattr(m, "n_kv", -1) * m.head_dim
+        if not (per_head or across):
+            continue
+        m._unfused_forward = m.forward
+        m._fused_eps = float(getattr(getattr(m, "q_norm", None), "eps", 1e-6))
+        m._fused_gate = bool(getattr(m, "output_gate", False))
+        m.forward = _fused_forward.__get__(m)
+        n += 1
+    return n
+
+
+def _biased_float_linear(lin: torch.nn.Module) -> bool:
+    """A float32 or bf16 `nn.Linear` with a bias [out] and no hooks, its weight contiguous in
+    CPU memory: a fused attention's q/k/v projection whose bias the native block adds."""
+    if type(lin) is not torch.nn.Linear:
+        return False
+    w, b = lin._parameters.get("weight"), lin._parameters.get("bias")
+    return (w is not None and b is not None and w.dtype in kernels.FLOAT_DTYPES and b.dtype in kernels.FLOAT_DTYPES and w.is_cpu
+            and b.is_cpu and w.is_contiguous() and b.shape == (w.shape[0],) and not kernels.has_hooks(lin))
+
+
+def fused_attention_applies(x: torch.Tensor, kv) -> bool:
+    """Whether a fused attention (`fuse_decode_attention`) takes this pass natively: rows of at
+    most FUSED_MAX_TOKENS tokens (a decode step or a verification pass; a batch's rows each
+    computed as they would be alone: `attn_block_rows`), a float32 or bf16 KV cache, no autograd."""
+    B, T, _ = x.shape
+    return (T <= kernels.FUSED_MAX_TOKENS and (B == 1 or B * T <= kernels.FUSED_MAX_ROWS) and type(kv) is KVCache
+            and kv.k.dtype in kernels.FLOAT_DTYPES and kv.k.is_contiguous() and kernels._native() is not None
+            and not torch.is_grad_enabled())
+
+
+def _fused_forward(self, x, cos_sin, kv, slots, pos0, norm=None, plan=None):
+    """The fused attention's forward; with `norm` (`layers.attention.attn_residual`, which
+    checks that it may), x + this attention of norm(x) in the same call. `plan`: the call's
+    (`attn_plan`, `half_norm_args` of norm or ()) where the caller has them (a run's, with
+    the checks made: `run_plan`)."""
+    if plan is None:
+        if not fused_attention_applies(x, kv):
+            return self._unfused_forward(x, cos_sin, kv, slots, pos0)
+        plan = kernels.fused_call_plan(self, norm)
+    B, T, H = x.shape
+    if B > 1:  # a batch: row b's tokens at its own slot and positions pos0[b], pos0[b] + 1, ...
+        if T > 1:
+            slots, pos0 = slots.repeat_interleave(T), (pos0[:, None] + torch.arange(T)).reshape(B * T)
+        return kernels.attn_block_rows_run(x.reshape(B * T, H), plan[0], kernels._rope_rows(cos_sin, B * T), kv, slots, pos0,
+                                   plan[1]).view(B, T, H).to(x.dtype)
+    s, p = int(slots[0]), int(pos0[0])  # the binding refuses a position outside the cache
+    return kernels.attn_block_run(x.reshape(T, H), plan[0], kernels._rope_rows(cos_sin, T), kernels._cache_slot(kv, s), p,
+                          plan[1]).view(1, T, H).to(x.dtype)

@@ -83,7 +83,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = a.head_dim**-0.5
         self.window = a.sliding_window
-        # the fused native decode call (`kernels.fuse_decode_attention`) takes the window too
+        # the fused native decode call (`layers.attention.fuse_decode_attention`) takes the window too
         self.fused_decode = True
         self.q_proj = nn.Linear(a.hidden_size, self.n_heads * a.head_dim, bias=False)
         self.k_proj = nn.Linear(a.hidden_size, self.n_kv * a.head_dim, bias=False)

@@ -68,7 +68,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = a.head_dim**-0.5
         self.clip = a.clip_qkv
-        # the fused native decode call (`kernels.fuse_decode_attention`: its q/k norms across
+        # the fused native decode call (`layers.attention.fuse_decode_attention`: its q/k norms across
         # all heads) clips nothing: only without clip_qkv
         self.fused_decode = a.clip_qkv is None
         self.q_proj = nn.Linear(a.hidden_size, self.n_heads * a.head_dim, bias=a.attention_bias)

@@ -110,7 +110,7 @@ def attend_window(q, k, v, kv, slots, pos0, scale, window: int | None):
 
 class Attention(nn.Module):
     # its forward over a few tokens of one row, or a batch's decode step, is what
-    # kernels.fuse_decode_attention's native block computes (with the q/k/v biases and the
+    # layers.attention.fuse_decode_attention's native block computes (with the q/k/v biases and the
     # layer's window)
     fused_decode = True
 

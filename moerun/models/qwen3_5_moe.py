@@ -132,7 +132,7 @@ class ModelArgs(BaseModelArgs):
 class Attention(nn.Module):
     """GQA with per-head zero-centred q/k norm, partial rotary and a sigmoid output gate."""
 
-    # its forward over a few tokens of one row is what kernels.fuse_decode_attention's native
+    # its forward over a few tokens of one row is what layers.attention.fuse_decode_attention's native
     # block computes, with the output gate (q_proj gives each head's query then its gate)
     fused_decode = True
     output_gate = True

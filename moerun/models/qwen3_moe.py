@@ -65,7 +65,7 @@ class ModelArgs(BaseModelArgs):
 
 
 class Attention(nn.Module):
-    # its forward over a few tokens of one row is what kernels.fuse_decode_attention's native
+    # its forward over a few tokens of one row is what layers.attention.fuse_decode_attention's native
     # block computes
     fused_decode = True
 
