@@ -203,7 +203,7 @@ def test_fused_attention_variants_match_the_module(isa, arch, dtype, quant, tol,
 @pytest.mark.skipif(not NATIVE, reason="needs the native extension")
 def test_attn_block_variants_refuse_bad_arguments():
     """The variants' arguments are checked: one line each."""
-    from moerun.quant import formats
+    from moerun.kernels import formats
 
     nat = kernels._native()
     H, Hq, Hkv, D = 64, 4, 2, 16
