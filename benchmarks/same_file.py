@@ -4,10 +4,10 @@
                                    [--prompt 512] [--gen 128] [--json OUT]
 
 Per round, file and thread count: `moerun bench -m FILE --threads T --prompt-tokens P
---gen-tokens G --json` and `llama-bench -m FILE -p P -n G -t T -r 1 -o json` (the native
-build of benchmarks/llamacpp.py), in alternating order from round to round. moerun decodes
-its G tokens after the P-token prompt (context P .. P + G); llama-bench's tg runs from an
-empty context. It prints, per file: the tensor types' bytes read per decoded token (the
+--gen-tokens G --json` and `llama-bench -m FILE -p P -n 0 -t T -r 1 -o json` plus
+`llama-bench -m FILE -p 0 -n G -d P -t T -r 1 -o json` (the native build of
+benchmarks/llamacpp.py), in alternating order from round to round. Both engines decode their
+G tokens after P tokens of context (moerun after its timed prompt, llama-bench with -d P). It prints, per file: the tensor types' bytes read per decoded token (the
 routed experts' top-k share, the embedding's one row; from the file, as
 vs_llamacpp.gguf_bytes_per_token) and, per thread count, the median and range of each
 engine's prefill and decode tok/s, their ratio, and the bytes per second each decode reads
@@ -73,14 +73,15 @@ def run_moerun(path: Path, threads: int, prompt: int, gen: int) -> dict:
 def run_llama(path: Path, threads: int, prompt: int, gen: int) -> dict:
     import llamacpp
 
-    cmd = [str(llamacpp.tool("llama-bench")), "-m", str(path), "-p", str(prompt), "-n", str(gen), "-t", str(threads),
-           "-r", "1", "-o", "json"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"error: llama-bench failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    bench = str(llamacpp.tool("llama-bench"))
     out = {}
-    for t in json.loads(r.stdout):
-        out["pp" if t["n_gen"] == 0 else "tg"] = float(t["avg_ts"])
+    for args in (["-p", str(prompt), "-n", "0"], ["-p", "0", "-n", str(gen), "-d", str(prompt)]):
+        cmd = [bench, "-m", str(path), *args, "-t", str(threads), "-r", "1", "-o", "json"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"error: llama-bench failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        for t in json.loads(r.stdout):
+            out["pp" if t["n_gen"] == 0 else "tg"] = float(t["avg_ts"])
     return out
 
 
