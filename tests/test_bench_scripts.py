@@ -108,3 +108,10 @@ def test_vs_llamacpp_small_model_bytes_and_moerun_turn(tmp_path):
     tok = bench.MoerunRunner(llm, plan).turn()
     assert set(tok) == {"pp16/t2", "tg3@d0/t2", "tg3@d8/t2", "pp16/t1", "tg3@d0/t1", "tg3@d8/t1"}
     assert all(v > 0 for v in tok.values())
+
+
+def test_same_file_benchmark_names_a_missing_file_in_one_line(tmp_path):
+    r = subprocess.run([sys.executable, str(BENCH / "same_file.py"), str(tmp_path / "none.gguf")],
+                       capture_output=True, text=True, cwd=BENCH)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [f"error: {tmp_path / 'none.gguf'}: no such file"]

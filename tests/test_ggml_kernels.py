@@ -114,6 +114,29 @@ def test_qlinear_raw(isa, fmt, M):
     assert max_rel(kernels.qlinear_ref(x, raw, scales, fmt, K), ref) < 1e-5
 
 
+X86 = [i for i in NATIVE if i != "generic"]
+
+
+@pytest.mark.skipif(len(X86) < 2, reason="needs two x86 kernel tables")
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("M", [1, 2, 5, 13])
+def test_k_quants_same_bits_on_every_x86_table(fmt, M):
+    """The AVX-512 tables' K-quant kernel (quants gathered into the activations' lane order)
+    adds the same integer sums and takes the same float steps as the 256-bit transposing
+    kernel of the AVX2 tables: the same bits, at every token count."""
+    K, N = 4 * 256, 45
+    raw = random_raw(fmt, (N,), K, seed=M + 100)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M + 100))
+    scales = torch.empty(N, 0, dtype=torch.float16)
+    ys = {}
+    for isa in X86:
+        with kernels.use_isa(isa):
+            ys[isa] = kernels.qlinear(x, raw, scales, fmt, K)
+    assert max_rel(ys[X86[0]], ref_linear(x, fmt, raw, K)) < 1e-5
+    for isa in X86[1:]:
+        assert torch.equal(ys[isa], ys[X86[0]]), isa
+
+
 @pytest.mark.parametrize("isa", NATIVE)
 def test_qlinear_multi_mixed_formats(isa):
     """One call over weights in several formats (a raw one beside int4)."""
