@@ -244,3 +244,14 @@ def test_bfloat16_runs_close_to_float32(tmp_path):
     assert llm.net.model.layers[1].mlp.experts.gate_proj.dtype == torch.bfloat16
     assert rel_err(llm.forward(ids), full) < 0.05
     assert len(llm.generate_ids([ids[0].tolist(), ids[1, :4].tolist()], max_tokens=4, temperature=0.0)[1]) == 4
+
+
+def test_the_decode_path_says_why_the_modules_run(tmp_path):
+    """DeepSeek-V3 has no native layer halves yet: a run's decode path counts its passes as the
+    modules' and says why (what `generate --verbose`, `bench --json` and `info` show)."""
+    llm = save_and_load(make_reference(), tmp_path)
+    llm.generate_ids([[1, 2, 3]], max_tokens=4, temperature=0.0)
+    path = llm.last_stats.decode_path
+    # the three-token prompt (decode-sized, as every model counts it) and three steps
+    assert path["native_stack_passes"] == 0 and path["module_passes"] == 4
+    assert "DeepSeek-V3" in path["why"] and "MLA" in path["why"]

@@ -59,7 +59,6 @@ def passes(net, dtype, plans):
 def test_a_run_with_plans_gives_the_same_bits(arch, dtype, qwen35_path, qwen3_path, monkeypatch):
     llm = moerun.load(qwen35_path if arch == "qwen3_5_moe" else qwen3_path, dtype=dtype, threads=2)
     net = llm.net
-    assert net.takes_plans
     checks = []
     real = moe_layer.moe_fusable
     monkeypatch.setattr(moe_layer, "moe_fusable", lambda *a: checks.append(1) or real(*a))

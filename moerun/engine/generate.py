@@ -139,10 +139,10 @@ def long_ids(rows: list[list[int]]) -> torch.Tensor:
 
 
 def run_plans(net) -> dict:
-    """Keyword arguments for the forwards of one generation run: a new `plans` dict where the
-    model takes one (`takes_plans`: its layer halves' checks made once a run,
-    `kernels.run_plan`), else none."""
-    return {"plans": {}} if getattr(net, "takes_plans", False) else {}
+    """Keyword arguments for the forwards of one generation run: a new `plans` dict (its layer
+    halves' checks made once a run, `kernels.run_plan`; how its decode passes ran,
+    `layers.stack.decode_path`). Every model's forward takes one."""
+    return {"plans": {}}
 
 
 def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats: GenerationStats | None = None,

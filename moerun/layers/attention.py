@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .. import kernels
 from .cache import KVCache
@@ -109,9 +110,23 @@ def attn_half_fuses(x, norm, attn, kv) -> bool:
 
 # -- at load: the fused decode call in place of an attention module's few-token forward ----
 
+class FusedAttention(nn.Module):
+    """An attention module whose few-token forward the fused native block computes
+    (`fuse_decode_attention`): it holds q_proj, k_proj, v_proj, o_proj, optionally q_norm and
+    k_norm, and n_heads, head_dim, scale (and n_kv for norms across heads). `output_gate`: q_proj
+    gives each head's query then its sigmoid output gate (Qwen3.5); `window`: a sliding window
+    or None. `fusable()` says whether this instance's settings are all the block's."""
+
+    output_gate = False
+    window = None
+
+    def fusable(self) -> bool:
+        return True
+
+
 def fuse_decode_attention(net: torch.nn.Module) -> int:
     """Run the few-token passes (a decode step, a speculative verification pass of up to
-    kernels.FUSED_MAX_TOKENS a row; one row or a batch) of each attention module that declares `fused_decode = True` as
+    kernels.FUSED_MAX_TOKENS a row; one row or a batch) of each `FusedAttention` whose settings it takes as
     one native call (`attn_block_decode`: q/k/v projections on one pool job, per-head q/k
     norms, rope, the cache writes, each token's attention, the output gate where the module
     says `output_gate = True`, o projection), instead of ~40 small torch ops and five native
@@ -133,7 +148,7 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
         return 0
     n = 0
     for m in net.modules():
-        if not getattr(m, "fused_decode", False) or hasattr(m, "_unfused_forward"):
+        if not isinstance(m, FusedAttention) or not m.fusable() or hasattr(m, "_unfused_forward"):
             continue
         projs = [getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
         if not (all(isinstance(p, QuantizedLinear) for p in projs) and projs[3].bias is None
@@ -148,7 +163,7 @@ def fuse_decode_attention(net: torch.nn.Module) -> int:
             continue
         m._unfused_forward = m.forward
         m._fused_eps = float(getattr(getattr(m, "q_norm", None), "eps", 1e-6))
-        m._fused_gate = bool(getattr(m, "output_gate", False))
+        m._fused_gate = bool(m.output_gate)
         m.forward = _fused_forward.__get__(m)
         n += 1
     return n

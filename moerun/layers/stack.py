@@ -104,11 +104,19 @@ def decode_path(plans: dict | None) -> dict:
     """How a run's decode-sized passes ran: {"native_stack_passes", "module_passes", "why"}:
     how many went through the layer stack as one native call, how many through the layers'
     modules (each half still a native call where it can be), and the last reason the stack
-    stepped aside. A model without plans (`takes_plans`) has no native stack."""
+    stepped aside. A run without plans (a forward called on its own) has no native stack."""
     if plans is None:
         return {"native_stack_passes": 0, "module_passes": None,
                 "why": "this architecture runs its layers' modules (no native layer stack)"}
     return dict(_path(plans))
+
+
+def module_pass(plans: dict | None, T: int, why: str) -> None:
+    """A model without a native stack counts its decode-sized passes (`decode_path`) and says
+    why it has none."""
+    if plans is not None and T <= kernels.FUSED_MAX_TOKENS:
+        _path(plans)["module_passes"] += 1
+        _why(plans, why)
 
 
 def _path(plans: dict) -> dict:

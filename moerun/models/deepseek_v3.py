@@ -24,6 +24,7 @@ from ..layers.moe import Experts, GatedMLP
 from ..layers.norm import RMSNorm, rms_norm_cat
 from ..kernels.reference import apply_rope
 from ..layers.rope import Rope
+from ..layers.stack import module_pass
 
 # B batch, T tokens, S cached tokens, H hidden, N heads, E experts, K experts per token,
 # R kv_lora_rank (the latent), Dn/Dr/Dv the no-rope, rope and value head dims
@@ -318,9 +319,12 @@ class Model(nn.Module):
         slots = torch.arange(B) if slots is None else slots
         return slots, cache.start_positions(slots)
 
-    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False):
-        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final normed hidden state [B, T, H])."""
+    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False, plans=None):
+        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final normed hidden state [B, T, H]).
+        `plans`: a run's; its decode path says why the layers run as modules."""
         B, T = input_ids.shape
+        module_pass(plans, T, "DeepSeek-V3's layer halves have no native calls yet (MLA attention, grouped "
+                              "sigmoid routing)")
         slots, pos0 = self._positions(B, cache, slots)
         m = self.model
         x = m.embed_tokens(input_ids)

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
 from ..layers.cache import KVSpec
-from ..layers.attention import attend, attn_residual
+from ..layers.attention import FusedAttention, attend, attn_residual
 from ..layers.moe import Experts, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, norm_rope
@@ -77,14 +77,13 @@ def attend_window(q, k, v, kv, slots, pos0, scale, window: int | None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-class Attention(nn.Module):
+class Attention(FusedAttention):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = a.head_dim**-0.5
         self.window = a.sliding_window
-        # the fused native decode call (`layers.attention.fuse_decode_attention`) takes the window too
-        self.fused_decode = True
+        # (the fused native decode call, `layers.attention.fuse_decode_attention`, takes the window too)
         self.q_proj = nn.Linear(a.hidden_size, self.n_heads * a.head_dim, bias=False)
         self.k_proj = nn.Linear(a.hidden_size, self.n_kv * a.head_dim, bias=False)
         self.v_proj = nn.Linear(a.hidden_size, self.n_kv * a.head_dim, bias=False)
@@ -138,7 +137,6 @@ class MixtralModel(nn.Module):
 
 
 class Model(nn.Module):
-    takes_plans = True  # forward(..., plans=): a run's layer checks made once (`kernels.run_plan`)
     tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
     # Hub checkpoints: block_sparse_moe.experts.{e}.w1/w3/w2 (gate/up/down); transformers 5
     # in memory (and fused checkpoints) say mlp.experts.gate_up_proj/down_proj

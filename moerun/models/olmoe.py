@@ -11,7 +11,7 @@ from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
 from ..layers.cache import KVSpec
-from ..layers.attention import attend, attn_residual
+from ..layers.attention import FusedAttention, attend, attn_residual
 from ..layers.moe import Experts, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, norm_rope
@@ -62,15 +62,12 @@ class ModelArgs(BaseModelArgs):
         return super().from_dict({**d, "rope": rope_parameters(d)})
 
 
-class Attention(nn.Module):
+class Attention(FusedAttention):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = a.head_dim**-0.5
         self.clip = a.clip_qkv
-        # the fused native decode call (`layers.attention.fuse_decode_attention`: its q/k norms across
-        # all heads) clips nothing: only without clip_qkv
-        self.fused_decode = a.clip_qkv is None
         self.q_proj = nn.Linear(a.hidden_size, self.n_heads * a.head_dim, bias=a.attention_bias)
         self.k_proj = nn.Linear(a.hidden_size, self.n_kv * a.head_dim, bias=a.attention_bias)
         self.v_proj = nn.Linear(a.hidden_size, self.n_kv * a.head_dim, bias=a.attention_bias)
@@ -78,6 +75,11 @@ class Attention(nn.Module):
         # one norm over all heads together, unlike Qwen3's per-head q/k norm
         self.q_norm = RMSNorm(self.n_heads * a.head_dim, a.rms_norm_eps)
         self.k_norm = RMSNorm(self.n_kv * a.head_dim, a.rms_norm_eps)
+
+    def fusable(self) -> bool:
+        """The fused native block (its q/k norms across all heads) clips nothing: only without
+        clip_qkv."""
+        return self.clip is None
 
     def forward(self, x, cos_sin, kv, slots, pos0):
         B, T, _ = x.shape
@@ -130,7 +132,6 @@ class OlmoeModel(nn.Module):
 
 
 class Model(nn.Module):
-    takes_plans = True  # forward(..., plans=): a run's layer checks made once (`kernels.run_plan`)
     tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, args: ModelArgs):

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
 from ..layers.cache import KVSpec
-from ..layers.attention import attend, attn_residual
+from ..layers.attention import FusedAttention, attend, attn_residual
 from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, norm_rope
@@ -108,11 +108,9 @@ def attend_window(q, k, v, kv, slots, pos0, scale, window: int | None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-class Attention(nn.Module):
-    # its forward over a few tokens of one row, or a batch's decode step, is what
-    # layers.attention.fuse_decode_attention's native block computes (with the q/k/v biases and the
-    # layer's window)
-    fused_decode = True
+class Attention(FusedAttention):
+    # its forward over a few tokens is what layers.attention.fuse_decode_attention's native
+    # block computes (with the q/k/v biases and the layer's window)
 
     def __init__(self, a: ModelArgs, layer: int):
         super().__init__()
@@ -174,7 +172,6 @@ class Qwen2MoeModel(nn.Module):
 
 
 class Model(nn.Module):
-    takes_plans = True  # forward(..., plans=): a run's layer checks made once (`kernels.run_plan`)
     tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, args: ModelArgs):

@@ -33,7 +33,7 @@ from torch import nn
 from .. import kernels
 from ..config import BaseModelArgs, rope_parameters
 from ..layers.cache import KVSpec, StateSpec
-from ..layers.attention import attend, attn_residual
+from ..layers.attention import FusedAttention, attend, attn_residual
 from ..kernels.reference import FEW, causal_conv1d, gated_rms_norm, split_heads
 from ..layers.deltanet import DELTA_WEIGHTS, chunk_gated_delta_rule, token_by_token
 from ..layers.linear import native_call_views, packed_views, project
@@ -129,12 +129,11 @@ class ModelArgs(BaseModelArgs):
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
 
 
-class Attention(nn.Module):
+class Attention(FusedAttention):
     """GQA with per-head zero-centred q/k norm, partial rotary and a sigmoid output gate."""
 
-    # its forward over a few tokens of one row is what layers.attention.fuse_decode_attention's native
+    # its forward over a few tokens is what layers.attention.fuse_decode_attention's native
     # block computes, with the output gate (q_proj gives each head's query then its gate)
-    fused_decode = True
     output_gate = True
 
     def __init__(self, a: ModelArgs):
@@ -337,7 +336,6 @@ class MultiTokenPredictor(nn.Module):
 class Model(nn.Module):
     tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
     checkpoint_renames = [(r"^model\.language_model\.", "model.")]
-    takes_plans = True  # forward(..., plans=): a run's layer checks made once (`kernels.run_plan`)
     # a config may claim an MTP head (real configs carry mtp_num_hidden_layers: 1) while the
     # checkpoint was stripped of it: with none of the mtp.* tensors the model loads without the
     # head (has_mtp False); with only some of them the loader names the missing one

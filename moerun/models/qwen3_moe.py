@@ -11,7 +11,7 @@ from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
 from ..layers.cache import KVSpec
-from ..layers.attention import attend, attn_residual
+from ..layers.attention import FusedAttention, attend, attn_residual
 from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, norm_rope
@@ -64,10 +64,9 @@ class ModelArgs(BaseModelArgs):
         )
 
 
-class Attention(nn.Module):
-    # its forward over a few tokens of one row is what layers.attention.fuse_decode_attention's native
+class Attention(FusedAttention):
+    # its forward over a few tokens is what layers.attention.fuse_decode_attention's native
     # block computes
-    fused_decode = True
 
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -126,7 +125,6 @@ class Qwen3MoeModel(nn.Module):
 
 
 class Model(nn.Module):
-    takes_plans = True  # forward(..., plans=): a run's layer checks made once (`kernels.run_plan`)
     tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, args: ModelArgs):
