@@ -37,7 +37,7 @@ PRESETS: dict[str, dict] = {
         num_experts=256, num_experts_per_tok=8, rms_norm_eps=1e-6, max_position_embeddings=262144,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                          "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-        tie_word_embeddings=False, full_attention_interval=4,
+        tie_word_embeddings=False, full_attention_interval=4, mtp_num_hidden_layers=1,
     ),
 }
 
