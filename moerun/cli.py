@@ -32,7 +32,7 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
         p.add_argument("--check-weights", action="store_true",
                        help="read every weight before use and refuse NaN or infinite values (a full pass over the files)")
         s = p.add_argument_group("expert store (routed experts in tiers: device / RAM / disk)")
-        s.add_argument("--ram-budget", default=None, help="bytes of routed experts kept in RAM, e.g. 4GiB or 30%%; the rest stream from disk")
+        s.add_argument("--ram-budget", default=None, help="bytes of routed experts kept in RAM, e.g. 4GiB, 30%% or auto (free RAM less the other weights and a margin); the rest stream from disk")
         s.add_argument("--vram-budget", default=None, help="bytes of routed experts on the device tier (CUDA, or emulated with --emulate-link)")
         s.add_argument("--cache-policy", default=None, choices=["lru", "lfu", "prediction", "prediction-lfu"],
                        help="what the RAM and device tiers keep (default lru)")

@@ -5,6 +5,7 @@ only; the full Qwen3.6-35B-A3B shape is measured by benchmarks/bigger_than_ram.p
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -124,4 +125,193 @@ def test_random_model_cli_refusals(tmp_path, capsys, monkeypatch):
                           "1.0 GB free", "needs")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.gguf"]
     rc, _ = cli(capsys, "random-model", "qwen3.6-35b-a3b", "--quant", "q3_k", "-o", tmp_path / "x.gguf")
+    assert rc != 0
+
+
+# -- the store on a GGUF file's Q8_0/Q4_0 experts -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def q8_file(tmp_path_factory):
+    out = tmp_path_factory.mktemp("q8") / "r.gguf"
+    write_random(out, TINY, "q8_0", progress=False)
+    return out
+
+
+def _store_load(path, **kw):
+    from moerun.experts.attach import load as load_with_store
+    from moerun.experts.store import StoreOptions
+
+    return load_with_store(path, threads=1, options=StoreOptions(**kw))
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_store_reads_gguf_block_experts_bit_identical(tmp_path, qtype, q8_file):
+    """Q8_0/Q4_0 experts are no longer refused: the store reads each expert's rows of blocks
+    (O_DIRECT, or buffered preads) and repacks them; logits and greedy tokens are those of the
+    file loaded whole, at every budget."""
+    path = q8_file if qtype == "q8_0" else tmp_path / "q4.gguf"
+    if qtype == "q4_0":
+        write_random(path, TINY, "q4_0", progress=False)
+    whole = moerun.load(path, threads=1)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(1))
+    want = whole.forward(ids)
+    p = ids[0, :5].tolist()
+    greedy = whole.generate_ids([p], max_tokens=6, temperature=0)
+    for budget, direct in (("100%", True), ("30%", True), ("30%", False), ("1B", True)):
+        llm = _store_load(path, ram_budget=budget, direct_io=direct)
+        try:
+            assert llm.store.fmt == ("int8" if qtype == "q8_0" else "int4")
+            assert torch.equal(llm.forward(ids), want), (budget, direct)
+            assert llm.generate_ids([p], max_tokens=6, temperature=0) == greedy
+            st = llm.store.stats()
+            assert st["io"] == ("direct" if direct else "buffered")
+            if budget != "100%":
+                assert st["demand_misses"] > 0 and st["tiers"]["disk"]["bytes_read"] > 0
+            if direct:  # every read went through O_DIRECT in whole aligned pages
+                disk = st["tiers"]["disk"]
+                assert llm.store.reader.direct_files == 1
+                assert disk["bytes_preads"] % 4096 == 0 and disk["bytes_preads"] >= disk["bytes_read"]
+        finally:
+            llm.store.close()
+
+
+def test_gguf_block_experts_are_not_read_at_load(q8_file):
+    """The experts' bytes are not read (nor repacked) when the model loads: only the
+    non-expert tensors are, so a file bigger than RAM loads."""
+    from moerun.experts.attach import gguf_resident_bytes
+
+    llm = _store_load(q8_file, ram_budget="1B")
+    try:
+        resident = gguf_resident_bytes(q8_file)
+        assert llm.store.non_expert_bytes == resident
+        assert llm.store.total_bytes > 0
+        assert llm.store.stats()["tiers"]["disk"]["bytes_read"] == 0
+        f = GGUFFile(q8_file)
+        experts = sum(t.nbytes for n, t in f.tensors.items() if "_exps" in n)
+        f.close()
+        assert experts == llm.store.total_bytes * 34 // 34  # the same blocks, repacked at the same size
+        assert resident + experts <= q8_file.stat().st_size
+    finally:
+        llm.store.close()
+
+
+def _expert_pages_cached(path: Path) -> float:
+    """Share of the expert stacks' pages in the page cache."""
+    import ctypes
+    import mmap
+
+    f = GGUFFile(path)
+    spans = [(t.offset, t.nbytes) for n, t in f.tensors.items() if "_exps" in n]
+    f.close()
+    size = path.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    n = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * n)()
+    try:
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
+    finally:
+        libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+    pages = [p for off, nb in spans for p in range(off // mmap.PAGESIZE, -(-(off + nb) // mmap.PAGESIZE))]
+    return sum(vec[p] & 1 for p in pages) / len(pages)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="needs O_DIRECT")
+def test_direct_reads_leave_no_page_cache(tmp_path):
+    """With O_DIRECT the experts read never enter the page cache, so the budget is a real
+    bound: reading every expert adds none of the expert stacks' pages to it (loading the other
+    tensors through the memory map may bring in a few at their edges, before); buffered reads
+    without dropping leave them there."""
+    path = tmp_path / "r.gguf"
+    write_random(path, dict(TINY, hidden_size=128, moe_intermediate_size=256), "q8_0", progress=False)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)  # dirty pages cannot be dropped
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    for kw, check in ((dict(direct_io=True), lambda before, after: after - before < 0.01),
+                      (dict(direct_io=False, drop_page_cache=False), lambda before, after: after > 0.8)):
+        llm = _store_load(path, ram_budget="25%", **kw)
+        try:
+            st = llm.store
+            before = _expert_pages_cached(path)
+            for layer, n in st.num_experts.items():
+                for e in range(n):
+                    st.get(layer, [e])
+                    st.release(layer, [e])
+            assert st.stats()["tiers"]["disk"]["reads"] > 0
+            after = _expert_pages_cached(path)
+            assert check(before, after), (kw, before, after)
+        finally:
+            llm.store.close()
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def test_file_changed_under_the_store_is_refused(tmp_path):
+    import shutil
+
+    path = tmp_path / "r.gguf"
+    write_random(path, TINY, "q8_0", progress=False)
+    for direct in (True, False):
+        llm = _store_load(path, ram_budget="1B", direct_io=direct)
+        try:
+            llm.forward(torch.tensor([[1, 2]]))  # reads fine
+            st = os.stat(path)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # rewritten in place, same size
+            with pytest.raises(MoerunError, match="changed on disk"):
+                llm.forward(torch.tensor([[3, 4]]))
+        finally:
+            llm.store.close()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # appended to: the size moved
+    llm = _store_load(path, ram_budget="1B")
+    try:
+        with open(path, "ab") as fh:
+            fh.write(b"\0" * 4096)
+        with pytest.raises(MoerunError, match=r"changed on disk .*size"):
+            llm.forward(torch.tensor([[5, 6]]))
+    finally:
+        llm.store.close()
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_ram_budget_auto(q8_file, monkeypatch, capsys):
+    """`auto` is the free RAM less the non-expert weights and a margin (capped at all the
+    experts); when the non-expert weights do not fit it is refused in one line that says how
+    much is needed, before any weight loads."""
+    from moerun.experts import store as store_mod
+    from moerun.experts.attach import gguf_resident_bytes
+
+    resident = gguf_resident_bytes(q8_file)
+    margin = 1 << 20
+    monkeypatch.setattr(store_mod, "mem_available", lambda: resident + margin + 100_000)
+    import moerun.experts.attach as attach_mod
+
+    monkeypatch.setattr(attach_mod, "mem_available", lambda: resident + margin + 100_000)
+    llm = _store_load(q8_file, ram_budget="auto", auto_margin=margin)
+    try:
+        auto = llm.store.stats()["ram_budget_auto"]
+        assert auto["budget_bytes"] == 100_000 and llm.store.tiers["host"].budget == 100_000
+        assert auto["non_expert_bytes"] == resident
+    finally:
+        llm.store.close()
+    monkeypatch.setattr(attach_mod, "mem_available", lambda: resident // 2)
+    import moerun.loaders.gguf as gguf_mod
+
+    def no_load(*a, **k):
+        raise AssertionError("weights loaded before the budget was checked")
+
+    monkeypatch.setattr(gguf_mod, "build", no_load)
+    with pytest.raises(MoerunError, match="non-expert weights need .* short"):
+        _store_load(q8_file, ram_budget="auto", auto_margin=margin)
+    assert_one_line_error(cli(capsys, "bench", "-m", q8_file, "--ram-budget", "auto", "--gen-tokens", "1",
+                              "--prompt-tokens", "1"), "--ram-budget auto", "non-expert weights need", "short")
+    rc, _ = cli(capsys, "bench", "-m", q8_file, "--ram-budget", "autox", "--gen-tokens", "1", "--prompt-tokens", "1")
     assert rc != 0
