@@ -315,3 +315,25 @@ def test_ram_budget_auto(q8_file, monkeypatch, capsys):
                               "--prompt-tokens", "1"), "--ram-budget auto", "non-expert weights need", "short")
     rc, _ = cli(capsys, "bench", "-m", q8_file, "--ram-budget", "autox", "--gen-tokens", "1", "--prompt-tokens", "1")
     assert rc != 0
+
+
+@pytest.mark.parametrize("fmt,per", [("int8", 32), ("int4", 16)])
+def test_repack_at_read_is_the_loaders_repack(fmt, per):
+    """The store's repack of GGUF rows (int16/int32 copies, or byte copies at odd addresses)
+    gives the bytes the loader's `_repack` gives, for whole groups of 8 blocks and tails."""
+    from moerun.experts.store import repack_ggml
+    from moerun.loaders.gguf import _repack
+
+    g = torch.Generator().manual_seed(0)
+    for rows, nb in ((16, 64), (8, 16), (7, 11), (3, 5)):
+        n = rows * nb * (2 + per)
+        for shift in (0, 1, 2):
+            raw = torch.randint(0, 256, (n + 4,), dtype=torch.uint8, generator=g)[shift : shift + n]
+            q0, s0 = _repack(raw.view(rows, -1), fmt)
+            for qshift in (0, 1):
+                qs = torch.empty(rows * nb * per + 4, dtype=torch.uint8)
+                q = qs[qshift : qshift + rows * nb * per].view(rows, nb * per).view(q0.dtype)
+                s = torch.empty_like(s0)
+                repack_ggml(raw, q, s, fmt)
+                assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), (rows, nb, shift, qshift)
+                assert torch.equal(s.view(torch.int16), s0.view(torch.int16))

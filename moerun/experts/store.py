@@ -400,16 +400,43 @@ class DirectReader:
             self._free.clear()
 
 
+_scratch = threading.local()
+
+
+def _scratch_int16(n: int) -> torch.Tensor:
+    """A reused per-thread int16 buffer of at least n elements (no page faults per call)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _scratch.buf = torch.empty(n, dtype=torch.int16)
+    return buf[:n]
+
+
 def repack_ggml(raw: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, fmt: str) -> None:
     """GGUF Q8_0/Q4_0 rows (uint8, rows * nb * (2 + per) bytes) -> moerun's packed `q` [rows,
     nb * per] and fp16 `scales` [rows, nb] in place (loaders.gguf._repack's layout: the same
-    blocks, scales apart, each group of 8 blocks with its 4-byte words interleaved)."""
+    blocks, scales apart, each group of 8 blocks with its 4-byte words interleaved).
+
+    A block is a whole number of 2-byte halves with its quants from the second on, so the
+    quants are gathered as int16 into a scratch buffer (4-byte aligned), then the groups'
+    words are interleaved as int32: two copies with wide elements, ~4x faster than one copy
+    of single bytes (~3.6 GB/s on one Zen 4 core against ~0.8)."""
     rows, nb = scales.shape
     per = 32 if fmt == "int8" else 16
-    b = raw.view(rows, nb, 2 + per)
-    scales.view(torch.uint8).view(rows, nb, 2).copy_(b[..., :2])
     head = nb // 8 * 8
     qb = q.view(torch.uint8)
+    if raw.data_ptr() % 2 == 0 and qb.data_ptr() % 4 == 0 and (nb * per) % 4 == 0:
+        b16 = raw.view(torch.int16).view(rows, nb, (2 + per) // 2)
+        scales.view(torch.int16).copy_(b16[..., 0])
+        if head:
+            t = _scratch_int16(rows * head * per // 2).view(rows, head, per // 2)
+            t.copy_(b16[:, :head, 1:])
+            dst = qb[:, : head * per].view(torch.int32).view(rows, head // 8, per // 4, 8)
+            dst.copy_(t.view(torch.int32).view(rows, head // 8, 8, per // 4).transpose(2, 3))
+        if nb > head:
+            qb[:, head * per :].view(rows, nb - head, per).copy_(raw.view(rows, nb, 2 + per)[:, head:, 2:])
+        return
+    b = raw.view(rows, nb, 2 + per)  # odd addresses (tiny shapes): byte by byte
+    scales.view(torch.uint8).view(rows, nb, 2).copy_(b[..., :2])
     if head:
         # word k of block j of a group goes to word k * 8 + j
         dst = qb[:, : head * per].view(rows, head // 8, per // 4, 8, 4)
