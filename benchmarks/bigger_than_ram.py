@@ -227,6 +227,44 @@ def llama_bench(a, p: int, n: int, extra: list[str]) -> dict:
     return res
 
 
+# -- the disk alone ------------------------------------------------------------------------------
+
+def disk_probe(path: Path, size: int = 1_118_208, reads: int = 96, threads=(1, 3, 9)) -> dict:
+    """O_DIRECT reads of the disk with nothing else: 1 MiB sequential (as `dd bs=1M
+    iflag=direct`), and `reads` random expert-sized ranges (a Q8_0 expert projection, 4 KiB
+    aligned) with 1, 3 and 9 in flight. GB/s each."""
+    import mmap
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    fsize = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    out = {}
+    try:
+        def buf(n):
+            return mmap.mmap(-1, n)  # page aligned
+        b = buf(1 << 20)
+        start = fsize // 2 // 4096 * 4096
+        t = time.perf_counter()
+        for i in range(512):
+            os.preadv(fd, [b], start + i * (1 << 20))
+        out["seq_1MiB_GB_s"] = 512 * (1 << 20) / (time.perf_counter() - t) / 1e9
+        rng = random.Random(0)
+        for n in threads:
+            offs = [rng.randrange(0, (fsize - size) // 4096) * 4096 for _ in range(reads)]
+            bufs = [buf(size) for _ in range(n)]
+
+            def one(i):
+                os.preadv(fd, [bufs[i % n]], offs[i])
+            t = time.perf_counter()
+            with ThreadPoolExecutor(n) as ex:
+                list(ex.map(one, range(reads)))
+            out[f"random_{size}_x{n}_GB_s"] = reads * size / (time.perf_counter() - t) / 1e9
+    finally:
+        os.close(fd)
+    return out
+
+
 # -- the parent ------------------------------------------------------------------------------------
 
 def run_child(a, row: str) -> dict:
@@ -267,6 +305,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rss-limit", type=float, default=14 * GiB, help="bytes; a run past it is killed")
     ap.add_argument("--cache-policy", default="lru")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
+    ap.add_argument("--probe", action="store_true", help="first measure the disk alone (O_DIRECT, sequential and random)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--row", default="direct", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -288,6 +327,10 @@ def main(argv=None) -> int:
     print(f"# {a.model.name}: {size / 1e9:.1f} GB file, {mem / GiB:.1f} GiB RAM; {head['cpu']}; "
           f"torch.sum read bandwidth {head['read_bandwidth_GB_s']:.1f} GB/s; {a.threads} threads; "
           f"prompt {a.prompt_tokens}, decode {a.gen_tokens} tokens", flush=True)
+    if a.probe:
+        drop_page_cache(a.model)
+        head["disk"] = disk_probe(a.model)
+        print("# disk alone (O_DIRECT): " + ", ".join(f"{k} {v:.2f}" for k, v in head["disk"].items()), flush=True)
     results = []
     for row in [r for r in a.rows.split(",") if r]:
         how = drop_page_cache(a.model)
