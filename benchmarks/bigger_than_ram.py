@@ -145,7 +145,8 @@ def child(a) -> dict:
         st = store.stats()
         read = proc_io()["read_bytes"] - io
         out[name] = {
-            "tokens": tokens, "seconds": dt, "tok_s": tokens / dt,
+            "tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "rss_after": proc_status()["VmRSS"],
+            "host_used_bytes": st["tiers"]["host"]["used_bytes"],
             "disk_bytes_per_token": read / tokens, "disk_GB_s": read / dt / 1e9,
             "expert_bytes_per_token": st["tiers"]["disk"]["bytes_read"] / tokens,
             "hit_rate": st["expert_hit_rate"], "stall_s": st["stall_s"], "stall_share": st["stall_s"] / dt,
@@ -278,7 +279,7 @@ def run_child(a, row: str) -> dict:
     last = [l for l in p.stdout.splitlines() if l.startswith("{")]
     if not last:
         return {"row": row, "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:] or ''}"}
-    return json.loads(last[-1])
+    return {"row": row, **json.loads(last[-1])}
 
 
 def fmt_row(r: dict) -> str:

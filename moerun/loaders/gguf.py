@@ -1063,6 +1063,8 @@ def _quantized_linear(net, owner_name, lin: nn.Linear, arch, f, names, t, fmt, d
         raise MoerunError(f"{f.path}: tensor {t.name!r} has {rows.shape[0]} rows, the metadata implies {lin.out_features}")
     new = _new_module(f, t, lambda: QuantizedLinear(lin.in_features, lin.out_features, fmt, bias=lin.bias is not None))
     _fill(new, ("qweight", "scales"), rows, fmt)
+    if fmt not in RAW_FORMATS:  # repacked: the file's pages are not needed (nor counted in RSS)
+        f.drop_pages(t)
     if lin.bias is not None:
         bias_name = f"{owner_name}.bias"
         bt = _source(f, names, bias_name, net)
