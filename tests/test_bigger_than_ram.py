@@ -337,3 +337,13 @@ def test_repack_at_read_is_the_loaders_repack(fmt, per):
                 repack_ggml(raw, q, s, fmt)
                 assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), (rows, nb, shift, qshift)
                 assert torch.equal(s.view(torch.int16), s0.view(torch.int16))
+
+
+def test_benchmark_script_refuses_a_missing_file(tmp_path):
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "bigger_than_ram.py"), "-m", str(tmp_path / "no.gguf")],
+                       capture_output=True, text=True, timeout=120)
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert p.returncode == 1 and len(lines) == 1 and "is not a file" in lines[0], p.stderr
