@@ -189,7 +189,7 @@ def test_gguf_block_experts_are_not_read_at_load(q8_file):
         f = GGUFFile(q8_file)
         experts = sum(t.nbytes for n, t in f.tensors.items() if "_exps" in n)
         f.close()
-        assert experts == llm.store.total_bytes * 34 // 34  # the same blocks, repacked at the same size
+        assert experts == llm.store.total_bytes  # the same blocks, repacked at the same size
         assert resident + experts <= q8_file.stat().st_size
     finally:
         llm.store.close()
