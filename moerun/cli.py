@@ -32,7 +32,7 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
         p.add_argument("--check-weights", action="store_true",
                        help="read every weight before use and refuse NaN or infinite values (a full pass over the files)")
         s = p.add_argument_group("expert store (routed experts in tiers: device / RAM / disk)")
-        s.add_argument("--ram-budget", default=None, help="bytes of routed experts kept in RAM, e.g. 4GiB or 30%%; the rest stream from disk")
+        s.add_argument("--ram-budget", default=None, help="bytes of routed experts kept in RAM, e.g. 4GiB, 30%% or auto (free RAM less the other weights and a margin); the rest stream from disk")
         s.add_argument("--vram-budget", default=None, help="bytes of routed experts on the device tier (CUDA, or emulated with --emulate-link)")
         s.add_argument("--cache-policy", default=None, choices=["lru", "lfu", "prediction", "prediction-lfu"],
                        help="what the RAM and device tiers keep (default lru)")
@@ -540,6 +540,13 @@ def cmd_random_model(a) -> int:
     from .bench.random_model import preset_config, write_random_model
 
     cfg = preset_config(a.preset, layers=a.layers)
+    if a.quant is not None:  # one GGUF file, its blocks made and written tensor by tensor
+        from .bench.random_model import write_random_gguf
+
+        info = write_random_gguf(a.output, cfg, a.quant, force=a.force)
+        print(f"wrote a RANDOM-weight {a.preset} model ({cfg['num_hidden_layers']} layers, {a.quant}, "
+              f"{info['bytes'] / 1e9:.2f} GB) to {info['output']}", file=sys.stderr)
+        return 0
     path = write_random_model(a.output, cfg)
     print(f"wrote a RANDOM-weight {a.preset} model ({cfg['num_hidden_layers']} layers) to {path}", file=sys.stderr)
     return 0
@@ -702,8 +709,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("random-model", help="write a random-weight checkpoint with a real model's shapes")
     r.add_argument("preset", help="qwen3-30b-a3b or qwen3.6-35b-a3b")
-    r.add_argument("-o", "--output", required=True, help="directory to write")
+    r.add_argument("-o", "--output", required=True, help="directory to write (with --quant: the GGUF file)")
     r.add_argument("--layers", type=int, default=None, help="decoder layers (default: the real model's)")
+    r.add_argument("--quant", default=None, choices=["q8_0", "q4_0"],
+                   help="write one GGUF file of random blocks of this type, streamed (llama.cpp reads it too)")
+    r.add_argument("--force", action="store_true", help="with --quant: replace an existing file")
     _common(r, model=False)
     r.set_defaults(func=cmd_random_model)
     return p

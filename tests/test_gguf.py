@@ -308,14 +308,3 @@ def test_expert_store_reads_experts_from_the_gguf_file(tmp_path, recipe):
         if budget == "30%":  # (100%: the experts were read at start, before the counts)
             assert st["demand_misses"] > 0 and st["tiers"]["disk"]["bytes_read"] > 0
         llm.store.close()
-
-
-def test_expert_store_refuses_repacked_gguf_experts(tmp_path):
-    from moerun.errors import MoerunError
-    from moerun.experts.attach import load as load_with_store
-    from moerun.experts.store import StoreOptions
-
-    out = tmp_path / "demo.gguf"
-    export(DEMO, out, "q8_0")
-    with pytest.raises(MoerunError, match="Q8_0, which moerun repacks at load"):
-        load_with_store(out, threads=1, options=StoreOptions(ram_budget="50%"))

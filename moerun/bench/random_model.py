@@ -3,6 +3,10 @@
 Weights are random (N(0, 0.02); norms 1), so outputs are meaningless and routing is close
 to uniform: these checkpoints measure speed and memory, never quality. Tensors are written
 with Hugging Face names, experts one tensor per expert, in shards of at most 2 GiB.
+
+`write_random_gguf` writes one GGUF file instead (`moerun random-model ... --quant q8_0 -o
+FILE.gguf`): quantized blocks made directly and streamed, so a model bigger than RAM can be
+written (`loaders.gguf_write.write_random`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ PRESETS: dict[str, dict] = {
         num_experts=256, num_experts_per_tok=8, rms_norm_eps=1e-6, max_position_embeddings=262144,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                          "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-        tie_word_embeddings=False, full_attention_interval=4,
+        tie_word_embeddings=False, full_attention_interval=4, mtp_num_hidden_layers=1,
     ),
     # Qwen1.5-MoE-A2.7B (Qwen2-MoE: q/k/v biases, a shared expert with a sigmoid gate)
     "qwen1.5-moe-a2.7b": dict(
@@ -144,3 +148,12 @@ def _random(shape, pool: torch.Tensor, g: torch.Generator) -> torch.Tensor:
         out[filled : filled + take] = pool[start : start + take]
         filled += take
     return out.view(shape)
+
+
+def write_random_gguf(out: Path, cfg: dict, quant: str = "q8_0", seed: int = 0, force: bool = False,
+                      progress: bool = True) -> dict:
+    """A random-weight GGUF file for `cfg` (llama.cpp and moerun read it), its quantized
+    tensors random `quant` blocks written as they are made; returns the writer's summary."""
+    from ..loaders.gguf_write import write_random
+
+    return write_random(out, cfg, quant, seed=seed, force=force, progress=progress)

@@ -27,7 +27,8 @@ from ..layers.moe import Experts, native_float_experts
 from ..layers.routes import routed
 from ..kernels.formats import expert_code
 from ..layers.quantized import QuantizedExperts
-from .store import ExpertStore, LayerExperts, StoreOptions, expert_pieces, quantized_expert_pieces
+from .store import (ExpertStore, LayerExperts, StoreOptions, _stacked_pieces, auto_budget, expert_pieces, is_auto,
+                    mem_available, parse_budget, quantized_expert_pieces)
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
 
@@ -204,9 +205,10 @@ def _layer_index(name: str, fallback: int) -> int:
     return int(m.group(1)) if m else fallback
 
 
-def _swap_experts(net: nn.Module) -> list[tuple[str, StoreExperts]]:
+def _swap_experts(net: nn.Module, quant: dict | None = None) -> list[tuple[str, StoreExperts]]:
     """Replace every `Experts` (or `QuantizedExperts`) in `net` with a `StoreExperts` (or
-    `QuantStoreExperts`); returns (name, new module)."""
+    `QuantStoreExperts`); returns (name, new module). quant: {name: (fmt, down_fmt)} of float
+    `Experts` (on the meta device, before loading) whose experts the store holds packed."""
     found = [(n, m) for n, m in net.named_modules() if isinstance(m, (Experts, QuantizedExperts))]
     # trunk layers keep their index; others (an MTP head's `mtp.layers.0`) get fresh ones after
     trunk = [n for n, _ in found if not (n.startswith("mtp") or ".mtp." in n)]
@@ -224,6 +226,9 @@ def _swap_experts(net: nn.Module) -> list[tuple[str, StoreExperts]]:
         if isinstance(mod, QuantizedExperts):
             new = QuantStoreExperts(ids[name], mod.num_experts, mod.hidden_size, mod.intermediate_size, mod.fmt,
                                     getattr(mod, "down_fmt", None))
+        elif quant and name in quant:
+            E, I, H = mod.gate_proj.shape
+            new = QuantStoreExperts(ids[name], E, H, I, *quant[name])
         else:
             E, I, H = mod.gate_proj.shape
             new = StoreExperts(ids[name], E, H, I)
@@ -235,10 +240,16 @@ def _swap_experts(net: nn.Module) -> list[tuple[str, StoreExperts]]:
     return out
 
 
-def _make_store(net, swapped, model_dir: Path, dtype, options: StoreOptions | None, names=None) -> ExpertStore:
+def _make_store(net, swapped, model_dir: Path, dtype, options: StoreOptions | None, names=None, pieces=None,
+                available=None, identity=None, non_expert_bytes=None) -> ExpertStore:
     """The store of the `swapped` experts, read from `names` (our tensor name -> TensorRef;
-    by default the safetensors checkpoint's)."""
-    if names is None:
+    by default the safetensors checkpoint's), or given as GGUF block rows (`pieces`: module
+    name -> per expert (gate, up, down) Pieces, repacked at read). available, identity: free
+    RAM and the files' (size, mtime) when loading began; non_expert_bytes: default, the net's
+    weights."""
+    if non_expert_bytes is None:
+        non_expert_bytes = resident_bytes(net)
+    if pieces is None and names is None:
         from ..loaders.hf import _renamed
         from ..loaders.safetensors import Checkpoint
         from ..loaders.quantized import stored_policy
@@ -249,11 +260,15 @@ def _make_store(net, swapped, model_dir: Path, dtype, options: StoreOptions | No
     layers = []
     for name, m in swapped:
         fmt, down_fmt = getattr(m, "fmt", None), getattr(m, "down_fmt", None)
-        pieces = (expert_pieces(names, name, m.num_experts, m.hidden, m.inter) if fmt is None
-                  else quantized_expert_pieces(names, name, m.num_experts, m.hidden, m.inter, fmt, down_fmt))
-        layers.append(LayerExperts(m.layer, m.num_experts, m.hidden, m.inter, pieces, fmt, down_fmt))
+        if pieces is not None:
+            layers.append(LayerExperts(m.layer, m.num_experts, m.hidden, m.inter, pieces[name], fmt, down_fmt, ggml=True))
+            continue
+        got = (expert_pieces(names, name, m.num_experts, m.hidden, m.inter) if fmt is None
+               else quantized_expert_pieces(names, name, m.num_experts, m.hidden, m.inter, fmt, down_fmt))
+        layers.append(LayerExperts(m.layer, m.num_experts, m.hidden, m.inter, got, fmt, down_fmt))
     top_k = getattr(getattr(net, "args", None), "num_experts_per_tok", 8)
-    store = ExpertStore(layers, dtype, options, top_k=top_k)
+    store = ExpertStore(layers, dtype, options, top_k=top_k, non_expert_bytes=non_expert_bytes, available=available,
+                        identity=identity)
     if store.fmt is not None and store.link is not None and not store.emulated:
         store.close()
         raise MoerunError(f"{store.fmt} experts run on the CPU's native kernels; a CUDA device tier for them is not "
@@ -304,6 +319,76 @@ def _gguf_expert_refs(path: Path, net: nn.Module) -> dict:
         f.close()
 
 
+EXPERT_TENSOR = re.compile(r"\.ffn_(gate|up|down)_exps\.")
+
+
+def gguf_resident_bytes(path) -> int:
+    """Bytes of a GGUF file's tensors other than the routed experts' stacks: the weights a
+    store-backed model keeps resident (Q8_0/Q4_0 repacked at the same size)."""
+    from ..loaders.gguf import GGUFFile
+
+    f = GGUFFile(path)
+    try:
+        return sum(t.nbytes for n, t in f.tensors.items() if not EXPERT_TENSOR.search(n))
+    finally:
+        f.close()
+
+
+def resident_bytes(net: nn.Module) -> int:
+    """Bytes of the net's parameters and buffers (each storage once): the weights it keeps
+    outside an expert store."""
+    seen, n = set(), 0
+    for t in [*net.parameters(), *net.buffers()]:
+        if t.is_meta:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            n += t.numel() * t.element_size()
+    return n
+
+
+def _gguf_block_experts(path: Path, net: nn.Module) -> dict:
+    """{module name: ((fmt, down_fmt), per expert (gate, up, down) Pieces)} for the routed
+    experts of a (meta-device, float) net whose GGUF stacks are Q8_0/Q4_0 blocks, read as rows
+    of blocks and repacked by the store; {} when they are not."""
+    from ..loaders.gguf import TYPE_FORMATS, GGUFFile, arch_of, gguf_names, transform_of
+    from ..loaders.safetensors import TensorRef
+
+    f = GGUFFile(path)
+    try:
+        arch = arch_of(f)
+        names = gguf_names(net, arch)
+        found, other = {}, []
+        for prefix, m in net.named_modules():
+            if not isinstance(m, Experts):
+                continue
+            ts = {p: f.tensors.get(names.get(f"{prefix}.{p}_proj", "")) for p in ("gate", "up", "down")}
+            fmts = {p: TYPE_FORMATS.get(t.type) if t is not None else None for p, t in ts.items()}
+            if not any(v in ("int8", "int4") for v in fmts.values()):
+                other.append(prefix)
+                continue
+            bad = next((t for p, t in ts.items() if t is None or fmts[p] not in ("int8", "int4")), None)
+            if bad is not None or fmts["gate"] != fmts["up"] or any(
+                    transform_of(arch, f"{prefix}.{p}_proj", net.args) is not None for p in ts):
+                raise MoerunError(f"{path}: the expert store reads the experts of {prefix} as Q8_0/Q4_0 blocks, but "
+                                  f"its stacks are {', '.join(t.type if t else 'missing' for t in ts.values())}")
+            E = ts["gate"].shape[0]
+            cols = []
+            for p, t in ts.items():
+                rows = t.shape[1]
+                ref = TensorRef(t.name, t.path, torch.uint8, (E, rows, t.row_bytes), t.offset, t.nbytes)
+                cols.append(_stacked_pieces(ref, E, (rows, t.row_bytes)))
+            down = None if fmts["down"] == fmts["gate"] else fmts["down"]
+            found[prefix] = ((fmts["gate"], down), tuple(zip(*cols)))
+        if found and other:
+            raise MoerunError(f"{path}: the expert store needs one kind of experts; {other[0]} is not Q8_0/Q4_0 "
+                              f"and {next(iter(found))} is")
+        return found
+    finally:
+        f.close()
+
+
 def attach_store(net: nn.Module, model_dir, options: StoreOptions | None = None) -> ExpertStore:
     """Put an `ExpertStore` behind an already loaded net (its expert tensors are dropped);
     quantized experts only from a checkpoint written by `moerun quantize` (the store reads
@@ -318,7 +403,8 @@ def attach_store(net: nn.Module, model_dir, options: StoreOptions | None = None)
     return _make_store(net, swapped, Path(model_dir), dtype, options)
 
 
-def build(model_dir, dtype="auto", options: StoreOptions | None = None, prepare=None, check_weights: bool = False):
+def build(model_dir, dtype="auto", options: StoreOptions | None = None, prepare=None, check_weights: bool = False,
+          available: int | None = None):
     """Like `moerun.loaders.build`, with routed experts in a store and never materialised.
     Returns (architecture module, args, net, dtype, store). prepare(net), when given, runs
     first on the meta-device net; check_weights as `loaders.build`'s."""
@@ -332,7 +418,7 @@ def build(model_dir, dtype="auto", options: StoreOptions | None = None, prepare=
         swapped.extend(_swap_experts(net))
 
     arch, args, net, dtype = build_net(model_dir, dtype, prepare=swap, check_weights=check_weights)
-    store = _make_store(net, swapped, Path(model_dir), dtype, options)
+    store = _make_store(net, swapped, Path(model_dir), dtype, options, available=available)
     return arch, args, net, dtype, store
 
 
@@ -356,11 +442,13 @@ def load(path=None, dtype="auto", threads: int | None = None, options: StoreOpti
                               f"`moerun quantize -m {path} -o OUT --policy {quant}`, then pass -m OUT")
         quantize_at_load(None, path, quant)  # the stored policy: nothing to do; another: an error
     set_threads(threads)
+    available = mem_available() if options is not None and is_auto(options.ram_budget) else None
     asked = dtype
     tokenizer = load_tokenizer(path)
     gen = read_generation_config(path)
     arch, args, net, dtype, store = build(path, dtype, options, check_weights=check_weights,
-                                          prepare=lambda net: check_vocab(tokenizer, net.args.vocab_size))
+                                          prepare=lambda net: check_vocab(tokenizer, net.args.vocab_size),
+                                          available=available)
     dtype, kv_dtype = compute_dtype(net, asked, dtype, None)
     llm = LLM(net, args, arch, tokenizer, path, dtype, gen)
     llm.kv_dtype = kv_dtype
@@ -375,16 +463,42 @@ def _load_gguf(path: Path, dtype, threads, options, quant, check_weights):
     from ..engine.llm import LLM, check_vocab, compute_dtype, gguf_extras, set_threads
     from ..loaders.gguf import build as build_gguf
 
+    import os
+
     if quant not in (None, "none"):
         raise MoerunError("--quant does not apply to a GGUF file: its tensors are quantized already")
     set_threads(threads)
+    options = options or StoreOptions()
+    st = os.stat(path)
+    identity = {path: (st.st_size, st.st_mtime_ns)}  # a file changed under the model is refused
+    resident = gguf_resident_bytes(path)
+    available = None
+    if is_auto(options.ram_budget):  # refused before any weight loads when they would not fit
+        available = mem_available()
+        auto_budget(resident, parse_budget(options.auto_margin, 0), available)
     tokenizer, gen, no_tokenizer = gguf_extras(path)
-    arch, args, net, loaded_dtype = build_gguf(path, dtype, prepare=lambda net: check_vocab(tokenizer, net.args.vocab_size),
-                                               check_weights=check_weights)
-    refs = _gguf_expert_refs(path, net)
-    float_dtype = next((m.gate_proj.dtype for m in net.modules() if isinstance(m, Experts)), loaded_dtype)
-    swapped = _swap_experts(net)  # the views of the memory map go with the modules
-    store = _make_store(net, swapped, path, float_dtype, options, names=refs)
+    early: dict = {}
+
+    def prepare(net):
+        check_vocab(tokenizer, net.args.vocab_size)
+        # Q8_0/Q4_0 experts would be repacked at load (every byte of them read): the store
+        # modules take their place first, and the store repacks each expert as it reads it
+        found = _gguf_block_experts(path, net)
+        if found:
+            early["pieces"] = found
+            early["swapped"] = _swap_experts(net, {n: v[0] for n, v in found.items()})
+
+    arch, args, net, loaded_dtype = build_gguf(path, dtype, prepare=prepare, check_weights=check_weights)
+    if early:
+        swapped = early["swapped"]
+        store = _make_store(net, swapped, path, loaded_dtype, options, pieces={n: v[1] for n, v in early["pieces"].items()},
+                            available=available, identity=identity, non_expert_bytes=resident)
+    else:
+        refs = _gguf_expert_refs(path, net)
+        float_dtype = next((m.gate_proj.dtype for m in net.modules() if isinstance(m, Experts)), loaded_dtype)
+        swapped = _swap_experts(net)  # the views of the memory map go with the modules
+        store = _make_store(net, swapped, path, float_dtype, options, names=refs, available=available,
+                            identity=identity, non_expert_bytes=resident)
     dtype, kv_dtype = compute_dtype(net, dtype, loaded_dtype, None)
     llm = LLM(net, args, arch, tokenizer, path, dtype, gen)
     llm.kv_dtype, llm.no_tokenizer, llm.store = kv_dtype, no_tokenizer, store

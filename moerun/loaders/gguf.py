@@ -18,11 +18,13 @@ same tables in the other direction.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
 import struct
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -261,7 +263,15 @@ class GGUFFile:
             from ..config import open_regular
 
             with open_regular(path) as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable views, file untouched
+                try:
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable views, file untouched
+                except OSError as e:
+                    if e.errno != errno.ENOMEM:
+                        raise
+                    # a file bigger than the kernel commits to one private mapping (a model bigger
+                    # than RAM, under heuristic overcommit): shared and read-only; its views are
+                    # only read (quantized tensors are repacked, experts go to an expert store)
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps[path] = mm
         return mm
 
@@ -269,7 +279,9 @@ class GGUFFile:
         """The tensor's bytes, uint8 [*rows, row_bytes], a view of the memory map."""
         if t.nbytes == 0:
             return torch.empty(*t.shape[:-1], 0, dtype=torch.uint8)
-        flat = torch.frombuffer(self._map(t.path), dtype=torch.uint8, count=t.nbytes, offset=t.offset)
+        with warnings.catch_warnings():  # a read-only map (above): torch warns that its views are not writable
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            flat = torch.frombuffer(self._map(t.path), dtype=torch.uint8, count=t.nbytes, offset=t.offset)
         return flat.view(*t.shape[:-1], t.row_bytes)
 
     def floats(self, t: GGUFTensor) -> torch.Tensor:
@@ -1051,6 +1063,8 @@ def _quantized_linear(net, owner_name, lin: nn.Linear, arch, f, names, t, fmt, d
         raise MoerunError(f"{f.path}: tensor {t.name!r} has {rows.shape[0]} rows, the metadata implies {lin.out_features}")
     new = _new_module(f, t, lambda: QuantizedLinear(lin.in_features, lin.out_features, fmt, bias=lin.bias is not None))
     _fill(new, ("qweight", "scales"), rows, fmt)
+    if fmt not in RAW_FORMATS:  # repacked: the file's pages are not needed (nor counted in RSS)
+        f.drop_pages(t)
     if lin.bias is not None:
         bias_name = f"{owner_name}.bias"
         bt = _source(f, names, bias_name, net)

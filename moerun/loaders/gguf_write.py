@@ -432,3 +432,157 @@ def _pre_name(pre, path: Path) -> str:
                 return name
     raise MoerunError(f"{path}: its pre-tokenizer is not one GGUF names (known: {', '.join(sorted(PRE_TOKENIZERS))})")
 
+
+
+# -- random-weight files (`moerun random-model ... --quant q8_0`) ------------------------------
+
+RANDOM_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
+CHUNK_BLOCKS = 1 << 20  # blocks generated and written at a time (34 MiB of Q8_0)
+# fp16 block scales drawn uniformly in this range: N(0, 0.02) weights have a block absmax near
+# 0.05, so d = absmax / 127 (Q8_0) or absmax / -8 (Q4_0, magnitude)
+SCALE_RANGE = {"Q8_0": (2e-4, 6e-4), "Q4_0": (4e-3, 8e-3)}
+
+
+def random_blocks(gtype: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """`n` random GGUF blocks of `gtype` (uint8 [n, block bytes]): a random fp16 scale of a
+    sensible magnitude, then random quants (Q8_0: int8 in [-127, 127]; Q4_0: any nibbles)."""
+    per = 32 if gtype == "Q8_0" else 16
+    out = np.empty((n, 2 + per), dtype=np.uint8)
+    lo, hi = SCALE_RANGE[gtype]
+    out[:, :2] = rng.uniform(lo, hi, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    q = out[:, 2:]
+    q[:] = np.frombuffer(rng.bytes(n * per), dtype=np.uint8).reshape(n, per)
+    if gtype == "Q8_0":  # -128 is not a Q8_0 level
+        np.maximum(q.view(np.int8), -127, out=q.view(np.int8))
+    return out
+
+
+def _random_float(shape: tuple, gen: torch.Generator) -> torch.Tensor:
+    """Float parameters in the Hugging Face model's space (the converter's transforms are
+    applied on the way out): 1-D tensors (norms, biases, per-head scalars) ones, matrices
+    N(0, 0.02), as `moerun.bench.random_model` writes them."""
+    if len(shape) == 1:
+        return torch.ones(shape)
+    return torch.randn(shape, generator=gen) * 0.02
+
+
+def write_random(out, cfg: dict, qtype: str = "q8_0", seed: int = 0, force: bool = False,
+                 progress: bool = True) -> dict:
+    """A random-weight GGUF file with `cfg`'s shapes (a `random_model.preset_config`), written
+    tensor by tensor: the quantized tensors (every matrix `export --type qtype` quantizes:
+    experts, attention, DeltaNet projections, embeddings, head) as random `qtype` blocks made
+    directly in chunks of `CHUNK_BLOCKS`, the rest (norms, routers, gates, A_log, conv) F32
+    random floats through the converter's transforms. Neither the model nor a float copy of a
+    quantized tensor is ever held. The tokenizer is a SentencePiece-style stand-in of
+    placeholder pieces (token ids only: `bench` and `info`, not text). Written into a
+    temporary directory beside `out` and renamed at the end: a failure (a full disk) leaves
+    nothing behind."""
+    import gguf
+
+    from ..models import build_on_meta, module_for
+
+    out = Path(out)
+    gtype_q = RANDOM_TYPES.get(qtype)
+    if gtype_q is None:
+        raise MoerunError(f"a random GGUF file is written as {' or '.join(RANDOM_TYPES)}, not {short(qtype)}")
+    if out.exists() and not force:
+        raise MoerunError(f"{out} exists (pass --force to replace it)")
+    if out.exists() and out.is_dir():
+        raise MoerunError(f"{out} is a directory")
+    module = module_for(cfg["model_type"])
+    args = module.ModelArgs.from_dict(cfg)
+    net = build_on_meta(module, args)
+    arch = ARCHS.get(MODEL_TYPES.get(args.model_type, ""))
+    if arch is None:
+        raise MoerunError(f"{args.model_type!r} cannot be written as GGUF")
+    plan = _plan(net, args, arch, qtype, torch.float32)  # float32: the float tensors are F32
+    # the plan's float producers read the net's parameters: give those (small) ones values
+    gen = torch.Generator().manual_seed(seed)
+    inverse = {g: n for n, g in gguf_names(_float_net(net, args), arch).items()}
+    for gname, gtype, shape, _ in plan:
+        if gtype in ("F32", "BF16"):
+            name = inverse[gname]
+            owner, _, leaf = name.rpartition(".")
+            mod = net.get_submodule(owner)
+            p = getattr(mod, leaf)
+            setattr(mod, leaf, nn.Parameter(_random_float(tuple(p.shape), gen), requires_grad=False))
+        elif gtype not in RANDOM_TYPES.values():
+            raise MoerunError(f"{gname}: the random writer makes {', '.join(RANDOM_TYPES.values())} blocks, not {gtype}")
+    total = sum(_nbytes(g, s) for _, g, s, _ in plan)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if free < total:
+        raise MoerunError(f"{out.parent} has {free / 1e9:.1f} GB free; the file needs {total / 1e9:.1f} GB")
+    w = gguf.GGUFWriter(path=None, arch=arch.name)
+    _metadata(w, args, arch, qtype, Path(out.stem))
+    _standin_tokenizer(w, args.vocab_size)
+    for name, gtype, shape, _ in plan:
+        _tensor_info(w, name, gtype, shape)
+    rng = np.random.default_rng(seed)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        w.write_header_to_file(tmp / out.name)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        fout = w.fout[0]
+        with tqdm(total=total, unit="B", unit_scale=True, desc="writing random GGUF", file=sys.stderr,
+                  disable=not progress) as bar:
+            for _, gtype, shape, make in plan:
+                nbytes = _nbytes(gtype, shape)
+                w.write_padding(fout, fout.tell())
+                if gtype in ("F32", "BF16"):
+                    data = make()
+                    assert data.nbytes == nbytes
+                    _write(fout, data)
+                    bar.update(nbytes)
+                else:
+                    n = nbytes // gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gtype]][1]
+                    for start in range(0, n, CHUNK_BLOCKS):
+                        data = random_blocks(gtype, min(CHUNK_BLOCKS, n - start), rng)
+                        _write(fout, data)
+                        bar.update(data.nbytes)
+                w.write_padding(fout, nbytes)
+        fout.flush()
+        os.fsync(fout.fileno())  # a full disk shows here at the latest, before the rename
+        w.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        (tmp / out.name).chmod(0o666 & ~umask)
+        os.replace(tmp / out.name, out)
+    except BaseException:
+        w.close()
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    types: dict[str, int] = {}
+    for _, g, _, _ in plan:
+        types[g] = types.get(g, 0) + 1
+    return {"output": str(out), "architecture": arch.name, "type": qtype, "tensors": len(plan),
+            "bytes": out.stat().st_size, "types": types}
+
+
+def _write(fout, data: np.ndarray) -> None:
+    """All of `data`'s bytes (a short write, e.g. on a full disk, raises)."""
+    mv = memoryview(np.ascontiguousarray(data)).cast("B")
+    while mv:
+        n = fout.write(mv)
+        if n is None or n <= 0:
+            raise OSError(28, "short write")
+        mv = mv[n:]
+
+
+def _standin_tokenizer(w, vocab_size: int) -> None:
+    """A SentencePiece-style vocabulary of placeholder pieces (llama.cpp needs one; moerun
+    reads the weights and runs `bench`/`info` without building it)."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    tokens += [f"<t{i}>" for i in range(len(tokens), vocab_size)]
+    types += [1] * (vocab_size - len(types))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[:vocab_size])
+    w.add_token_scores([0.0] * vocab_size)
+    w.add_token_types(types[:vocab_size])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)

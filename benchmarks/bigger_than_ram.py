@@ -1,0 +1,376 @@
+"""A model bigger than RAM (issue 37): moerun's expert store against llama.cpp's mmap on the
+same GGUF file, each run in its own process with the page cache dropped before it.
+
+    python benchmarks/bigger_than_ram.py -m /var/tmp/moerun-big/qwen36-35b-a3b-q8_0.gguf \\
+        --ram-budget 12GiB --rows direct,direct+layer_ahead1,buffered --llama --threads 2
+
+Rows (moerun, each `--ram-budget`): `direct` (O_DIRECT reads into aligned bounce buffers,
+an expert's gate/up/down ranges read at once on a pool of pread threads), `buffered` (the
+read path before: one pread per range through the page cache, dropped after each read with
+POSIX_FADV_DONTNEED), either with `+PREDICTOR` (the asynchronous prefetcher driven by that
+predictor, e.g. `direct+layer_ahead1`). `--llama` adds llama-bench on the same file (its
+default mmap), a decode run and a prefill run.
+
+Per run: prefill and decode tok/s, peak RSS (VmHWM; llama-bench: the peak of VmRSS polled),
+bytes read from disk per token (/proc/PID/io read_bytes), and for moerun the store's hit rate,
+stall, the expert read time hidden by prefetch against the time waited for, and the disk
+bandwidth the reads got (bytes of the reads over the wall time of the phase). A run is killed
+past `--rss-limit` (default 14 GiB) or `--timeout` seconds and reported as such: the machine
+is shared. The page cache is dropped before each run with /proc/sys/vm/drop_caches when
+permitted, else the file's pages with POSIX_FADV_DONTNEED (the line `page cache:` says which).
+Random weights route almost uniformly: the worst case for any cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+GiB = 1 << 30
+HERE = Path(__file__).resolve().parent
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+def proc_status(pid="self") -> dict:
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("VmRSS", "VmHWM"):
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def proc_io(pid="self") -> dict:
+    out = {}
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                out[k] = int(v)
+    except OSError:
+        pass
+    return out
+
+
+def drop_page_cache(path: Path) -> str:
+    """Drop the page cache: all of it when permitted, else the file's pages."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "dropped (echo 3 > /proc/sys/vm/drop_caches)"
+    except OSError as e:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return f"drop_caches not permitted ({e.strerror}); the file's pages dropped with POSIX_FADV_DONTNEED"
+
+
+def cpu_line() -> str:
+    model = platform.processor() or "?"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs"
+
+
+def watchdog(limit: int, what: str, interval: float = 0.05):
+    """Exit the process at once if its RSS passes `limit` (the machine is shared)."""
+    def run():
+        while True:
+            rss = proc_status().get("VmRSS", 0)
+            if rss > limit:
+                print(json.dumps({"error": f"{what}: RSS {rss / GiB:.2f} GiB passed the limit of {limit / GiB:.2f} GiB; "
+                                           "killed"}), flush=True)
+                os._exit(3)
+            time.sleep(interval)
+    threading.Thread(target=run, daemon=True).start()
+
+
+# -- one moerun run (a child process) -----------------------------------------------------------
+
+def child(a) -> dict:
+    import torch
+
+    from moerun.layers.cache import Cache
+    from moerun.engine.generate import run_plans
+    from moerun.experts.attach import load as load_store
+    from moerun.experts.store import StoreOptions
+
+    watchdog(a.rss_limit, "moerun")
+    io_mode, _, predictor = a.row.partition("+")
+    opts = StoreOptions(ram_budget=a.ram_budget, direct_io=io_mode == "direct", cache_policy=a.cache_policy)
+    t0 = time.perf_counter()
+    io0 = proc_io()
+    llm = load_store(a.model, threads=a.threads, options=opts)
+    load_s = time.perf_counter() - t0
+    io_load = proc_io()["read_bytes"] - io0["read_bytes"]
+    store = llm.store
+    if predictor:
+        from moerun.experts.predict import attach_predictor
+
+        llm.predictor = attach_predictor(llm.net, store, predictor)
+    net = llm.net
+    vocab = net.args.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, a.prompt_tokens), generator=g)
+    out = {"row": a.row, "ram_budget": a.ram_budget, "load_s": load_s, "load_read_bytes": io_load,
+           "non_expert_bytes": store.non_expert_bytes, "experts_bytes": store.total_bytes,
+           "budget_bytes": store.tiers["host"].budget, "rss_after_load": proc_status()["VmRSS"]}
+
+    def phase(name, fn, tokens):
+        store.reset_stats()
+        io = proc_io()["read_bytes"]
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        st = store.stats()
+        read = proc_io()["read_bytes"] - io
+        out[name] = {
+            "tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "rss_after": proc_status()["VmRSS"],
+            "host_used_bytes": st["tiers"]["host"]["used_bytes"],
+            "disk_bytes_per_token": read / tokens, "disk_GB_s": read / dt / 1e9,
+            "expert_bytes_per_token": st["tiers"]["disk"]["bytes_read"] / tokens,
+            "hit_rate": st["expert_hit_rate"], "stall_s": st["stall_s"], "stall_share": st["stall_s"] / dt,
+            "read_stalled_s": st["read_stalled_s"], "read_hidden_s": st["read_hidden_s"],
+            "expert_wait_hidden_fraction": st["expert_wait_hidden_fraction"],
+            "demand_misses": st["demand_misses"], "transient_loads": st["transient_loads"],
+            "prefetch_issued": st["prefetch_issued"], "prefetch_used": st["prefetch_used"],
+            "prefetch_late": st["prefetch_late"], "prefetch_wasted": st["prefetch_wasted"],
+            "disk_tier": st["tiers"]["disk"],
+        }
+
+    with torch.inference_mode():
+        cache = Cache(net.cache_spec(), 1, a.prompt_tokens + a.gen_tokens + 8, llm.dtype, llm.kv_dtype)
+        plans = run_plans(net)
+
+        def step(ids):
+            return net(ids, cache, last_only=True, **plans)[:, -1].argmax(-1, keepdim=True)
+
+        tok = step(prompt[:, :1])  # warm-up: plans, native stack, first allocations
+        for _ in range(2):
+            tok = step(tok)
+        cache.reset(0)
+        box = {}
+        phase("prefill", lambda: box.update(tok=step(prompt)), a.prompt_tokens)
+        tok = box["tok"]
+
+        def decode():
+            t = tok
+            for _ in range(a.gen_tokens):
+                t = step(t)
+        phase("decode", decode, a.gen_tokens)
+    out["peak_rss"] = proc_status()["VmHWM"]
+    out["io"] = store.io
+    store.close()
+    return out
+
+
+# -- llama-bench --------------------------------------------------------------------------------
+
+def llama_bench(a, p: int, n: int, extra: list[str]) -> dict:
+    sys.path.insert(0, str(HERE))
+    from llamacpp import tool
+
+    cmd = [str(tool("llama-bench")), "-m", str(a.model), "-p", str(p), "-n", str(n), "-r", "1",
+           "-t", str(a.threads), "-o", "json", *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak, io_last, killed = 0, {}, None
+    while proc.poll() is None:
+        st = proc_status(proc.pid)
+        peak = max(peak, st.get("VmRSS", 0))
+        io_last = proc_io(proc.pid) or io_last
+        if st.get("VmRSS", 0) > a.rss_limit:
+            killed = f"RSS {st['VmRSS'] / GiB:.2f} GiB passed the limit of {a.rss_limit / GiB:.2f} GiB"
+        elif time.perf_counter() - t0 > a.timeout:
+            killed = f"no result in {a.timeout} s"
+        if killed:
+            proc.kill()
+            proc.wait()
+            break
+        time.sleep(0.1)
+    wall = time.perf_counter() - t0
+    res = {"cmd": " ".join(cmd), "test": (f"pp{p}" if p else f"tg{n}") + (f" {' '.join(extra)}" if extra else ""),
+           "wall_s": wall, "peak_rss": peak,
+           "read_bytes": io_last.get("read_bytes", 0)}
+    if killed:
+        res["error"] = f"killed: {killed} (after {wall:.0f} s)"
+        return res
+    stdout, stderr = proc.communicate()
+    try:
+        rows = json.loads(stdout)
+        res["tok_s"] = rows[0]["avg_ts"]
+        res["test"] = (f"pp{p}" if p else f"tg{n}") + (f" {' '.join(extra)}" if extra else "")
+    except (ValueError, IndexError, KeyError):
+        res["error"] = f"llama-bench failed (exit {proc.returncode}): {stderr.strip().splitlines()[-1:] or ''}"
+    tokens = p or n
+    if res["read_bytes"]:
+        res["disk_bytes_per_token_incl_load"] = res["read_bytes"] / tokens
+    return res
+
+
+# -- the disk alone ------------------------------------------------------------------------------
+
+def disk_probe(path: Path, size: int = 1_118_208, reads: int = 96, threads=(1, 3, 9)) -> dict:
+    """O_DIRECT reads of the disk with nothing else: 1 MiB sequential (as `dd bs=1M
+    iflag=direct`), and `reads` random expert-sized ranges (a Q8_0 expert projection, 4 KiB
+    aligned) with 1, 3 and 9 in flight. GB/s each."""
+    import mmap
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    fsize = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    out = {}
+    try:
+        def buf(n):
+            return mmap.mmap(-1, n)  # page aligned
+        b = buf(1 << 20)
+        start = fsize // 2 // 4096 * 4096
+        t = time.perf_counter()
+        for i in range(512):
+            os.preadv(fd, [b], start + i * (1 << 20))
+        out["seq_1MiB_GB_s"] = 512 * (1 << 20) / (time.perf_counter() - t) / 1e9
+        rng = random.Random(0)
+        for n in threads:
+            offs = [rng.randrange(0, (fsize - size) // 4096) * 4096 for _ in range(reads)]
+            bufs = [buf(size) for _ in range(n)]
+
+            def one(i):
+                os.preadv(fd, [bufs[i % n]], offs[i])
+            t = time.perf_counter()
+            with ThreadPoolExecutor(n) as ex:
+                list(ex.map(one, range(reads)))
+            out[f"random_{size}_x{n}_GB_s"] = reads * size / (time.perf_counter() - t) / 1e9
+    finally:
+        os.close(fd)
+    return out
+
+
+# -- the parent ------------------------------------------------------------------------------------
+
+def run_child(a, row: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--row", row, "-m", str(a.model), "--ram-budget", a.ram_budget,
+           "--threads", str(a.threads), "--prompt-tokens", str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens),
+           "--rss-limit", str(a.rss_limit), "--cache-policy", a.cache_policy]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        return {"row": row, "error": f"no result in {a.timeout} s (killed)"}
+    last = [l for l in p.stdout.splitlines() if l.startswith("{")]
+    if not last:
+        return {"row": row, "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:] or ''}"}
+    return {"row": row, **json.loads(last[-1])}
+
+
+def fmt_row(r: dict) -> str:
+    if "error" in r:
+        return f"| moerun {r['row']} | {r['error']} |"
+    d, pf = r["decode"], r["prefill"]
+    return (f"| moerun {r['row']}, {r['ram_budget']} | {pf['tok_s']:.2f} | {d['tok_s']:.2f} | {r['peak_rss'] / GiB:.2f} | "
+            f"{d['disk_bytes_per_token'] / 1e6:.0f} | {d['disk_GB_s']:.2f} | {d['hit_rate']:.2f} | "
+            f"{d['stall_share']:.0%} | {d['expert_wait_hidden_fraction']:.0%} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", required=True, type=Path, help="GGUF file")
+    ap.add_argument("--ram-budget", default="12GiB")
+    ap.add_argument("--rows", default="direct,direct+layer_ahead1,buffered", help="moerun rows, comma-separated ('' for none)")
+    ap.add_argument("--llama", action="store_true", help="also llama-bench on the same file (mmap)")
+    ap.add_argument("--llama-runs", default="tg:,tg:--repack 0,pp:--repack 0",
+                    help="llama-bench runs, comma-separated: tg (decode) or pp (prefill), ':', its extra flags")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--gen-tokens", type=int, default=16)
+    ap.add_argument("--timeout", type=float, default=180.0, help="seconds per run")
+    ap.add_argument("--rss-limit", type=float, default=14 * GiB, help="bytes; a run past it is killed")
+    ap.add_argument("--cache-policy", default="lru")
+    ap.add_argument("--json", type=Path, default=None, help="write every figure here")
+    ap.add_argument("--probe", action="store_true", help="first measure the disk alone (O_DIRECT, sequential and random)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--row", default="direct", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.rss_limit = int(a.rss_limit)
+    if not a.model.is_file():
+        print(f"bigger_than_ram: error: {a.model} is not a file", file=sys.stderr)
+        return 1
+    if a.child:
+        print(json.dumps(child(a)), flush=True)
+        return 0
+    sys.path.insert(0, str(HERE))
+    from vs_llamacpp import read_bandwidth
+
+    size = a.model.stat().st_size
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    head = {"model": str(a.model), "file_bytes": size, "ram_bytes": mem, "cpu": cpu_line(),
+            "read_bandwidth_GB_s": read_bandwidth(a.threads) / 1e9, "threads": a.threads,
+            "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens}
+    print(f"# {a.model.name}: {size / 1e9:.1f} GB file, {mem / GiB:.1f} GiB RAM; {head['cpu']}; "
+          f"torch.sum read bandwidth {head['read_bandwidth_GB_s']:.1f} GB/s; {a.threads} threads; "
+          f"prompt {a.prompt_tokens}, decode {a.gen_tokens} tokens", flush=True)
+    if a.probe:
+        drop_page_cache(a.model)
+        head["disk"] = disk_probe(a.model)
+        print("# disk alone (O_DIRECT): " + ", ".join(f"{k} {v:.2f}" for k, v in head["disk"].items()), flush=True)
+    results = []
+    for row in [r for r in a.rows.split(",") if r]:
+        how = drop_page_cache(a.model)
+        r = run_child(a, row)
+        r["page_cache"] = how
+        results.append(r)
+        print(f"page cache: {how}", flush=True)
+        print(json.dumps(r), flush=True)
+    llama = []
+    if a.llama:
+        for spec in a.llama_runs.split(","):
+            kind, _, extra = spec.partition(":")
+            p, n = (0, a.gen_tokens) if kind == "tg" else (a.prompt_tokens, 0)
+            how = drop_page_cache(a.model)
+            r = llama_bench(a, p, n, extra.split())
+            r["page_cache"] = how
+            llama.append(r)
+            print(f"page cache: {how}", flush=True)
+            print(json.dumps(r), flush=True)
+    print("\n| engine, row | prefill tok/s | decode tok/s | peak RSS GiB | disk MB/token (decode) | disk GB/s (decode) "
+          "| hit rate | stall share | expert wait hidden |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(fmt_row(r))
+    for r in llama:
+        test = r.get("test", "")
+        if "error" in r:
+            print(f"| llama-bench mmap {test} | {r['error']} (peak RSS {r['peak_rss'] / GiB:.2f} GiB, "
+                  f"{r['read_bytes'] / 1e9:.1f} GB read) |")
+        else:
+            tok = r["tok_s"]
+            print(f"| llama-bench mmap {test} | {f'{tok:.2f}' if test.startswith('pp') else ''} | "
+                  f"{f'{tok:.2f}' if test.startswith('tg') else ''} | {r['peak_rss'] / GiB:.2f} | "
+                  f"{r['read_bytes'] / 1e6 / (a.prompt_tokens if test.startswith('pp') else a.gen_tokens):.0f} (with load) "
+                  f"| {r['read_bytes'] / r['wall_s'] / 1e9:.2f} (with load) | | | |")
+    if a.json:
+        a.json.write_text(json.dumps({**head, "moerun": results, "llama": llama}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
