@@ -30,6 +30,9 @@ From Python:
     llama_cpp = import_llama_cpp()    # the sdist's llama_cpp package, loading the native libllama
     ll = import_llama_cpp_lowlevel()  # its ctypes binding alone (no diskcache/jinja2 needed)
     logits("m.gguf", ids)             # per-position logits [len(ids), vocab] from the native build
+    with Session("m.gguf", n_ctx=512) as s:   # one model and context for many calls
+        s.tokenize(text); s.logits(ids); s.greedy(ids, 32)
+    perplexity_tool("m.gguf", "text.txt", n_ctx=128)   # llama-perplexity's own figure
 
 `import_llama_cpp` puts the unpacked sdist's package dir first on sys.path and sets
 LLAMA_CPP_LIB_PATH (llama_cpp/llama_cpp.py loads lib{llama}.so from there instead of its
@@ -316,10 +319,13 @@ def import_llama_cpp_lowlevel(d=None):
 _QUIET = None
 
 
-def logits(model_path, ids: list[int], threads: int = 2, n_batch: int = 512, d=None, quiet: bool = True):
+def logits(model_path, ids: list[int], threads: int = 2, n_batch: int = 512, d=None, quiet: bool = True,
+           kv_type: str | None = None, flash_attn: bool | None = None):
     """Per-position logits [len(ids), vocab] (float32 numpy) of the GGUF at `model_path` run by
     the native libllama on token ids `ids` (one sequence from position 0, every position's
-    logits output), through the sdist's ctypes binding."""
+    logits output), through the sdist's ctypes binding. `kv_type` "f32"/"f16"/"bf16"/"q8_0"
+    sets the K and V cache types (llama.cpp's -ctk/-ctv; None: its default, f16);
+    `flash_attn` True/False sets -fa on/off (None: its default, auto)."""
     import ctypes
 
     import numpy as np
@@ -339,6 +345,7 @@ def logits(model_path, ids: list[int], threads: int = 2, n_batch: int = 512, d=N
     cp.n_ctx = max(n, 16)
     cp.n_batch = cp.n_ubatch = min(n_batch, max(n, 16))
     cp.n_threads = cp.n_threads_batch = threads
+    _set_kv(ll, cp, kv_type, flash_attn)
     ctx = ll.llama_init_from_model(model, cp)
     if not ctx:
         ll.llama_model_free(model)
@@ -369,6 +376,166 @@ def logits(model_path, ids: list[int], threads: int = 2, n_batch: int = 512, d=N
     finally:
         ll.llama_free(ctx)
         ll.llama_model_free(model)
+
+
+class Session:
+    """One GGUF model and one context of the native libllama, for many calls: tokenize with
+    the file's own tokenizer, all-position logits of a sequence, greedy decoding through the
+    KV cache (and, for hybrid models, the recurrent state). The memory is cleared before each
+    sequence, so every call starts from position 0. `kv_type` and `flash_attn` as in `logits`;
+    llama.cpp casts an f32 cache to f16 for flash attention, so float32 attention throughout
+    needs kv_type="f32" with flash_attn=False."""
+
+    def __init__(self, model_path, n_ctx: int = 512, threads: int = 2, n_batch: int = 512, d=None,
+                 quiet: bool = True, kv_type: str | None = None, flash_attn: bool | None = None):
+        import ctypes
+
+        global _QUIET
+        self.ll = ll = import_llama_cpp_lowlevel(d)
+        if quiet and _QUIET is None:
+            _QUIET = ll.llama_log_callback(lambda level, text, user: None)
+            ll.llama_log_set(_QUIET, ctypes.c_void_p(0))
+        ll.llama_backend_init()
+        self.path = str(model_path)
+        self.model = ll.llama_model_load_from_file(self.path.encode(), ll.llama_model_default_params())
+        if not self.model:
+            raise BuildError(f"libllama could not load {model_path}")
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = max(n_ctx, 16)
+        cp.n_batch = cp.n_ubatch = min(n_batch, cp.n_ctx)
+        cp.n_threads = cp.n_threads_batch = threads
+        _set_kv(ll, cp, kv_type, flash_attn)
+        self.ctx = ll.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            ll.llama_model_free(self.model)
+            raise BuildError(f"libllama could not make a context for {model_path} "
+                             f"(kv_type={kv_type}, flash_attn={flash_attn})")
+        self.n_ctx, self.n_batch = cp.n_ctx, cp.n_batch
+        self.vocab = ll.llama_model_get_vocab(self.model)
+        self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
+        self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.ll.llama_batch_free(self.batch)
+            self.ll.llama_free(self.ctx)
+            self.ll.llama_model_free(self.model)
+            self.ctx = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """The file's tokenizer (llama_tokenize); add_special adds BOS where the file says so."""
+        import ctypes
+
+        raw = text.encode("utf-8")
+        n_max = len(raw) + 8
+        buf = (self.ll.llama_token * n_max)()
+        n = self.ll.llama_tokenize(self.vocab, raw, len(raw), buf, n_max, add_special, parse_special)
+        if n < 0:
+            n_max = -n
+            buf = (self.ll.llama_token * n_max)()
+            n = self.ll.llama_tokenize(self.vocab, raw, len(raw), buf, n_max, add_special, parse_special)
+        if n < 0:
+            raise BuildError(f"llama_tokenize failed ({n})")
+        return list(buf[:n])
+
+    def _decode(self, ids, start: int, all_logits: bool) -> None:
+        b = self.batch
+        b.n_tokens = len(ids)
+        for i, t in enumerate(ids):
+            b.token[i] = int(t)
+            b.pos[i] = start + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 1 if all_logits or i == len(ids) - 1 else 0
+        rc = self.ll.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise BuildError(f"llama_decode returned {rc}")
+
+    def _row(self, i: int):
+        import numpy as np
+
+        return np.ctypeslib.as_array(self.ll.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,)).copy()
+
+    def reset(self) -> None:
+        self.ll.llama_memory_clear(self.ll.llama_get_memory(self.ctx), True)
+
+    def logits(self, ids: list[int]):
+        """Logits [len(ids), vocab] (float32 numpy) of every position, from position 0."""
+        import numpy as np
+
+        if len(ids) > self.n_ctx:
+            raise BuildError(f"{len(ids)} tokens do not fit n_ctx={self.n_ctx}")
+        self.reset()
+        out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
+        for s in range(0, len(ids), self.n_batch):
+            chunk = ids[s:s + self.n_batch]
+            self._decode(chunk, s, True)
+            for i in range(len(chunk)):
+                out[s + i] = self._row(i)
+        return out
+
+    def greedy(self, ids: list[int], n: int, stop_at_eog: bool = False) -> list[int]:
+        """n tokens by argmax after the prompt `ids`, one decode step each (the KV cache path)."""
+        if len(ids) + n > self.n_ctx:
+            raise BuildError(f"{len(ids)} + {n} tokens do not fit n_ctx={self.n_ctx}")
+        self.reset()
+        for s in range(0, len(ids), self.n_batch):
+            chunk = ids[s:s + self.n_batch]
+            self._decode(chunk, s, False)
+        last = len(ids[s:s + self.n_batch]) - 1
+        out, pos = [], len(ids)
+        for _ in range(n):
+            t = int(self._row(last).argmax())
+            out.append(t)
+            if stop_at_eog and self.ll.llama_vocab_is_eog(self.vocab, t):
+                break
+            self._decode([t], pos, True)
+            pos, last = pos + 1, 0
+        return out
+
+
+def perplexity_tool(model_path, text_file, n_ctx: int = 128, chunks: int | None = None, threads: int = 2,
+                    extra: tuple = (), d=None) -> dict:
+    """Run `llama-perplexity -f text_file -c n_ctx` and return its final estimate and the
+    per-chunk running values it prints ({"ppl", "ppl_err", "chunks", "running"}). It tokenizes
+    the file itself (BOS in front of each chunk when the file's tokenizer adds one) and scores
+    only the second half of each chunk: positions n_ctx/2 .. n_ctx-2 predicting the next token."""
+    import re
+
+    cmd = [str(tool("llama-perplexity", d)), "-m", str(model_path), "-f", str(text_file), "-c", str(n_ctx),
+           "-t", str(threads), *map(str, extra)]
+    if chunks:
+        cmd += ["--chunks", str(chunks)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        raise BuildError(f"llama-perplexity exited {r.returncode}: {' | '.join(tail)}")
+    text = r.stdout + r.stderr
+    m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", text)
+    if not m:
+        raise BuildError("llama-perplexity printed no final estimate")
+    n = re.search(r"calculating perplexity over (\d+) chunks", text)
+    running = [float(x) for x in re.findall(r"\[\d+\]([0-9.]+),", text)]
+    return {"ppl": float(m.group(1)), "ppl_err": float(m.group(2)), "chunks": int(n.group(1)) if n else None,
+            "running": running, "cmd": cmd}
+
+
+KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "bf16": 30}  # ggml_type ids
+
+
+def _set_kv(ll, cp, kv_type: str | None, flash_attn: bool | None) -> None:
+    if kv_type is not None:
+        if kv_type not in KV_TYPES:
+            raise BuildError(f"kv_type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
+        cp.type_k = cp.type_v = KV_TYPES[kv_type]
+    if flash_attn is not None:
+        cp.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
 
 
 def _main(argv=None) -> int:
