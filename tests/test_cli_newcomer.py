@@ -310,3 +310,13 @@ def test_a_gguf_file_is_checked_before_its_weights(tiny_gguf, tmp_path, no_weigh
     bad.write_bytes(bytes(data))
     assert_one_line_error(cli(capsys, "chat", "-m", bad), "tokenizer model 'bert' is not supported")
     assert_one_line_error(cli(capsys, "info", "-m", bad), "weights were read")  # info needs no tokenizer
+
+
+def test_random_model_help_names_every_preset():
+    """(The parser is built without importing torch, so the presets are written out in its help.)"""
+    from moerun.bench.random_model import PRESETS
+    from moerun.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.choices and "random-model" in a.choices)
+    preset = next(a for a in sub.choices["random-model"]._actions if a.dest == "preset")
+    assert all(name in preset.help for name in PRESETS), preset.help
