@@ -22,6 +22,7 @@ from moerun.loaders.safetensors import Checkpoint
 from moerun.kernels import formats
 from moerun.layers import quantized as modules
 from moerun.loaders import quantized as checkpoint
+from moerun.loaders import quantized_write
 from moerun.loaders.quantized_write import quantize_checkpoint
 from moerun.quant import POLICIES, QuantPolicy
 from moerun.layers.quantized import QuantizedExperts, QuantizedLinear
@@ -145,7 +146,7 @@ def test_failure_leaves_nothing_half_written(qwen3, tmp_path, monkeypatch, capsy
     def fail(*_):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "_write_config", fail)
+    monkeypatch.setattr(quantized_write, "_write_config", fail)
     with pytest.raises(OSError):
         quantize_checkpoint(qwen3, tmp_path / "new", "int4")
     old = tmp_path / "old"
