@@ -31,11 +31,11 @@ def qwen3_path(tmp_path_factory):
     return make
 
 
-def passes(net, dtype, plans, slot=1):
-    """A prompt into slot 1 of a 2-slot cache, then one-token steps and a pass of three (a
+def passes(net, dtype, plans, slot=1, keep_cache=False):
+    """A prompt into slot 1 of a 2-slot cache, then one-token steps and passes of three (a
     verification pass), some for the last position's logits only, some with the final
     hidden state too (`stack.model_pass` makes both) -> every pass's outputs, the cache's
-    lengths after each."""
+    lengths after each (and, `keep_cache`, the cache). Positions reach 22."""
     from moerun.layers.cache import Cache
 
     ids = torch.randint(0, CFG["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(3))
@@ -47,7 +47,7 @@ def passes(net, dtype, plans, slot=1):
         got = net(ids[:, i : i + T], cache, s, last_only=j % 2 == 1, return_hidden=j % 3 > 0, **kw)
         out.extend(got if isinstance(got, tuple) else [got])
         out.append(cache.lengths.clone())
-    return out
+    return (out, cache) if keep_cache else out
 
 
 def counting(monkeypatch):

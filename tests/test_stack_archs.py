@@ -13,6 +13,7 @@ import torch
 
 from moerun import kernels
 from moerun.layers import stack
+from test_stack import passes
 
 pytestmark = pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
 
@@ -81,23 +82,6 @@ def arch_path(tmp_path_factory):
     return make
 
 
-def passes(net, dtype, plans, slot=1):
-    """A prompt into slot 1 of a 2-slot cache, then one-token steps and passes of three (a
-    verification pass), some for the last position's logits only, some with the final hidden
-    state too -> every pass's outputs and the cache's lengths after each. Positions reach 22:
-    past the 5- and 6-position windows."""
-    from moerun.layers.cache import Cache
-
-    ids = torch.randint(0, V, (1, 24), generator=torch.Generator().manual_seed(3))
-    cache = Cache(net.cache_spec(), 2, 32, dtype)
-    s = torch.tensor([slot])
-    kw = {} if plans is None else {"plans": plans}
-    out = [net(ids[:, :8], cache, s, **kw)]
-    for j, (i, T) in enumerate(((8, 1), (9, 1), (10, 1), (11, 3), (14, 1), (15, 3), (18, 1), (19, 3))):
-        got = net(ids[:, i : i + T], cache, s, last_only=j % 2 == 1, return_hidden=j % 3 > 0, **kw)
-        out.extend(got if isinstance(got, tuple) else [got])
-        out.append(cache.lengths.clone())
-    return out, cache
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -110,9 +94,9 @@ def test_stack_is_bit_identical_to_the_modules(arch_path, arch, dtype, quant):
     assert all("_unfused_forward" in layer.self_attn.__dict__ for layer in net.model.layers)  # fused at load
     kv = net.model.embed_tokens.weight.dtype
     with torch.inference_mode():
-        want, want_cache = passes(net, kv, None)
+        want, want_cache = passes(net, kv, None, keep_cache=True)  # (positions reach 22: past the windows)
         plans = {}
-        got, got_cache = passes(net, kv, plans)
+        got, got_cache = passes(net, kv, plans, keep_cache=True)
     path = stack.decode_path(plans)
     # the prefill runs the modules; so does the first pass of each decode shape (it makes the
     # plans); the other six through the stack

@@ -95,21 +95,13 @@ def export(model_dir, out, recipe: str = "bf16", force: bool = False, split_byte
                 w.write_tensor_data(data)
                 bar.update(data.nbytes)
         w.close()
-        umask = os.umask(0)
-        os.umask(umask)
-        files = sorted(tmp.iterdir())
-        for f in files:  # mkdtemp's files are private: the umask's mode, as any written file
-            f.chmod(0o666 & ~umask)
-            os.replace(f, out.parent / f.name)
+        written = _move_into_place(tmp, out.parent)
     except BaseException:
         w.close()
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    types: dict[str, int] = {}
-    for _, g, s, _ in plan:
-        types[g] = types.get(g, 0) + 1
-    written = [out.parent / f.name for f in files]
+    types = _type_counts(plan)
     return {"output": str(written[0]), "files": len(written), "architecture": arch.name, "type": recipe,
             "tensors": len(plan), "bytes": sum(f.stat().st_size for f in written), "types": types}
 
@@ -545,18 +537,13 @@ def write_random(out, cfg: dict, qtype: str = "q8_0", seed: int = 0, force: bool
         fout.flush()
         os.fsync(fout.fileno())  # a full disk shows here at the latest, before the rename
         w.close()
-        umask = os.umask(0)
-        os.umask(umask)
-        (tmp / out.name).chmod(0o666 & ~umask)
-        os.replace(tmp / out.name, out)
+        _move_into_place(tmp, out.parent)
     except BaseException:
         w.close()
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    types: dict[str, int] = {}
-    for _, g, _, _ in plan:
-        types[g] = types.get(g, 0) + 1
+    types = _type_counts(plan)
     return {"output": str(out), "architecture": arch.name, "type": qtype, "tensors": len(plan),
             "bytes": out.stat().st_size, "types": types}
 
@@ -586,3 +573,24 @@ def _standin_tokenizer(w, vocab_size: int) -> None:
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     w.add_add_bos_token(False)
+
+
+def _move_into_place(tmp: Path, dest: Path) -> list[Path]:
+    """The files written into `tmp` moved into `dest`, with the mode a plainly written file
+    gets (mkdtemp's files are private: the umask's mode instead); their new paths."""
+    umask = os.umask(0)
+    os.umask(umask)
+    moved = []
+    for f in sorted(tmp.iterdir()):
+        f.chmod(0o666 & ~umask)
+        os.replace(f, dest / f.name)
+        moved.append(dest / f.name)
+    return moved
+
+
+def _type_counts(plan) -> dict[str, int]:
+    """How many tensors of each GGUF type a write plan holds."""
+    types: dict[str, int] = {}
+    for _, g, _, _ in plan:
+        types[g] = types.get(g, 0) + 1
+    return types
