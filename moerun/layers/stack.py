@@ -54,9 +54,9 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
     returns None: its modules make the plans that the next one reads. `rope` and `pos`
     (`model_pass`): the rope rows as the native calls take them and the rows' first positions
     (int64 numpy [B]), in place of cos_sin and pos0."""
-    if plans is None or cache is None:
-        return None
     B, T, H = x.shape
+    if plans is None or cache is None or T > kernels.FUSED_MAX_TOKENS:  # (a prompt: the modules)
+        return None
     key = _stack_key(x.shape, x.dtype, cache)
     stack = plans.get(key, _UNSET)
     if stack is _UNSET:
@@ -64,7 +64,7 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
         return None
     nat = kernels._native()
     rope = kernels._rope_rows(cos_sin, B * T) if rope is None else rope
-    p = pos0.numpy() if pos is None else pos
+    p = np.asarray(pos0.numpy() if pos is None else pos, dtype=np.int64)
     if stack is _SEEN or (type(stack) is tuple and plans.get(("observers", key)) != observers_epoch()):
         # built now, or again: route observers came or went since (their calls are bound in)
         stack = plans[key] = _build(layers, x, cache, plans, rope, int(p[0]))
@@ -89,8 +89,8 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
             kept.append((state, conv_all, S_all))
     masks = list(map(routes_seen, experts))
     seen = [kernels._EMPTY_U8_NP if m is None else m for m in masks] if any(m is not None for m in masks) else []
-    native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope, slots.numpy(), p,
-               conv_every, S_every, seen)
+    native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope,
+               np.asarray(slots.numpy(), dtype=np.int64), p, conv_every, S_every, seen)
     _path(plans)["native_stack_passes"] += 1
     for state, conv_all, S_all in kept:
         state.keep_every(conv=conv_all, recurrent=S_all)
