@@ -613,3 +613,18 @@ def test_roll_back_restores_the_kept_state_of_a_slot():
         assert torch.equal(t[2], every[n][1, 2])
         assert torch.equal(t[:2], before[n][:2])
         assert torch.equal(st.positions[n], every[n])
+
+
+def test_bf16_batch_of_many_rows_greedy_identical():
+    """The demo model in bf16, ten rows verified together (more than 16 tokens a pass): each
+    verification pass's MoE half runs natively as a decode step does, so greedy speculative
+    output equals plain batched decoding, which equals each row alone (in bf16 a near-tie
+    flipped two rows when such a pass fell to torch's ops)."""
+    llm = moerun.load(None, threads=1)  # the demo model, bf16
+    assert llm.dtype == torch.bfloat16
+    prompts = [torch.randint(0, llm.args.vocab_size, (20 + 7 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(10)]
+    kw = dict(max_tokens=24, temperature=0.0, repetition_penalty=1.0)
+    plain = llm.generate_ids(prompts, **kw)
+    assert plain == [llm.generate_ids([p], **kw)[0] for p in prompts]
+    assert llm.generate_ids(prompts, speculative="mtp", draft_tokens=1, **kw) == plain

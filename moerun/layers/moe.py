@@ -131,8 +131,7 @@ def moe_fusable(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | N
     experts = mods.get("experts")
     if (type(norm) is not RMSNorm or not hasattr(experts, "fused_views") or x.dtype not in kernels.FLOAT_DTYPES
             or torch.is_grad_enabled()
-            or x.numel() > min(kernels.FLOAT_LINEAR_MAX_TOKENS, kernels.ROUTE_MAX_TOKENS) * x.shape[-1]
-            or x.numel() > kernels.RMS_NORM_MAX or not kernels.native()):
+            or not _decode_sized(x) or x.numel() > kernels.RMS_NORM_MAX or not kernels.native()):
         return None
     se = mods.get("shared_expert")
     others = (norm, block, mods["gate"])
@@ -143,6 +142,17 @@ def moe_fusable(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | N
     # the key: what the plan takes besides the modules' tensors (settings are plain attributes)
     key = (x.dtype, norm.eps, norm.zero_centered, block.top_k, block.norm_topk_prob)
     return kernels.module_plan(block, (experts, *others), key, lambda: _moe_plan(x, norm, block))
+
+
+def _decode_sized(x: torch.Tensor) -> bool:
+    """A pass the MoE half runs as one native call: a few tokens (FLOAT_LINEAR_MAX_TOKENS,
+    ROUTE_MAX_TOKENS; a prompt's torch GEMMs are better above), or a batch's decode step or
+    verification pass of up to FUSED_MAX_ROWS tokens in all, whose rows must each get the bits
+    of a decode step alone (a batch of 10 rows verifying one draft each is 20 tokens)."""
+    rows = x.numel() // x.shape[-1]
+    if rows <= min(kernels.FLOAT_LINEAR_MAX_TOKENS, kernels.ROUTE_MAX_TOKENS):
+        return True
+    return x.dim() == 3 and x.shape[0] > 1 and x.shape[1] <= kernels.FUSED_MAX_TOKENS and rows <= kernels.FUSED_MAX_ROWS
 
 
 def _moe_plan(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None:
