@@ -21,13 +21,14 @@ The file is written beside the output as a temporary file and renamed at the end
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -82,9 +83,8 @@ def export(model_dir, out, recipe: str = "bf16", force: bool = False, split_byte
     for name, gtype, shape, _ in plan:
         _tensor_info(w, name, gtype, shape)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     total = sum(_nbytes(g, s) for _, g, s, _ in plan)
-    try:
+    with _staged(out, w) as (tmp, written):
         w.write_header_to_file(tmp / out.name)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -94,13 +94,6 @@ def export(model_dir, out, recipe: str = "bf16", force: bool = False, split_byte
                 data = make()
                 w.write_tensor_data(data)
                 bar.update(data.nbytes)
-        w.close()
-        written = _move_into_place(tmp, out.parent)
-    except BaseException:
-        w.close()
-        raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     types = _type_counts(plan)
     return {"output": str(written[0]), "files": len(written), "architecture": arch.name, "type": recipe,
             "tensors": len(plan), "bytes": sum(f.stat().st_size for f in written), "types": types}
@@ -511,8 +504,7 @@ def write_random(out, cfg: dict, qtype: str = "q8_0", seed: int = 0, force: bool
     for name, gtype, shape, _ in plan:
         _tensor_info(w, name, gtype, shape)
     rng = np.random.default_rng(seed)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
+    with _staged(out, w) as (tmp, _):
         w.write_header_to_file(tmp / out.name)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -536,13 +528,6 @@ def write_random(out, cfg: dict, qtype: str = "q8_0", seed: int = 0, force: bool
                 w.write_padding(fout, nbytes)
         fout.flush()
         os.fsync(fout.fileno())  # a full disk shows here at the latest, before the rename
-        w.close()
-        _move_into_place(tmp, out.parent)
-    except BaseException:
-        w.close()
-        raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     types = _type_counts(plan)
     return {"output": str(out), "architecture": arch.name, "type": qtype, "tensors": len(plan),
             "bytes": out.stat().st_size, "types": types}
@@ -575,17 +560,28 @@ def _standin_tokenizer(w, vocab_size: int) -> None:
     w.add_add_bos_token(False)
 
 
-def _move_into_place(tmp: Path, dest: Path) -> list[Path]:
-    """The files written into `tmp` moved into `dest`, with the mode a plainly written file
-    gets (mkdtemp's files are private: the umask's mode instead); their new paths."""
-    umask = os.umask(0)
-    os.umask(umask)
-    moved = []
-    for f in sorted(tmp.iterdir()):
-        f.chmod(0o666 & ~umask)
-        os.replace(f, dest / f.name)
-        moved.append(dest / f.name)
-    return moved
+@contextlib.contextmanager
+def _staged(out: Path, w) -> Iterator[tuple[Path, list[Path]]]:
+    """(a temporary directory beside `out` for GGUF writer `w`'s files, the list their final
+    paths go into): when the block ends, `w` is closed and the files move beside `out` with
+    the mode a plainly written file gets (mkdtemp's are private); whatever fails, `w` is
+    closed and nothing is left behind."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    moved: list[Path] = []
+    try:
+        yield tmp, moved
+        w.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in sorted(tmp.iterdir()):
+            f.chmod(0o666 & ~umask)
+            os.replace(f, out.parent / f.name)
+            moved.append(out.parent / f.name)
+    except BaseException:
+        w.close()
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _type_counts(plan) -> dict[str, int]:
