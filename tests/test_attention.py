@@ -204,14 +204,10 @@ def test_fused_attention_variants_match_the_module(isa, arch, dtype, quant, tol,
 @pytest.mark.skipif(not NATIVE, reason="needs the native extension")
 def test_attn_block_variants_refuse_bad_arguments():
     """The variants' arguments are checked: one line each."""
-    from moerun.kernels import formats
+    from test_kernels import attn_block_inputs
 
     nat = kernels._native()
-    H, Hq, Hkv, D = 64, 4, 2, 16
-    lin = {n: formats.quantize(torch.randn(r, c) * 0.1, "int8") for n, r, c in
-           (("q", Hq * D, H), ("k", Hkv * D, H), ("v", Hkv * D, H), ("o", H, Hq * D))}
-    kc, vc = torch.zeros(Hkv, 8, D), torch.zeros(Hkv, 8, D)
-    none = torch.empty(0)
+    H, Hq, Hkv, D, lin, kc, vc, none = attn_block_inputs()
 
     def call(qn=none, kn=none, **variants):
         args = [torch.randn(1, H).numpy()]

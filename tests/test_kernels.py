@@ -593,15 +593,19 @@ def test_attn_decode_bf16_cache(isa, hq, hkv, S, D):
     assert max_rel(got, ref) < 1e-5
 
 
+def attn_block_inputs(H: int = 64, Hq: int = 4, Hkv: int = 2, D: int = 16) -> tuple:
+    """(H, Hq, Hkv, D, int8 q/k/v/o weights {name: (qweight, scales)}, an 8-position k and v
+    cache, an empty tensor): what the bad-argument tests of the fused attention block call it with."""
+    lin = {n: formats.quantize(torch.randn(r, c) * 0.1, "int8") for n, r, c in
+           (("q", Hq * D, H), ("k", Hkv * D, H), ("v", Hkv * D, H), ("o", H, Hq * D))}
+    return H, Hq, Hkv, D, lin, torch.zeros(Hkv, 8, D), torch.zeros(Hkv, 8, D), torch.empty(0)
+
+
 @pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
 def test_attn_block_decode_refuses_bad_arguments():
     """The fused block's binding checks what it is given: one line each, nothing written."""
     nat = kernels._native()
-    H, Hq, Hkv, D = 64, 4, 2, 16
-    lin = {n: formats.quantize(torch.randn(r, c) * 0.1, "int8") for n, r, c in
-           (("q", Hq * D, H), ("k", Hkv * D, H), ("v", Hkv * D, H), ("o", H, Hq * D))}
-    kc, vc = torch.zeros(Hkv, 8, D), torch.zeros(Hkv, 8, D)
-    none = torch.empty(0)
+    H, Hq, Hkv, D, lin, kc, vc, none = attn_block_inputs()
 
     def call(pos=3, hq=Hq, kc=kc, rd=D, T=1, gated=False, cos_rows=None, half=()):
         cos, sin = torch.ones(cos_rows or T, rd), torch.zeros(cos_rows or T, rd)
