@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
@@ -15,7 +14,7 @@ from ..layers.attention import FusedAttention, attend, attn_residual
 from ..layers.moe import Experts, moe_residual, softmax_topk
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rope, norm_rope
-from ..layers.stack import model_pass, run_layers
+from .driver import CausalLM
 
 # B batch, T tokens, H hidden, E experts, K experts per token, D head dim
 
@@ -131,7 +130,7 @@ class OlmoeModel(nn.Module):
         self.rope = Rope(a.rope, a.head_dim, a.max_position_embeddings)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, args: ModelArgs):
@@ -143,25 +142,3 @@ class Model(nn.Module):
     def cache_spec(self) -> list:
         a = self.args
         return [KVSpec(a.num_key_value_heads, a.head_dim, a.head_dim)] * a.num_hidden_layers
-
-    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False, plans=None):
-        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final hidden state [B, T, H]).
-        plans: a dict a decode loop keeps for one run (`kernels.run_plan`)."""
-        B, T = input_ids.shape
-        fast = model_pass(self, input_ids, cache, slots, last_only, plans)  # a decode pass: all native calls
-        if fast is not None:
-            return fast if return_hidden else fast[0]
-        if cache is not None:
-            slots = torch.arange(B) if slots is None else slots
-            pos0 = cache.start_positions(slots)
-        else:
-            pos0 = torch.zeros(B, dtype=torch.long)
-        m = self.model
-        x = m.embed_tokens(input_ids)
-        cos_sin = m.rope.span(pos0, T, x.dtype)
-        x = run_layers(m.layers, x, cos_sin, cache, slots, pos0, plans)  # a decode pass: one loop of native calls
-        if cache is not None:
-            cache.advance(slots, T)
-        hidden = m.norm(x)
-        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
-        return (logits, hidden) if return_hidden else logits

@@ -41,7 +41,7 @@ from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.mtp import MtpParts, native_step, prepare as prepare_drafter
 from ..layers.norm import RMSNorm, rms_norm_cat
 from ..layers.rope import Rope, norm_rope
-from ..layers.stack import model_pass, run_layers
+from .driver import CausalLM
 
 # B batch, T tokens, H hidden, E experts, K experts per token, D head dim,
 # Hv/Hk DeltaNet value/key heads, Dv/Dk their dims, C DeltaNet conv channels
@@ -333,7 +333,7 @@ class MultiTokenPredictor(nn.Module):
         self.norm = RMSNorm(H, eps, zero_centered=True)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
     checkpoint_renames = [(r"^model\.language_model\.", "model.")]
     # a config may claim an MTP head (real configs carry mtp_num_hidden_layers: 1) while the
@@ -373,30 +373,6 @@ class Model(nn.Module):
     def mtp_cache_spec(self) -> list:
         """Specs for the MTP head's own `Cache` (one KV entry per MTP layer; [] without MTP)."""
         return [self._kv_spec()] * len(self.mtp.layers) if self.has_mtp else []
-
-    def _positions(self, B, cache, slots):
-        if cache is None:
-            return None, torch.zeros(B, dtype=torch.long)
-        slots = torch.arange(B) if slots is None else slots
-        return slots, cache.start_positions(slots)
-
-    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False, plans=None):
-        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final normed hidden state [B,
-        T, H]). plans: a dict a decode loop keeps for one run (`kernels.run_plan`)."""
-        B, T = input_ids.shape
-        fast = model_pass(self, input_ids, cache, slots, last_only, plans)  # a decode pass: all native calls
-        if fast is not None:
-            return fast if return_hidden else fast[0]
-        slots, pos0 = self._positions(B, cache, slots)
-        m = self.model
-        x = m.embed_tokens(input_ids)
-        cos_sin = m.rope.span(pos0, T, x.dtype)
-        x = run_layers(m.layers, x, cos_sin, cache, slots, pos0, plans)  # a decode pass: one loop of native calls
-        if cache is not None:
-            cache.advance(slots, T)
-        hidden = m.norm(x)
-        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
-        return (logits, hidden) if return_hidden else logits
 
     def _mtp_parts(self, head=None) -> MtpParts:
         mtp, layer = self.mtp, self.mtp.layers[0]
