@@ -9,4 +9,4 @@ if [ ! -d /usr/share/doc/python3.11/html/_sources ] || [ ! -d /usr/lib/python3.1
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3.11-doc libpython3.11-stdlib
 fi
-"$PY" -m moerun.train.corpus --out data/corpus "$@"
+"$PY" -m tools.train.corpus --out data/corpus "$@"
