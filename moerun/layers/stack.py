@@ -250,7 +250,7 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     h2 = kernels._np(hidden).reshape(B * T, H)
     nat.rms_norm(kernels._np(y).reshape(B * T, H), norm_w, h2, eps, offset)
     rows_out = h2 if not last_only or T == 1 else h2[T - 1 :] if B == 1 else h2.reshape(B, T, H)[:, -1].copy()
-    logits = kernels._out((B, rows_out.shape[0] // B, lm.w.shape[0]), dtype)
+    logits = kernels._out((B, rows_out.shape[0] // B, lm.w.shape[0]), torch.float32)  # (`linear.head_logits`)
     nat.qlinear_multi(rows_out, [lm.w], [lm.s], [lm.code], kernels._np(logits).reshape(rows_out.shape[0], -1))
     return logits, hidden
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
 from ..layers.cache import KVSpec
+from ..layers.linear import head_logits
 from ..errors import MoerunError
 from ..layers.moe import Experts, GatedMLP
 from ..layers.norm import RMSNorm, rms_norm_cat
@@ -320,7 +321,7 @@ class Model(nn.Module):
         return slots, cache.start_positions(slots)
 
     def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False, plans=None):
-        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final normed hidden state [B, T, H]).
+        """input_ids [B, T] -> float32 logits [B, T or 1, vocab] (and the final normed hidden state [B, T, H]).
         `plans`: a run's; its decode path says why the layers run as modules."""
         B, T = input_ids.shape
         module_pass(plans, T, "DeepSeek-V3's layer halves have no native calls yet (MLA attention, grouped "
@@ -334,7 +335,7 @@ class Model(nn.Module):
         if cache is not None:
             cache.advance(slots, T)
         hidden = m.norm(x)
-        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
+        logits = head_logits(self.lm_head, hidden[:, -1:] if last_only else hidden)
         return (logits, hidden) if return_hidden else logits
 
     def mtp_logits(self, hidden, next_token_ids, cache=None, slots=None, *, depth=0, return_hidden=False,

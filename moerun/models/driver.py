@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..layers.linear import head_logits
 from ..layers.stack import model_pass, run_layers
 
 
 class CausalLM(nn.Module):
     def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False, plans=None):
-        """input_ids [B, T] -> logits [B, T or 1, vocab] (and the final normed hidden state [B,
+        """input_ids [B, T] -> float32 logits [B, T or 1, vocab] (and the final normed hidden state [B,
         T, H]). plans: a dict a decode loop keeps for one run (`kernels.run_plan`)."""
         B, T = input_ids.shape
         fast = model_pass(self, input_ids, cache, slots, last_only, plans)  # a decode pass: all native calls
@@ -28,7 +29,7 @@ class CausalLM(nn.Module):
         if cache is not None:
             cache.advance(slots, T)
         hidden = m.norm(x)
-        logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
+        logits = head_logits(self.lm_head, hidden[:, -1:] if last_only else hidden)
         return (logits, hidden) if return_hidden else logits
 
     def _positions(self, B: int, cache, slots):
