@@ -153,7 +153,8 @@ def test_several_ggufs_are_listed_in_one_line(hf_home, capsys):
 
 
 def test_what_is_not_cached_says_to_pull(hf_home, capsys):
-    for command in (["info"], ["generate", "hi"], ["bench"], ["serve", "--port", "1"], ["chat"]):
+    for command in (["info"], ["generate", "hi"], ["bench"], ["serve", "--port", "1"], ["chat"],
+                    ["profile", "--prompts", "p.txt", "-o", "t.npz"], ["quantize", "-o", "q"], ["export-gguf", "-o", "x.gguf"]):
         assert_one_line_error(cli(capsys, *command, "-m", "org/absent"), "org/absent is neither a local path nor in "
                               f"the Hugging Face cache ({hf_home / 'hub'})", "`moerun pull org/absent`")
     assert_one_line_error(cli(capsys, "info", "-m", "org/demo-GGUF:demo-Q4_K_M.gguf"),
@@ -197,8 +198,9 @@ def test_pull_without_a_network_is_one_line(hf_home):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("moerun: error: cannot download org/absent"), r.stderr
     assert lines[0].endswith("cannot be reached (HF_HUB_OFFLINE is set); pull it where a network exists, or pass -m a local path")
-    # what is cached already is found without the Hub, and its path printed
-    r = run("pull", "org/demo-GGUF:bf16")
+    # what is cached already is found without the Hub, and its path printed; HF_HUB_CACHE over HF_HOME
+    r = run("pull", "org/demo-GGUF:bf16", env={"HF_HOME": str(hf_home.parent / "elsewhere"),
+                                              "HF_HUB_CACHE": str(hf_home / "hub")})
     assert r.returncode == 0 and r.stdout.strip() == str(snapshot(hf_home, "org/demo-GGUF") / "demo-BF16.gguf"), r.stderr
 
 
