@@ -1,4 +1,4 @@
-"""`moerun` command line: generate, chat, info, bench, quantize, export-gguf, random-model.
+"""`moerun` command line: generate, chat, info, bench, quantize, export-gguf, random-model, pull.
 
 Every failure is one line on stderr and a non-zero exit; `--debug` shows the traceback.
 """
@@ -21,7 +21,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _common(p: argparse.ArgumentParser, model=True) -> None:
     if model:
-        p.add_argument("-m", "--model", default=None, help="Hugging Face model directory or GGUF file (default: the bundled demo model)")
+        p.add_argument("-m", "--model", default=None,
+                       help="Hugging Face model directory, GGUF file, or org/name[:FILE.gguf|:QUANT] from the "
+                            "Hugging Face cache (see moerun pull; default: the bundled demo model)")
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weight and activation dtype")
         p.add_argument("--quant", default="none", choices=["none", "int4", "int8", "int4-all", "int4-q6k", "int4-kq", "kq"],
                        help="quantize at load: int4-q6k (moerun quantize's default) = routed experts and attention "
@@ -536,6 +538,13 @@ def _threads() -> int:
     return kernels._state["threads"] or torch.get_num_threads()
 
 
+def cmd_pull(a) -> int:
+    from .loaders.hub import pull
+
+    print(pull(a.name, include=a.include, revision=a.revision))
+    return 0
+
+
 def cmd_random_model(a) -> int:
     from .bench.random_model import preset_config, write_random_model
 
@@ -707,6 +716,14 @@ def build_parser() -> argparse.ArgumentParser:
     _common(x, model=False)
     x.set_defaults(func=cmd_export_gguf)
 
+    pl = sub.add_parser("pull", help="download a model from the Hugging Face Hub into its cache; prints the path")
+    pl.add_argument("name", help="org/name, org/name:FILE.gguf or org/name:QUANT (e.g. :Q4_K_M, the matching GGUF files)")
+    pl.add_argument("--include", action="append", default=[], metavar="PATTERN",
+                    help="download only the files matching this glob, e.g. '*Q4_K_M*' (repeatable)")
+    pl.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    _common(pl, model=False)
+    pl.set_defaults(func=cmd_pull)
+
     r = sub.add_parser("random-model", help="write a random-weight checkpoint with a real model's shapes")
     r.add_argument("preset", help="qwen3-30b-a3b, qwen3.6-35b-a3b, qwen1.5-moe-a2.7b, olmoe-1b-7b or mixtral-8x7b")
     r.add_argument("-o", "--output", required=True, help="directory to write (with --quant: the GGUF file)")
@@ -745,6 +762,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.threads is not None and a.threads < 1:
             raise MoerunError("--threads must be at least 1")
+        if getattr(a, "model", None) is not None:  # org/name: the Hugging Face cache, before anything loads
+            from .loaders.hub import resolve
+
+            a.model = str(resolve(a.model))
         return a.func(a)
     except MoerunError as e:
         if a.debug:

@@ -117,7 +117,9 @@ class LLM:
 
         kv_dtype = kv_cache_dtype(kv_cache)
 
-        path = default_model_path() if path is None else Path(path)
+        from ..loaders.hub import resolve
+
+        path = default_model_path() if path is None else resolve(path)  # org/name: the Hugging Face cache
         set_threads(threads)
         asked = dtype
         # the small files first, and the vocabularies compared before any weight is read

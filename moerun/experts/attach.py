@@ -431,8 +431,10 @@ def load(path=None, dtype="auto", threads: int | None = None, options: StoreOpti
     from ..engine.llm import LLM, check_vocab, compute_dtype, default_model_path, load_tokenizer, set_threads
     from ..loaders.quantized import quantize_at_load, stored_policy
 
-    path = default_model_path() if path is None else Path(path)
     from ..loaders.gguf import is_gguf
+    from ..loaders.hub import resolve
+
+    path = default_model_path() if path is None else resolve(path)
 
     if is_gguf(path):
         return _load_gguf(path, dtype, threads, options, quant, check_weights)
