@@ -470,14 +470,24 @@ QUANT_COMPONENTS = ("experts", "shared_experts", "attention", "lm_head")  # Quan
 
 
 def cmd_export_gguf(a) -> int:
-    from .errors import human_bytes
+    from .errors import MoerunError, human_bytes
     from .engine.llm import set_threads
     from .loaders.gguf_write import export
 
+    split = 0
+    if a.split_max_size is not None:
+        from .experts.store import parse_budget
+
+        if a.split_max_size.strip().endswith("%"):
+            raise MoerunError(f"--split-max-size {a.split_max_size!r} must be bytes, like 2G or 500MB")
+        split = parse_budget(a.split_max_size, 0, "--split-max-size")
+        if split <= 0:
+            raise MoerunError("--split-max-size must be more than 0 bytes")
     set_threads(a.threads)
-    s = export(a.model, a.output, a.type, force=a.force)
+    s = export(a.model, a.output, a.type, force=a.force, split_bytes=split)
     types = ", ".join(f"{n} {t}" for t, n in sorted(s["types"].items()))
-    print(f"wrote {s['output']}: {human_bytes(s['bytes'])}, architecture {s['architecture']}, "
+    files = f" in {s['files']} files" if s["files"] > 1 else ""
+    print(f"wrote {s['output']}{files}: {human_bytes(s['bytes'])}, architecture {s['architecture']}, "
           f"{s['tensors']} tensors ({types})", file=sys.stderr)
     return 0
 
@@ -713,6 +723,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--type", default="bf16", choices=["bf16", "f32", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"],
                    help="tensor types (default bf16); a quantized checkpoint's int8/int4 blocks are written as Q8_0/Q4_0")
     x.add_argument("--force", action="store_true", help="replace an existing output file")
+    x.add_argument("--split-max-size", metavar="SIZE", help="cut into files of at most SIZE of tensor data (e.g. 2G, "
+                   "500MB), named NAME-00001-of-0000N.gguf as llama.cpp's gguf-split does; -m takes the first")
     _common(x, model=False)
     x.set_defaults(func=cmd_export_gguf)
 

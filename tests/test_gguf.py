@@ -199,6 +199,20 @@ def test_cli_export_and_generate(tmp_path):
     assert main(["export-gguf", "-m", str(DEMO), "-o", str(out), "--threads", "1"]) == 1  # exists, no --force
 
 
+def test_cli_export_split(tmp_path, capsys):
+    from moerun.cli import main
+
+    out = tmp_path / "demo.gguf"
+    for bad in ("30%", "0", "lots"):
+        assert main(["export-gguf", "-m", str(DEMO), "-o", str(out), "--split-max-size", bad]) == 1
+        assert "--split-max-size" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    assert main(["export-gguf", "-m", str(DEMO), "-o", str(out), "--type", "q8_0", "--split-max-size", "4MiB",
+                 "--threads", "1"]) == 0
+    parts = sorted(tmp_path.glob("demo-*-of-*.gguf"))
+    assert len(parts) == 3 and "in 3 files" in capsys.readouterr().err
+    assert main(["generate", "-m", str(parts[0]), "def add", "--max-tokens", "4", "--threads", "1"]) == 0
+
+
 # rows of 256 (a multiple of the K-quants' super-block), so the K recipes give K types
 K_CONFIG = dict(model_type="qwen3_moe", vocab_size=512, hidden_size=256, intermediate_size=256,
                 moe_intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
