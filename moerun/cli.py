@@ -389,6 +389,7 @@ def cmd_info(a) -> int:
     from .engine.info import describe, human_count, layer_pattern
     from .errors import human_bytes
     from .quant import formats_in_use
+    from .loaders.gguf import file_summary, is_gguf
     from .loaders.quantized import stored_policy
 
     llm = _load(a)
@@ -412,12 +413,15 @@ def cmd_info(a) -> int:
         **d,
         "decode_path": llm.probe_decode_path(),
     }
+    if is_gguf(llm.path):
+        info["gguf"] = file_summary(llm.path)
     if a.json:
         print(json.dumps(info, indent=2))
         return 0
     rows = [
         ("model", info["model"]),
         ("architecture", info["architecture"]),
+        *([("GGUF", _gguf_row(info["gguf"]))] if "gguf" in info else []),
         ("layers", f"{info['layers']}" + (f"  pattern {info['layer_pattern']} (L linear attention, F full)" if info["layer_pattern"] else "")),
         ("experts", f"{n_exp} routed, {info['experts_per_token']} per token"),
         ("MTP layers", info["mtp_layers"]),
@@ -437,6 +441,14 @@ def cmd_info(a) -> int:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+def _gguf_row(g: dict) -> str:
+    from .errors import human_bytes
+
+    total = sum(g["tensor_bytes"].values())
+    shares = ", ".join(f"{t} {b / total:.0%}" for t, b in g["tensor_bytes"].items() if b >= total / 1000)
+    return f"{g['architecture']}, {human_bytes(total)} of tensors: {shares}"
 
 
 def _quant_row(info: dict) -> str:

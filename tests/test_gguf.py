@@ -322,3 +322,20 @@ def test_expert_store_reads_experts_from_the_gguf_file(tmp_path, recipe):
         if budget == "30%":  # (100%: the experts were read at start, before the counts)
             assert st["demand_misses"] > 0 and st["tiers"]["disk"]["bytes_read"] > 0
         llm.store.close()
+
+
+def test_info_shows_the_files_architecture_and_tensor_types(tmp_path, capsys):
+    import gguf
+
+    from moerun.cli import main
+
+    out = tmp_path / "demo.gguf"
+    export(DEMO, out, "q8_0")
+    assert main(["info", "-m", str(out), "--json", "--threads", "1"]) == 0
+    got = json.loads(capsys.readouterr().out)["gguf"]
+    want: dict[str, int] = {}
+    for t in gguf.GGUFReader(str(out)).tensors:  # the gguf package's own reading of the file
+        want[t.tensor_type.name] = want.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    assert got["architecture"] == "qwen35moe" and got["tensor_bytes"] == want and "Q8_0" in want
+    assert main(["info", "-m", str(out), "--threads", "1"]) == 0
+    assert "qwen35moe" in next(line for line in capsys.readouterr().out.splitlines() if line.startswith("GGUF"))

@@ -802,6 +802,20 @@ def transform_of(arch: Arch, name: str, args, overrides: dict | None = None) -> 
     return make(args) if make else None
 
 
+def file_summary(path) -> dict:
+    """What `moerun info` says of a GGUF file (all parts of a split one): its architecture
+    name and each tensor type's bytes, largest first."""
+    f = GGUFFile(path)
+    try:
+        types: dict[str, int] = {}
+        for t in f.tensors.values():
+            types[t.type] = types.get(t.type, 0) + t.nbytes
+        return {"architecture": f.get("general.architecture", "str"),
+                "tensor_bytes": dict(sorted(types.items(), key=lambda kv: -kv[1]))}
+    finally:
+        f.close()
+
+
 # -- building a net from a GGUF file --------------------------------------------------------
 
 def is_gguf(path) -> bool:
