@@ -9,7 +9,6 @@ import argparse
 import logging
 import json
 import sys
-import time
 
 
 class _Parser(argparse.ArgumentParser):
@@ -215,7 +214,6 @@ def _load_model(a):
     import moerun
 
     from .layers.cache import kv_cache_dtype
-    from .errors import MoerunError
 
     kv_dtype = kv_cache_dtype(a.kv_cache)  # a bad value fails before the weights load
     _check_flags(a)
