@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moerun import kernels
@@ -123,6 +124,90 @@ def test_experts_pre_hooks_see_what_the_modules_would_pass(monkeypatch):
         assert all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(a, b))
 
 
+def make_deepseek(dtype, experts="float", n_group=4, topk_group=2, renorm=True, shared=1, E=16, K=4, H=96, seed=0):
+    """DeepSeek-V3's MoE block (grouped sigmoid routing with a selection bias, shared experts
+    without a gate) and its post-attention norm."""
+    from moerun.models.deepseek_v3 import MoE, ModelArgs
+
+    a = ModelArgs(model_type="deepseek_v3", vocab_size=11, hidden_size=H, intermediate_size=64,
+                  moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, n_routed_experts=E,
+                  num_experts_per_tok=K, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
+                  n_group=n_group, topk_group=topk_group, norm_topk_prob=renorm, n_shared_experts=shared,
+                  routed_scaling_factor=2.5)
+    torch.manual_seed(seed)
+    block = MoE(a)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+        block.gate.e_score_correction_bias.normal_(0, 0.1)
+    norm = RMSNorm(H, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.1)
+    norm = norm.to(dtype)
+    for name, m in block.named_children():  # the loader keeps the router's weight and bias in float32
+        if name != "gate":
+            m.to(dtype)
+    if experts != "float":
+        block.experts = QuantizedExperts.from_experts(block.experts, experts)
+    return norm, block
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts,groups,renorm,shared", [("float", (4, 2), True, 1), ("float", (1, 1), False, 0),
+                                                          ("int4", (8, 3), True, 2), ("int8", (2, 1), False, 1)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 2), (1, 16)])
+def test_fused_deepseek_block_is_bit_identical(isa, dtype, experts, groups, renorm, shared, shape, monkeypatch):
+    """DeepSeek-V3's MoE half (grouped sigmoid routing) as one native call: the bits of its
+    modules one by one (their router the native routing op too, `kernels.route_sigmoid_grouped`)."""
+    norm, block = make_deepseek(dtype, experts, *groups, renorm, shared)
+    x = (torch.randn(*shape, 96) * 2).to(dtype)
+    with kernels.use_isa(isa):
+        want, n0 = run(x, norm, block, False, monkeypatch)
+        got, n1 = run(x, norm, block, True, monkeypatch)
+    assert (n0, n1) == (0, 1)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got, want)
+
+
+def test_fused_deepseek_block_against_its_torch_reference(monkeypatch):
+    """The fused half against the module's torch forward (the reference router, torch's expert
+    loop): float32 summation order only, and the same experts picked."""
+    from moerun.kernels.reference import expert_mlp
+
+    norm, block = make_deepseek(torch.float32)
+    x = torch.randn(1, 3, 96) * 2
+    got, n = run(x, norm, block, True, monkeypatch)
+    with torch.inference_mode():
+        h = norm(x).reshape(3, 96)
+        rw, rids = kernels.route_sigmoid_grouped_ref(h, block.gate.weight, 4, True, block.gate.routing())
+        w, ids = kernels.route_sigmoid_grouped(h, block.gate.weight, 4, True, block.gate.routing())
+        e = block.experts
+        ref = expert_mlp(h, rids, rw, e.gate_proj, e.up_proj, e.down_proj)
+        g, u = F.linear(h, block.shared_experts.gate_proj.weight), F.linear(h, block.shared_experts.up_proj.weight)
+        ref = x + (ref + F.linear(F.silu(g) * u, block.shared_experts.down_proj.weight)).view_as(x)
+    assert n == 1 and torch.equal(ids, rids)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_deepseek_route_observer_sees_what_the_modules_route(monkeypatch):
+    """A route observer on DeepSeek-V3's experts gets the same (h, ids, weights) from the fused
+    call as from the modules."""
+    from moerun.layers.routes import observe_routes
+
+    norm, block = make_deepseek(torch.bfloat16)
+    x = torch.randn(1, 2, 96).to(torch.bfloat16)
+    seen = []
+    handle = observe_routes(block.experts, lambda *a: seen.append(tuple(t.clone() for t in a)))
+    want, n0 = run(x, norm, block, False, monkeypatch)
+    got, n1 = run(x, norm, block, True, monkeypatch)
+    handle.remove()
+    assert (n0, n1) == (0, 1) and torch.equal(got, want)
+    assert len(seen) == 2
+    assert all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(*seen, strict=True))
+    assert seen[0][1].shape == (2, 4) and seen[0][2].dtype == torch.bfloat16
+
+
 def test_a_hook_that_changes_arguments_is_refused(monkeypatch):
     norm, block = make(torch.float32)
     block.experts.register_forward_pre_hook(lambda m, args: (args[0] * 2, args[1], args[2]))
@@ -201,7 +286,7 @@ def test_native_op_refuses_bad_arguments():
     no_mask = torch.empty(0, dtype=torch.uint8).numpy()
 
     def call(router=r, k=2, o=out, ex=views, seen=no_mask):
-        nat.moe_block(x.numpy(), w, 1e-6, 1.0, router, k, True, *ex, [], [], [], empty, kernels._np(o), empty, ids0,
+        nat.moe_block(x.numpy(), w, 1e-6, 1.0, router, k, True, empty, 1, 1, 1.0, *ex, [], [], [], empty, kernels._np(o), empty, ids0,
                       empty, seen)
 
     call()

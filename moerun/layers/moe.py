@@ -133,14 +133,21 @@ def moe_fusable(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | N
             or torch.is_grad_enabled()
             or not _decode_sized(x) or x.numel() > kernels.RMS_NORM_MAX or not kernels.native()):
         return None
+    gate = mods["gate"]
     se = mods.get("shared_expert")
-    others = (norm, block, mods["gate"])
+    others = (norm, block, gate)
     if se is not None:
         others += (se, *se._modules.values(), mods["shared_expert_gate"])
+    shared = mods.get("shared_experts")  # DeepSeek-V3's: no gate
+    if shared is not None:
+        others += (shared, *shared._modules.values())
     if kernels.has_hooks(*others) or experts._forward_hooks:
         return None
     # the key: what the plan takes besides the modules' tensors (settings are plain attributes)
-    key = (x.dtype, norm.eps, norm.zero_centered, block.top_k, block.norm_topk_prob)
+    sigmoid = hasattr(gate, "routing")
+    routing = (gate.top_k, gate.norm_topk_prob, gate.n_group, gate.topk_group, gate.scaling) if sigmoid else \
+        (block.top_k, block.norm_topk_prob)
+    key = (x.dtype, norm.eps, norm.zero_centered, *routing)
     return kernels.module_plan(block, (experts, *others), key, lambda: _moe_plan(x, norm, block))
 
 
@@ -156,8 +163,14 @@ def _decode_sized(x: torch.Tensor) -> bool:
 
 
 def _moe_plan(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None:
+    """The plan of `moe_fusable`. The router is a softmax top-k `gate` linear with the block's
+    `top_k` and `norm_topk_prob`, or a grouped sigmoid router (DeepSeek-V3's: a `gate` with
+    `routing()`, `top_k`, `norm_topk_prob` and `native(h)`); the shared expert is
+    `shared_expert` with its scalar `shared_expert_gate`, or `shared_experts` without one."""
     h = x.reshape(-1, x.shape[-1])
-    if norm.weight.dtype != x.dtype or not native_float_linear(block.gate, h):
+    gate = block.gate
+    sigmoid = hasattr(gate, "routing")
+    if norm.weight.dtype != x.dtype or not (gate.native(h) if sigmoid else native_float_linear(gate, h)):
         return None
     views = block.experts.fused_views(h)
     if views is None:
@@ -169,8 +182,14 @@ def _moe_plan(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | Non
         if shared is None or not native_float_linear(block.shared_expert_gate, h):
             return None
         shared_gate = kernels.float32_weight(block.shared_expert_gate).view(-1)
-    return block.experts, kernels.moe_block_args(*kernels.norm_args(norm), kernels.float32_weight(block.gate),
-                                                 block.top_k, block.norm_topk_prob, views, shared, shared_gate)
+    elif getattr(block, "shared_experts", None) is not None:
+        shared = block.shared_experts._packed_views(h)
+        if shared is None:
+            return None
+    route = gate.routing() if sigmoid else None
+    k, renorm = (gate.top_k, gate.norm_topk_prob) if sigmoid else (block.top_k, block.norm_topk_prob)
+    return block.experts, kernels.moe_block_args(*kernels.norm_args(norm), kernels.float32_weight(gate), k, renorm,
+                                                 views, shared, shared_gate, route=route)
 
 
 def native_float_linear(lin: nn.Linear, x: torch.Tensor) -> bool:
