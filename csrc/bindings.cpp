@@ -442,6 +442,28 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
     moe_observed_finish(c);
 }
 
+// The dense MLP half of a decoder layer for a few tokens (moerun::mlp_block_decode): out = x +
+// down(silu(gate h) * up h), h = RMSNorm(x). x and out [T, H] float32, or both bf16 (every
+// intermediate rounded as the separate bf16 ops round it); norm_w [H] float32; gate, up, down
+// as qlinear_multi's weights.
+void mlp_block(Array x, Array norm_w, float eps, float norm_offset, Array gw, Array gs, int gf, Array uw, Array us,
+               int uf, Array dw, Array ds, int df, Array out) {
+    MOERUN_CHECK(x.ndim() == 2, "x must be [T, H]");
+    const size_t T = x.shape(0), H = x.shape(1);
+    MOERUN_CHECK(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
+    moerun::MlpBlockArgs a = mlp_block_args(T, H, is_bf16(out), norm_w, eps, norm_offset, gw, gs, gf, uw, us, uf, dw,
+                                            ds, df);
+    check_shape(out, {T, H}, "out");
+    ActIn xin(x, "x");
+    ActOut o(out, "out");
+    a.x = xin.p;
+    a.y = o.p;
+    nb::gil_scoped_release release;
+    OpLock lk;
+    moerun::mlp_block_decode(a);
+    o.finish();
+}
+
 // x [T, H] and out [T, H] (float32, or bf16: then with in_norm both bf16) through
 // attn_block_args' attention.
 void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, int kf, Array vw, Array vs, int vf,
@@ -717,6 +739,10 @@ NB_MODULE(_native, m) {
           nb::arg("ids_out"), nb::arg("w_out"), nb::arg("seen"), nb::arg("observer").none() = nb::none(),
           "the MoE half of a decoder layer for a few tokens: out = x + experts(h) [+ shared expert(h)], h = RMSNorm(x), "
           "softmax top-k routing, or grouped sigmoid routing with a bias [E]; observer(h, ids, weights) is called once the router has picked");
+    m.def("mlp_block", &mlp_block, nb::arg("x"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("norm_offset"),
+          nb::arg("gw"), nb::arg("gs"), nb::arg("gf"), nb::arg("uw"), nb::arg("us"), nb::arg("uf"), nb::arg("dw"),
+          nb::arg("ds"), nb::arg("df"), nb::arg("out"),
+          "the dense MLP half of a decoder layer for a few tokens: out = x + swiglu(RMSNorm(x))");
     m.def("deltanet_block", &deltanet_block, nb::arg("x"), nb::arg("norm_w"), nb::arg("norm_offset"),
           nb::arg("norm_eps"), nb::arg("proj"), nb::arg("proj_scales"), nb::arg("proj_fmts"), nb::arg("ow"),
           nb::arg("os"), nb::arg("of"), nb::arg("conv_w"), nb::arg("conv"), nb::arg("conv_every").none(),
@@ -738,6 +764,9 @@ NB_MODULE(_native, m) {
              nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"), nb::arg("source").none(),
              nb::arg("shared"), nb::arg("shared_scales"), nb::arg("shared_fmts"), nb::arg("shared_gate"),
              nb::arg("observer").none() = nb::none())
+        .def("add_mlp", &NativeStack::add_mlp, nb::arg("norm_w"), nb::arg("eps"), nb::arg("norm_offset"),
+             nb::arg("gw"), nb::arg("gs"), nb::arg("gf"), nb::arg("uw"), nb::arg("us"), nb::arg("uf"), nb::arg("dw"),
+             nb::arg("ds"), nb::arg("df"))
         .def("run", &NativeStack::run, nb::arg("x"), nb::arg("a"), nb::arg("b"), nb::arg("cos"), nb::arg("sin"),
              nb::arg("slots"), nb::arg("pos"), nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"));
     nb::class_<NativeMtp>(m, "NativeMtp", "a one-layer MTP head's calls on one cache slot: its arguments checked once")

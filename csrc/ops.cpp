@@ -370,6 +370,16 @@ void moe_block_decode(const MoeBlockArgs& a) {
     half_output(a.round_bf16, a.x, e, a.y, n);
 }
 
+void mlp_block_decode(const MlpBlockArgs& a) {
+    Workspace& W = ws();
+    const size_t n = (size_t)a.T * a.H;
+    W.normed.resize(n);
+    W.moe_out.resize(n);
+    half_input(a.round_bf16, a.T, a.H, a.x, a.norm_w, a.norm_offset, a.eps, W.normed.data());
+    swiglu_mlp(a.T, a.H, a.I, a.gate, a.up, a.down, W.normed.data(), W.moe_out.data(), nullptr);
+    half_output(a.round_bf16, a.x, W.moe_out.data(), a.y, n);
+}
+
 void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, const uint16_t* ws_, float* y) {
     const QWeight q{fmt, w, ws_};
     qlinear_multi(M, K, 1, &q, &N, x, y);

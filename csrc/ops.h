@@ -240,6 +240,21 @@ struct MoeBlockArgs {
 };
 void moe_block_decode(const MoeBlockArgs& a);
 
+// The dense MLP half of a decoder layer for T tokens (decode-sized), in one call: y = x +
+// down(silu(gate h) * up h), h = RMSNorm(x) (weight norm_w + norm_offset, eps), the MLP as
+// swiglu_mlp computes it; with round_bf16 h, the MLP's output and y rounded to bf16 where the
+// separate ops (rms_norm, swiglu_mlp, an add) hand on a bf16 tensor: y is bit-identical to them.
+struct MlpBlockArgs {
+    int T, H, I;
+    bool round_bf16;
+    const float* x;       // [T, H]
+    const float* norm_w;  // [H]
+    float norm_offset, eps;
+    QWeight gate, up, down;
+    float* y;             // [T, H]
+};
+void mlp_block_decode(const MlpBlockArgs& a);
+
 // Gated DeltaNet (Qwen3.5 linear attention) over T tokens per row, token after token (decode,
 // or a speculative verification pass): causal conv + SiLU over the in_proj_qkv outputs, L2
 // norm of the q and k heads (q scaled by Dk^-0.5), the gated delta rule with

@@ -208,6 +208,106 @@ def test_deepseek_route_observer_sees_what_the_modules_route(monkeypatch):
     assert seen[0][1].shape == (2, 4) and seen[0][2].dtype == torch.bfloat16
 
 
+def make_dense(dtype, fmt=None, H=96, I=160, zero_centered=False, seed=0):
+    torch.manual_seed(seed)
+    mlp = GatedMLP(H, I)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0, 0.1)
+    norm = RMSNorm(H, 1e-6, zero_centered=zero_centered)
+    with torch.no_grad():
+        norm.weight.normal_(0 if zero_centered else 1, 0.1)
+    norm, mlp = norm.to(dtype), mlp.to(dtype)
+    if fmt:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(mlp, name, QuantizedLinear.from_linear(getattr(mlp, name), fmt))
+    return norm, mlp
+
+
+def run_dense(x, norm, mlp, fused: bool, monkeypatch):
+    """moe_residual of a dense MLP (`mlp_residual`) with the fusion allowed or not -> (output,
+    how many fused calls ran)."""
+    calls = []
+    real = kernels.mlp_block_run
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "mlp_block_run", counted)
+        if not fused:
+            m.setattr(moe, "mlp_fusable", lambda *a: None)
+        with torch.inference_mode():
+            return moe_residual(x, norm, mlp), len(calls)
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt,zero_centered", [(None, False), ("int4", True), ("int8", False)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 2), (1, 16), "last"])
+def test_fused_dense_mlp_is_bit_identical(isa, dtype, fmt, zero_centered, shape, monkeypatch):
+    """A dense MLP half (DeepSeek-V3's first layers, Qwen3-MoE's mlp_only_layers) as one native
+    call (`kernels.mlp_block_run`): the bits of the norm, the MLP and the add one by one."""
+    norm, mlp = make_dense(dtype, fmt, zero_centered=zero_centered)
+    if shape == "last":  # not contiguous
+        x = (torch.randn(2, 3, 96) * 2).to(dtype)[:, -1:]
+    else:
+        x = (torch.randn(*shape, 96) * 2).to(dtype)
+    with kernels.use_isa(isa):
+        want, n0 = run_dense(x, norm, mlp, False, monkeypatch)
+        got, n1 = run_dense(x, norm, mlp, True, monkeypatch)
+    assert (n0, n1) == (0, 1)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+def test_fused_dense_mlp_against_its_torch_reference(isa, monkeypatch):
+    norm, mlp = make_dense(torch.float32)
+    x = torch.randn(1, 3, 96) * 2
+    with kernels.use_isa(isa):
+        got, n = run_dense(x, norm, mlp, True, monkeypatch)
+    with torch.no_grad():
+        ref = kernels.mlp_block_ref(x, norm.weight, 1e-6, mlp.gate_proj.weight, mlp.up_proj.weight,
+                                    mlp.down_proj.weight)
+    assert n == 1 and float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_dense_mlp_falls_back_where_it_cannot_fuse(monkeypatch):
+    """Hooks on the norm, the MLP or one of its linears, autograd, a prompt-sized pass: the
+    modules one by one."""
+    norm, mlp = make_dense(torch.float32)
+    x = torch.randn(1, 2, 96)
+    assert run_dense(x, norm, mlp, True, monkeypatch)[1] == 1
+    assert run_dense(torch.randn(1, 64, 96), norm, mlp, True, monkeypatch)[1] == 0
+    for m in (norm, mlp, mlp.down_proj):
+        h = m.register_forward_hook(lambda *a: None)
+        assert run_dense(x, norm, mlp, True, monkeypatch)[1] == 0
+        h.remove()
+    assert run_dense(x, norm, mlp, True, monkeypatch)[1] == 1
+    with torch.enable_grad():
+        y = moe_residual(x, norm, mlp)
+    assert y.requires_grad
+
+
+def test_mlp_block_refuses_bad_arguments():
+    nat = kernels._native()
+    norm, mlp = make_dense(torch.float32, "int4")
+    views = mlp._packed_views(torch.zeros(1, 96))
+    args = kernels.mlp_block_args(*kernels.norm_args(norm), views)
+    x, out = torch.randn(2, 96), torch.empty(2, 96)
+    nat.mlp_block(x.numpy(), *args, out.numpy())
+    for bad_out, msg in ((torch.empty(3, 96), "out"), (torch.empty(2, 96, dtype=torch.bfloat16), "both float32")):
+        with pytest.raises(ValueError, match=msg):
+            nat.mlp_block(x.numpy(), *args, kernels._np(bad_out))
+    with pytest.raises(ValueError, match="norm_w"):
+        nat.mlp_block(x.numpy(), torch.zeros(95).numpy(), *args[1:], out.numpy())
+    with pytest.raises(ValueError, match="down"):  # down's rows must be H
+        nat.mlp_block(x.numpy(), *args[:9], *kernels.mlp_block_args(*kernels.norm_args(norm), (views[0],) * 3)[9:],
+                      out.numpy())
+
+
 def test_a_hook_that_changes_arguments_is_refused(monkeypatch):
     norm, block = make(torch.float32)
     block.experts.register_forward_pre_hook(lambda m, args: (args[0] * 2, args[1], args[2]))

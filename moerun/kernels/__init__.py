@@ -738,6 +738,34 @@ def moe_block_run(x: torch.Tensor, args: tuple, observe: bool = False, seen=None
     return (out, *observed) if observe else out
 
 
+def mlp_block_args(norm_weight: torch.Tensor, eps: float, norm_offset: float, mlp: tuple) -> tuple:
+    """A decoder layer's dense MLP half for a decode-sized x [T, H] as one native call
+    (`mlp_block_run`): x + down(silu(gate h) * up h), h = RMSNorm(x) with norm_weight +
+    norm_offset (float32 [H]); `mlp`: the (gate, up, down) `Packed`. -> those weights and
+    settings as the binding (and `NativeStack.add_mlp`) takes them, made once."""
+    g, u, d = mlp
+    return (_np(norm_weight), float(eps), float(norm_offset), g.w, g.s, g.code, u.w, u.s, u.code, d.w, d.s, d.code)
+
+
+def mlp_block_run(x: torch.Tensor, args: tuple) -> torch.Tensor:
+    """x [T, H] through the dense MLP half `mlp_block_args` made, out in x's dtype (float32 or
+    bf16; a bf16 x has h, the MLP's output and the sum rounded where `rms_norm`, `swiglu_mlp`
+    and the add round them: bit-identical to them)."""
+    nat = _native()
+    x = x.contiguous()
+    out = _out(x.shape, x.dtype)
+    _sync_threads(nat)
+    nat.mlp_block(_np(_act(x)), *args, _np(out))
+    return out
+
+
+def mlp_block_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate, up, down) -> torch.Tensor:
+    """Torch reference of the dense MLP half in float32 (gate, up, down float weights [out, in])."""
+    xf = x.float()
+    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    return xf + F.linear(F.silu(F.linear(h, gate.float())) * F.linear(h, up.float()), down.float())
+
+
 _NOT_OBSERVED = (_EMPTY_NP, _EMPTY_I64_NP, _EMPTY_NP)
 
 
@@ -1119,7 +1147,8 @@ __all__ = [
     "greedy_picks", "sample_row",
     "route_softmax_topk", "route_softmax_topk_ref", "route_sigmoid_grouped", "route_sigmoid_grouped_ref",
     "SigmoidRouting", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
-    "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block_args", "moe_block_run", "MtpStep",
+    "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block_args", "moe_block_run", "mlp_block_args",
+    "mlp_block_run", "mlp_block_ref", "MtpStep",
     "ExpertViews", "norm_args", "rms_norm", "rms_norm_ref", "norm_rope_heads", "norm_rope_heads_ref",
     "attn_decode_is_native", "fuse_decode_attention", "fused_attention_applies",
 ]

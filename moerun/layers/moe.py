@@ -89,7 +89,9 @@ def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module, plans: dict
     native op once the router has picked. Forward pre-hooks on the experts are called after
     it with the arguments the experts would have had; one that returns new arguments cannot
     be honoured there and raises. A route mask on the experts is marked natively.
-    `plans`: a run's (`kernels.run_plan`)."""
+    `plans`: a run's (`kernels.run_plan`). A dense `GatedMLP` block is `mlp_residual`'s."""
+    if type(block) is GatedMLP:
+        return mlp_residual(x, norm, block, plans)
     plan = kernels.run_plan(plans, block, (x.shape, x.dtype), lambda: moe_fusable(x, norm, block))
     if plan is None:
         return x + block(norm(x))
@@ -101,6 +103,41 @@ def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module, plans: dict
         return r.view(x.shape)
     call_observers(experts, r[1:], routes=False)
     return r[0].view(x.shape)
+
+
+def mlp_residual(x: torch.Tensor, norm: nn.Module, mlp: "GatedMLP", plans: dict | None = None) -> torch.Tensor:
+    """x + mlp(norm(x)): a decoder layer's dense MLP half (DeepSeek-V3's first layers, Qwen3-MoE's
+    `mlp_only_layers`). For a decode-sized x whose parts all run natively, one native call
+    (`kernels.mlp_block_run`) in place of the norm, the MLP and a torch add: bit-identical to
+    them, which run otherwise (`mlp_fusable`). Its plan, (None, the op's arguments), is what the
+    layer stack takes as the layer's MLP half (`layers.stack`)."""
+    plan = kernels.run_plan(plans, mlp, (x.shape, x.dtype), lambda: mlp_fusable(x, norm, mlp))
+    if plan is None:
+        return x + mlp(norm(x))
+    return kernels.mlp_block_run(x.reshape(-1, x.shape[-1]), plan[1]).view(x.shape)
+
+
+def mlp_fusable(x: torch.Tensor, norm: nn.Module, mlp: "GatedMLP") -> tuple | None:
+    """(None, `kernels.mlp_block_args`) when x may run through norm and mlp in one native call:
+    a decode-sized float32 or bf16 pass without autograd, a plain or zero-centred `RMSNorm`
+    of x's dtype, the MLP's linears packed or plain float ones (`GatedMLP._packed_views`), no
+    hooks on any of them; None otherwise. Kept on the MLP (`kernels.module_plan`)."""
+    if (type(norm) is not RMSNorm or x.dtype not in kernels.FLOAT_DTYPES or torch.is_grad_enabled()
+            or not _decode_sized(x) or x.numel() > kernels.RMS_NORM_MAX or not kernels.native()):
+        return None
+    mods = (norm, mlp, *mlp._modules.values())
+    if kernels.has_hooks(*mods):
+        return None
+    key = (x.dtype, norm.eps, norm.zero_centered)
+    return kernels.module_plan(mlp, mods, key, lambda: _mlp_plan(x, norm, mlp))
+
+
+def _mlp_plan(x: torch.Tensor, norm: nn.Module, mlp: "GatedMLP") -> tuple | None:
+    h = x.reshape(-1, x.shape[-1])
+    views = mlp._packed_views(h)
+    if norm.weight.dtype != x.dtype or views is None:
+        return None
+    return None, kernels.mlp_block_args(*kernels.norm_args(norm), views)
 
 
 def call_observers(experts: nn.Module, args: tuple, routes: bool = True) -> None:

@@ -246,13 +246,12 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos_sin, kv, slots, pos0, last_only=False, plans=None):
         """last_only: only the last position goes on through the MLP ([B, 1, H] out): every
         position's keys and values are cached by then, and an MTP catch-up wants no more.
-        The MoE half runs as one native call where it can (`moe_residual`); `plans`: a run's."""
+        The MLP half (MoE, or a dense MLP) runs as one native call where it can (`moe_residual`);
+        `plans`: a run's."""
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, slots, pos0)
         if last_only:
             x = x[:, -1:]
-        if isinstance(self.mlp, MoE):
-            return moe_residual(x, self.post_attention_layernorm, self.mlp, plans)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return moe_residual(x, self.post_attention_layernorm, self.mlp, plans)
 
 
 class SharedHead(nn.Module):
@@ -286,8 +285,8 @@ class DeepseekV3Model(nn.Module):
 
 # what `decode_path` says of a run's decode passes (`moerun info`, `bench --json`, `generate --verbose`)
 MODULES_WHY = ("DeepSeek-V3's attention half (MLA: the absorbed latent attention) has no native call yet, so its "
-               "layers run as modules and not as the native stack; each MoE half (grouped sigmoid routing) is one "
-               "native call")
+               "layers run as modules and not as the native stack; each MLP half (MoE with grouped sigmoid routing, or "
+               "dense) is one native call")
 
 
 class Model(nn.Module):
