@@ -332,6 +332,40 @@ int64_t sample_row(Array logits, Array seen, Array extra, float penalty, float t
                               probs.size() ? (float*)probs.data() : nullptr);
 }
 
+// grouped routing's settings for E experts, K of them per token
+void check_groups(size_t E, int K, int n_group, int topk_group) {
+    MOERUN_CHECK(n_group >= 1 && E % (size_t)n_group == 0, "n_group must divide the number of experts");
+    MOERUN_CHECK(n_group == 1 || E / (size_t)n_group >= 2, "grouped routing needs at least 2 experts per group");
+    MOERUN_CHECK(topk_group >= 1 && topk_group <= n_group, "topk_group must be in 1..n_group");
+    MOERUN_CHECK((size_t)K <= (size_t)topk_group * (E / (size_t)n_group),
+                 "K must be at most the experts of the topk_group groups");
+}
+
+// ids [T, K] int64 and weights [T, K] float32 are written: route_sigmoid_grouped's routing
+void route_sigmoid_grouped(Array x, Array router, Array bias, int n_group, int topk_group, float scale, Array ids,
+                           Array weights, bool renorm) {
+    MOERUN_CHECK(x.ndim() == 2, "x must be [T, H]");
+    const size_t T = x.shape(0), H = x.shape(1);
+    check_dtype(router, dtype_code::Float, 32, "router");
+    MOERUN_CHECK(router.ndim() == 2 && router.shape(1) == H && router.shape(0) >= 1, "router must be [E, H]");
+    const size_t E = router.shape(0);
+    check_dtype(bias, dtype_code::Float, 32, "bias");
+    check_shape(bias, {E}, "bias");
+    check_dtype(ids, dtype_code::Int, 64, "ids");
+    MOERUN_CHECK(ids.ndim() == 2 && ids.shape(0) == T && ids.shape(1) >= 1 && ids.shape(1) <= E,
+                 "ids must be [T, K] with 1 <= K <= experts");
+    const size_t K = ids.shape(1);
+    check_groups(E, (int)K, n_group, topk_group);
+    check_dtype(weights, dtype_code::Float, 32, "weights");
+    check_shape(weights, {T, K}, "weights");
+    ActIn xin(x, "x");
+    nb::gil_scoped_release release;
+    OpLock lk;
+    const moerun::SigmoidRoute r{(const float*)bias.data(), n_group, topk_group, scale};
+    moerun::route_sigmoid_grouped((int)T, (int)H, (int)E, (int)K, renorm, r, xin.p, (const float*)router.data(),
+                                  (int64_t*)ids.data(), (float*)weights.data());
+}
+
 void route_softmax_topk(Array x, Array router, Array ids, Array weights, bool renorm) {
     MOERUN_CHECK(x.ndim() == 2, "x must be [T, H]");
     const size_t T = x.shape(0), H = x.shape(1);
@@ -382,7 +416,8 @@ void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf,
 // shared expert's gate, up, down with their scales and fmts (as qlinear_multi's weights);
 // shared_gate [H] float32 or empty. h_out [T, H] and w_out [T, K] in x's dtype and ids_out
 // [T, K] int64 are filled when not empty (what the separate ops would hand their hooks).
-void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router, int K, bool renorm, int efmt,
+void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router, int K, bool renorm, Array bias,
+               int n_group, int topk_group, float route_scale, int efmt,
                std::vector<Array> gate, std::vector<Array> gs, std::vector<Array> up, std::vector<Array> us,
                std::vector<Array> down, std::vector<Array> ds, nb::object source, std::vector<Array> shared,
                std::vector<Array> shared_s, std::vector<int> shared_fmts, Array shared_gate, Array out, Array h_out,
@@ -391,7 +426,8 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
     const size_t T = x.shape(0), H = x.shape(1);
     MOERUN_CHECK(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
     MoeCall c;
-    moe_block_args(c, T, H, is_bf16(out), norm_w, eps, norm_offset, router, K, renorm, efmt, gate, gs, up, us, down, ds,
+    moe_block_args(c, T, H, is_bf16(out), norm_w, eps, norm_offset, router, K, renorm, bias, n_group, topk_group,
+                   route_scale, efmt, gate, gs, up, us, down, ds,
                    source, shared, shared_s, shared_fmts, shared_gate, observer);
     check_shape(out, {T, H}, "out");
     moe_observe(c, h_out, ids_out, w_out, seen);
@@ -404,6 +440,28 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
     moerun::moe_block_decode(c.a);
     o.finish();
     moe_observed_finish(c);
+}
+
+// The dense MLP half of a decoder layer for a few tokens (moerun::mlp_block_decode): out = x +
+// down(silu(gate h) * up h), h = RMSNorm(x). x and out [T, H] float32, or both bf16 (every
+// intermediate rounded as the separate bf16 ops round it); norm_w [H] float32; gate, up, down
+// as qlinear_multi's weights.
+void mlp_block(Array x, Array norm_w, float eps, float norm_offset, Array gw, Array gs, int gf, Array uw, Array us,
+               int uf, Array dw, Array ds, int df, Array out) {
+    MOERUN_CHECK(x.ndim() == 2, "x must be [T, H]");
+    const size_t T = x.shape(0), H = x.shape(1);
+    MOERUN_CHECK(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
+    moerun::MlpBlockArgs a = mlp_block_args(T, H, is_bf16(out), norm_w, eps, norm_offset, gw, gs, gf, uw, us, uf, dw,
+                                            ds, df);
+    check_shape(out, {T, H}, "out");
+    ActIn xin(x, "x");
+    ActOut o(out, "out");
+    a.x = xin.p;
+    a.y = o.p;
+    nb::gil_scoped_release release;
+    OpLock lk;
+    moerun::mlp_block_decode(a);
+    o.finish();
 }
 
 // x [T, H] and out [T, H] (float32, or bf16: then with in_norm both bf16) through
@@ -638,6 +696,10 @@ NB_MODULE(_native, m) {
           "a token drawn from one row of logits through the penalty, temperature, top-k, top-p and min-p");
     m.def("route_softmax_topk", &route_softmax_topk, nb::arg("x"), nb::arg("router"), nb::arg("ids"), nb::arg("weights"),
           nb::arg("renorm"), "softmax top-k routing of a few tokens: ids, weights [T, K] of the most probable experts");
+    m.def("route_sigmoid_grouped", &route_sigmoid_grouped, nb::arg("x"), nb::arg("router"), nb::arg("bias"),
+          nb::arg("n_group"), nb::arg("topk_group"), nb::arg("scale"), nb::arg("ids"), nb::arg("weights"),
+          nb::arg("renorm"),
+          "grouped sigmoid routing of a few tokens (DeepSeek-V3): ids, weights [T, K]; bias picks, does not weigh");
     m.def("attn_decode", &attn_decode, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("scale"),
           nb::arg("k_scale") = nb::none(), nb::arg("v_scale") = nb::none(),
           "one query token's attention over cached keys/values (grouped query heads)");
@@ -670,12 +732,17 @@ NB_MODULE(_native, m) {
           nb::arg("S_every").none(), nb::arg("z"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("out"), nb::arg("hk"),
           "a few tokens per row through a Gated DeltaNet layer's conv, delta rule and gated norm (float32)");
     m.def("moe_block", &moe_block, nb::arg("x"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("norm_offset"),
-          nb::arg("router"), nb::arg("k"), nb::arg("renorm"), nb::arg("efmt"), nb::arg("gate"), nb::arg("gate_scales"),
+          nb::arg("router"), nb::arg("k"), nb::arg("renorm"), nb::arg("bias"), nb::arg("n_group"),
+          nb::arg("topk_group"), nb::arg("route_scale"), nb::arg("efmt"), nb::arg("gate"), nb::arg("gate_scales"),
           nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"),
           nb::arg("source").none(), nb::arg("shared"), nb::arg("shared_scales"), nb::arg("shared_fmts"), nb::arg("shared_gate"), nb::arg("out"), nb::arg("h_out"),
           nb::arg("ids_out"), nb::arg("w_out"), nb::arg("seen"), nb::arg("observer").none() = nb::none(),
           "the MoE half of a decoder layer for a few tokens: out = x + experts(h) [+ shared expert(h)], h = RMSNorm(x), "
-          "softmax top-k routing; observer(h, ids, weights) is called once the router has picked");
+          "softmax top-k routing, or grouped sigmoid routing with a bias [E]; observer(h, ids, weights) is called once the router has picked");
+    m.def("mlp_block", &mlp_block, nb::arg("x"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("norm_offset"),
+          nb::arg("gw"), nb::arg("gs"), nb::arg("gf"), nb::arg("uw"), nb::arg("us"), nb::arg("uf"), nb::arg("dw"),
+          nb::arg("ds"), nb::arg("df"), nb::arg("out"),
+          "the dense MLP half of a decoder layer for a few tokens: out = x + swiglu(RMSNorm(x))");
     m.def("deltanet_block", &deltanet_block, nb::arg("x"), nb::arg("norm_w"), nb::arg("norm_offset"),
           nb::arg("norm_eps"), nb::arg("proj"), nb::arg("proj_scales"), nb::arg("proj_fmts"), nb::arg("ow"),
           nb::arg("os"), nb::arg("of"), nb::arg("conv_w"), nb::arg("conv"), nb::arg("conv_every").none(),
@@ -692,16 +759,21 @@ NB_MODULE(_native, m) {
              nb::arg("in_offset"), nb::arg("in_eps"), nb::arg("qkv_bias").none() = nb::none(), nb::arg("window") = 0)
         .def("add_deltanet", &NativeStack::add_deltanet)
         .def("add_moe", &NativeStack::add_moe, nb::arg("norm_w"), nb::arg("eps"), nb::arg("norm_offset"),
-             nb::arg("router"), nb::arg("k"), nb::arg("renorm"), nb::arg("efmt"), nb::arg("gate"), nb::arg("gate_scales"),
+             nb::arg("router"), nb::arg("k"), nb::arg("renorm"), nb::arg("bias"), nb::arg("n_group"),
+          nb::arg("topk_group"), nb::arg("route_scale"), nb::arg("efmt"), nb::arg("gate"), nb::arg("gate_scales"),
              nb::arg("up"), nb::arg("up_scales"), nb::arg("down"), nb::arg("down_scales"), nb::arg("source").none(),
              nb::arg("shared"), nb::arg("shared_scales"), nb::arg("shared_fmts"), nb::arg("shared_gate"),
              nb::arg("observer").none() = nb::none())
+        .def("add_mlp", &NativeStack::add_mlp, nb::arg("norm_w"), nb::arg("eps"), nb::arg("norm_offset"),
+             nb::arg("gw"), nb::arg("gs"), nb::arg("gf"), nb::arg("uw"), nb::arg("us"), nb::arg("uf"), nb::arg("dw"),
+             nb::arg("ds"), nb::arg("df"))
         .def("run", &NativeStack::run, nb::arg("x"), nb::arg("a"), nb::arg("b"), nb::arg("cos"), nb::arg("sin"),
              nb::arg("slots"), nb::arg("pos"), nb::arg("conv_every"), nb::arg("S_every"), nb::arg("seen"));
     nb::class_<NativeMtp>(m, "NativeMtp", "a one-layer MTP head's calls on one cache slot: its arguments checked once")
         .def(nb::init<Array, Array, float, Array, Array, int, Array, Array, int, Array, Array, int, Array, Array, int,
                       Array, Array, int, Array, Array, float, Array, Array, Array, Array, int, float, bool, Array, float,
-                      float, Array, float, float, Array, int, bool, int, std::vector<Array>, std::vector<Array>,
+                      float, Array, float, float, Array, int, bool, Array, int, int, float, int, std::vector<Array>,
+                      std::vector<Array>,
                       std::vector<Array>, std::vector<Array>, std::vector<Array>, std::vector<Array>,
                       std::optional<nb::object>, std::vector<Array>, std::vector<Array>, std::vector<int>, Array, Array, float, float, Array,
                       Array, int>())

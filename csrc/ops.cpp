@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -102,6 +103,8 @@ struct Workspace {
     // the shared expert's output
     std::vector<float> normed, route_w, moe_out, shared_out;
     std::vector<int64_t> route_ids;
+    std::vector<float> route_c, route_g;  // grouped routing's biased scores and group scores
+    std::vector<char> route_taken;
     std::vector<float> mtp[4];  // an MTP step's normed inputs, fc's output, the attention half's, the MoE half's
 };
 Workspace& ws() {  // one op at a time (bindings hold a mutex)
@@ -181,8 +184,9 @@ float dot8(const float* x, const float* r, int n) {
 }
 }  // namespace
 
-void route_softmax_topk(int T, int H, int E, int K, bool renorm, const float* x, const float* R, int64_t* ids,
-                        float* w) {
+namespace {
+// logits = x R^T [T, E] (in the workspace's `att`)
+float* router_logits(int T, int H, int E, const float* x, const float* R) {
     Workspace& W = ws();
     W.att.resize((size_t)T * E);
     float* lg = W.att.data();
@@ -207,6 +211,13 @@ void route_softmax_topk(int T, int H, int E, int K, bool renorm, const float* x,
         const QWeight r{FMT_F32, reinterpret_cast<const uint8_t*>(R), nullptr};
         qlinear_multi(T, H, 1, &r, &E, x, lg);
     }
+    return lg;
+}
+}  // namespace
+
+void route_softmax_topk(int T, int H, int E, int K, bool renorm, const float* x, const float* R, int64_t* ids,
+                        float* w) {
+    float* lg = router_logits(T, H, E, x, R);
     for (int t = 0; t < T; ++t) {
         float* l = lg + (size_t)t * E;
         float m = l[0];
@@ -228,6 +239,66 @@ void route_softmax_topk(int T, int H, int E, int K, bool renorm, const float* x,
         }
         if (renorm)
             for (int k = 0; k < K; ++k) wt[k] /= picked;
+    }
+}
+
+void route_sigmoid_grouped(int T, int H, int E, int K, bool renorm, const SigmoidRoute& r, const float* x,
+                           const float* R, int64_t* ids, float* w) {
+    Workspace& W = ws();
+    float* lg = router_logits(T, H, E, x, R);
+    const int G = r.n_group > 1 ? r.n_group : 1, per = E / G;
+    W.route_c.resize(E);
+    W.route_g.resize(G);
+    W.route_taken.resize(std::max(E, G));
+    float* c = W.route_c.data();
+    float* gsc = W.route_g.data();
+    char* taken = W.route_taken.data();
+    constexpr float NEG = -std::numeric_limits<float>::infinity();
+    for (int t = 0; t < T; ++t) {
+        float* s = lg + (size_t)t * E;
+        for (int e = 0; e < E; ++e) {
+            s[e] = sigmoid(s[e]);
+            c[e] = s[e] + r.bias[e];
+        }
+        if (G > 1) {
+            for (int g = 0; g < G; ++g) {  // each group's two largest biased scores, summed
+                const float* cg = c + (size_t)g * per;
+                float a = NEG, b = NEG;
+                for (int j = 0; j < per; ++j) {
+                    if (cg[j] > a) {
+                        b = a;
+                        a = cg[j];
+                    } else if (cg[j] > b) {
+                        b = cg[j];
+                    }
+                }
+                gsc[g] = a + b;
+            }
+            std::fill(taken, taken + G, 0);
+            for (int k = 0; k < r.topk_group; ++k) {
+                int best = -1;
+                for (int g = 0; g < G; ++g)
+                    if (!taken[g] && (best < 0 || gsc[g] > gsc[best])) best = g;
+                taken[best] = 1;
+            }
+            for (int g = 0; g < G; ++g)
+                if (!taken[g]) std::fill(c + (size_t)g * per, c + (size_t)(g + 1) * per, NEG);
+        }
+        std::fill(taken, taken + E, 0);
+        int64_t* id = ids + (size_t)t * K;
+        float* wt = w + (size_t)t * K;
+        float picked = 0.f;
+        for (int k = 0; k < K; ++k) {  // K passes: K is small, E at most a few hundred
+            int best = -1;
+            for (int e = 0; e < E; ++e)
+                if (!taken[e] && c[e] > NEG && (best < 0 || c[e] > c[best])) best = e;
+            if (best < 0) best = 0;  // NaN scores: nothing compares; keep the ids in range
+            taken[best] = 1;
+            id[k] = best;
+            wt[k] = s[best];
+            picked += wt[k];
+        }
+        for (int k = 0; k < K; ++k) wt[k] = (renorm ? wt[k] / (picked + 1e-20f) : wt[k]) * r.scale;
     }
 }
 
@@ -266,7 +337,10 @@ void moe_block_decode(const MoeBlockArgs& a) {
     W.moe_out.resize(n);
     float* e = W.moe_out.data();
     half_input(a.round_bf16, a.T, a.H, a.x, a.norm_w, a.norm_offset, a.eps, h);
-    route_softmax_topk(a.T, a.H, a.E, a.K, a.renorm, h, a.router, ids, w);
+    if (a.sigmoid)
+        route_sigmoid_grouped(a.T, a.H, a.E, a.K, a.renorm, *a.sigmoid, h, a.router, ids, w);
+    else
+        route_softmax_topk(a.T, a.H, a.E, a.K, a.renorm, h, a.router, ids, w);
     if (a.seen) {
         for (size_t i = 0; i < nk; ++i) a.seen[ids[i]] = 1;
         a.seen[a.E] = (uint8_t)a.K;
@@ -294,6 +368,16 @@ void moe_block_decode(const MoeBlockArgs& a) {
         half_output(a.round_bf16, e, s, e, n);
     }
     half_output(a.round_bf16, a.x, e, a.y, n);
+}
+
+void mlp_block_decode(const MlpBlockArgs& a) {
+    Workspace& W = ws();
+    const size_t n = (size_t)a.T * a.H;
+    W.normed.resize(n);
+    W.moe_out.resize(n);
+    half_input(a.round_bf16, a.T, a.H, a.x, a.norm_w, a.norm_offset, a.eps, W.normed.data());
+    swiglu_mlp(a.T, a.H, a.I, a.gate, a.up, a.down, W.normed.data(), W.moe_out.data(), nullptr);
+    half_output(a.round_bf16, a.x, W.moe_out.data(), a.y, n);
 }
 
 void qlinear(int fmt, int M, int K, int N, const float* x, const uint8_t* w, const uint16_t* ws_, float* y) {

@@ -103,6 +103,20 @@ void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const
 void route_softmax_topk(int T, int H, int E, int K, bool renorm, const float* x, const float* R, int64_t* ids,
                         float* w);
 
+// The routing of a grouped sigmoid MoE block (DeepSeek-V3): scores s = sigmoid(x R^T); the
+// experts are picked by s + bias (bias [E] float32, selection only): with n_group > 1 the E
+// experts form n_group groups of E / n_group, each group scores the sum of its two largest
+// biased scores and only the topk_group best groups keep their experts; then the K best
+// experts (largest biased score first, ties to the lower expert, ties between groups to the
+// lower group). w = their unbiased s, divided by (their sum + 1e-20) when renorm, times scale.
+struct SigmoidRoute {
+    const float* bias;  // [E]
+    int n_group, topk_group;
+    float scale;
+};
+void route_sigmoid_grouped(int T, int H, int E, int K, bool renorm, const SigmoidRoute& r, const float* x,
+                           const float* R, int64_t* ids, float* w);
+
 // A SwiGLU MLP of quantized linears (a dense layer, a shared expert): y[M, H] =
 // down(silu(gate x) * up x), gate/up [I, blocks_of(H)], down [H, blocks_of(I)]; x [M, H].
 // gate and up run as one qlinear_multi job, SiLU * up in float32, then down: one call for what
@@ -177,7 +191,8 @@ inline void attn_block_decode(const AttnBlockArgs& a, const float* x, float* out
 
 // The MoE half of a decoder layer for T tokens (decode-sized), in one call: y = x + moe(h)
 // with h = RMSNorm(x) (weight norm_w + norm_offset, eps); moe(h) routes h by softmax top-k
-// (route_softmax_topk: router [E, H] float32, renorm), runs the routed experts (moe_experts:
+// (route_softmax_topk: router [E, H] float32, renorm) or, with `sigmoid`, by grouped sigmoid
+// scores (route_sigmoid_grouped), runs the routed experts (moe_experts:
 // experts[e] in efmt, width I) and, with shared (gate, up, down of width Is), adds the shared
 // expert scaled by sigmoid(h . shared_gate) (swiglu_mlp; shared_gate may be null). Each
 // intermediate is what the separate ops produce; with round_bf16 (a bf16 model) each is
@@ -210,6 +225,7 @@ struct MoeBlockArgs {
     const float* norm_w;                // [H]
     float norm_offset, eps;
     const float* router;                // [E, H]
+    const SigmoidRoute* sigmoid = nullptr;  // or null: softmax top-k
     int efmt;
     const ExpertW* experts;             // [E], or null with a source
     ExpertSource* source;               // or null: the experts are all in `experts`
@@ -223,6 +239,21 @@ struct MoeBlockArgs {
     RouteObserver* observer = nullptr;  // or null: nobody watches
 };
 void moe_block_decode(const MoeBlockArgs& a);
+
+// The dense MLP half of a decoder layer for T tokens (decode-sized), in one call: y = x +
+// down(silu(gate h) * up h), h = RMSNorm(x) (weight norm_w + norm_offset, eps), the MLP as
+// swiglu_mlp computes it; with round_bf16 h, the MLP's output and y rounded to bf16 where the
+// separate ops (rms_norm, swiglu_mlp, an add) hand on a bf16 tensor: y is bit-identical to them.
+struct MlpBlockArgs {
+    int T, H, I;
+    bool round_bf16;
+    const float* x;       // [T, H]
+    const float* norm_w;  // [H]
+    float norm_offset, eps;
+    QWeight gate, up, down;
+    float* y;             // [T, H]
+};
+void mlp_block_decode(const MlpBlockArgs& a);
 
 // Gated DeltaNet (Qwen3.5 linear attention) over T tokens per row, token after token (decode,
 // or a speculative verification pass): causal conv + SiLU over the in_proj_qkv outputs, L2

@@ -747,7 +747,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_pull)
 
     r = sub.add_parser("random-model", help="write a random-weight checkpoint with a real model's shapes")
-    r.add_argument("preset", help="qwen3-30b-a3b, qwen3.6-35b-a3b, qwen1.5-moe-a2.7b, olmoe-1b-7b or mixtral-8x7b")
+    r.add_argument("preset", help="qwen3-30b-a3b, qwen3.6-35b-a3b, qwen1.5-moe-a2.7b, olmoe-1b-7b, mixtral-8x7b or deepseek-v3")
     r.add_argument("-o", "--output", required=True, help="directory to write (with --quant: the GGUF file)")
     r.add_argument("--layers", type=int, default=None, help="decoder layers (default: the real model's)")
     r.add_argument("--quant", default=None, choices=["q8_0", "q4_0"],

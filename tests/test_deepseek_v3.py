@@ -255,3 +255,24 @@ def test_the_decode_path_says_why_the_modules_run(tmp_path):
     # the three-token prompt (decode-sized, as every model counts it) and three steps
     assert path["native_stack_passes"] == 0 and path["module_passes"] == 4
     assert "DeepSeek-V3" in path["why"] and "MLA" in path["why"]
+
+
+def test_random_model_preset_has_deepseek_v3_shapes():
+    """`moerun random-model deepseek-v3`: the public config's shapes and YaRN, read as moerun reads a checkpoint."""
+    import math
+
+    from moerun.bench.random_model import preset_config
+    from moerun.models import build_on_meta, module_for
+
+    cfg = preset_config("deepseek-v3", layers=2, n_routed_experts=16, vocab_size=256)
+    module = module_for(cfg["model_type"])
+    a = module.ModelArgs.from_dict(cfg)
+    assert (a.hidden_size, a.kv_lora_rank, a.q_lora_rank, a.num_attention_heads) == (7168, 512, 1536, 128)
+    assert (a.n_group, a.topk_group, a.num_experts_per_tok, a.first_k_dense_replace) == (8, 4, 8, 3)
+    assert a.rope["rope_type"] == "yarn" and a.rope["factor"] == 40
+    assert math.isclose(a.softmax_scale, 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2)
+    net = build_on_meta(module, a)
+    assert all(layer.mlp.gate_proj.weight.shape == (18432, 7168) for layer in net.model.layers)  # both dense (< 3)
+    assert not net.has_mtp
+    net = build_on_meta(module, module.ModelArgs.from_dict({**cfg, "first_k_dense_replace": 1}))
+    assert net.model.layers[1].mlp.experts.gate_proj.shape == (16, 2048, 7168)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moerun import kernels
@@ -123,6 +124,190 @@ def test_experts_pre_hooks_see_what_the_modules_would_pass(monkeypatch):
         assert all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(a, b))
 
 
+def make_deepseek(dtype, experts="float", n_group=4, topk_group=2, renorm=True, shared=1, E=16, K=4, H=96, seed=0):
+    """DeepSeek-V3's MoE block (grouped sigmoid routing with a selection bias, shared experts
+    without a gate) and its post-attention norm."""
+    from moerun.models.deepseek_v3 import MoE, ModelArgs
+
+    a = ModelArgs(model_type="deepseek_v3", vocab_size=11, hidden_size=H, intermediate_size=64,
+                  moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, n_routed_experts=E,
+                  num_experts_per_tok=K, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
+                  n_group=n_group, topk_group=topk_group, norm_topk_prob=renorm, n_shared_experts=shared,
+                  routed_scaling_factor=2.5)
+    torch.manual_seed(seed)
+    block = MoE(a)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+        block.gate.e_score_correction_bias.normal_(0, 0.1)
+    norm = RMSNorm(H, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.1)
+    norm = norm.to(dtype)
+    for name, m in block.named_children():  # the loader keeps the router's weight and bias in float32
+        if name != "gate":
+            m.to(dtype)
+    if experts != "float":
+        block.experts = QuantizedExperts.from_experts(block.experts, experts)
+    return norm, block
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts,groups,renorm,shared", [("float", (4, 2), True, 1), ("float", (1, 1), False, 0),
+                                                          ("int4", (8, 3), True, 2), ("int8", (2, 1), False, 1)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 2), (1, 16)])
+def test_fused_deepseek_block_is_bit_identical(isa, dtype, experts, groups, renorm, shared, shape, monkeypatch):
+    """DeepSeek-V3's MoE half (grouped sigmoid routing) as one native call: the bits of its
+    modules one by one (their router the native routing op too, `kernels.route_sigmoid_grouped`)."""
+    norm, block = make_deepseek(dtype, experts, *groups, renorm, shared)
+    x = (torch.randn(*shape, 96) * 2).to(dtype)
+    with kernels.use_isa(isa):
+        want, n0 = run(x, norm, block, False, monkeypatch)
+        got, n1 = run(x, norm, block, True, monkeypatch)
+    assert (n0, n1) == (0, 1)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got, want)
+
+
+def test_fused_deepseek_block_against_its_torch_reference(monkeypatch):
+    """The fused half against the module's torch forward (the reference router, torch's expert
+    loop): float32 summation order only, and the same experts picked."""
+    from moerun.kernels.reference import expert_mlp
+
+    norm, block = make_deepseek(torch.float32)
+    x = torch.randn(1, 3, 96) * 2
+    got, n = run(x, norm, block, True, monkeypatch)
+    with torch.inference_mode():
+        h = norm(x).reshape(3, 96)
+        rw, rids = kernels.route_sigmoid_grouped_ref(h, block.gate.weight, 4, True, block.gate.routing())
+        w, ids = kernels.route_sigmoid_grouped(h, block.gate.weight, 4, True, block.gate.routing())
+        e = block.experts
+        ref = expert_mlp(h, rids, rw, e.gate_proj, e.up_proj, e.down_proj)
+        g, u = F.linear(h, block.shared_experts.gate_proj.weight), F.linear(h, block.shared_experts.up_proj.weight)
+        ref = x + (ref + F.linear(F.silu(g) * u, block.shared_experts.down_proj.weight)).view_as(x)
+    assert n == 1 and torch.equal(ids, rids)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_deepseek_route_observer_sees_what_the_modules_route(monkeypatch):
+    """A route observer on DeepSeek-V3's experts gets the same (h, ids, weights) from the fused
+    call as from the modules."""
+    from moerun.layers.routes import observe_routes
+
+    norm, block = make_deepseek(torch.bfloat16)
+    x = torch.randn(1, 2, 96).to(torch.bfloat16)
+    seen = []
+    handle = observe_routes(block.experts, lambda *a: seen.append(tuple(t.clone() for t in a)))
+    want, n0 = run(x, norm, block, False, monkeypatch)
+    got, n1 = run(x, norm, block, True, monkeypatch)
+    handle.remove()
+    assert (n0, n1) == (0, 1) and torch.equal(got, want)
+    assert len(seen) == 2
+    assert all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(*seen, strict=True))
+    assert seen[0][1].shape == (2, 4) and seen[0][2].dtype == torch.bfloat16
+
+
+def make_dense(dtype, fmt=None, H=96, I=160, zero_centered=False, seed=0):
+    torch.manual_seed(seed)
+    mlp = GatedMLP(H, I)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0, 0.1)
+    norm = RMSNorm(H, 1e-6, zero_centered=zero_centered)
+    with torch.no_grad():
+        norm.weight.normal_(0 if zero_centered else 1, 0.1)
+    norm, mlp = norm.to(dtype), mlp.to(dtype)
+    if fmt:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(mlp, name, QuantizedLinear.from_linear(getattr(mlp, name), fmt))
+    return norm, mlp
+
+
+def run_dense(x, norm, mlp, fused: bool, monkeypatch):
+    """moe_residual of a dense MLP (`mlp_residual`) with the fusion allowed or not -> (output,
+    how many fused calls ran)."""
+    calls = []
+    real = kernels.mlp_block_run
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "mlp_block_run", counted)
+        if not fused:
+            m.setattr(moe, "mlp_fusable", lambda *a: None)
+        with torch.inference_mode():
+            return moe_residual(x, norm, mlp), len(calls)
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt,zero_centered", [(None, False), ("int4", True), ("int8", False)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 2), (1, 16), "last"])
+def test_fused_dense_mlp_is_bit_identical(isa, dtype, fmt, zero_centered, shape, monkeypatch):
+    """A dense MLP half (DeepSeek-V3's first layers, Qwen3-MoE's mlp_only_layers) as one native
+    call (`kernels.mlp_block_run`): the bits of the norm, the MLP and the add one by one."""
+    norm, mlp = make_dense(dtype, fmt, zero_centered=zero_centered)
+    if shape == "last":  # not contiguous
+        x = (torch.randn(2, 3, 96) * 2).to(dtype)[:, -1:]
+    else:
+        x = (torch.randn(*shape, 96) * 2).to(dtype)
+    with kernels.use_isa(isa):
+        want, n0 = run_dense(x, norm, mlp, False, monkeypatch)
+        got, n1 = run_dense(x, norm, mlp, True, monkeypatch)
+    assert (n0, n1) == (0, 1)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+def test_fused_dense_mlp_against_its_torch_reference(isa, monkeypatch):
+    norm, mlp = make_dense(torch.float32)
+    x = torch.randn(1, 3, 96) * 2
+    with kernels.use_isa(isa):
+        got, n = run_dense(x, norm, mlp, True, monkeypatch)
+    with torch.no_grad():
+        ref = kernels.mlp_block_ref(x, norm.weight, 1e-6, mlp.gate_proj.weight, mlp.up_proj.weight,
+                                    mlp.down_proj.weight)
+    assert n == 1 and float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_dense_mlp_falls_back_where_it_cannot_fuse(monkeypatch):
+    """Hooks on the norm, the MLP or one of its linears, autograd, a prompt-sized pass: the
+    modules one by one."""
+    norm, mlp = make_dense(torch.float32)
+    x = torch.randn(1, 2, 96)
+    assert run_dense(x, norm, mlp, True, monkeypatch)[1] == 1
+    assert run_dense(torch.randn(1, 64, 96), norm, mlp, True, monkeypatch)[1] == 0
+    for m in (norm, mlp, mlp.down_proj):
+        h = m.register_forward_hook(lambda *a: None)
+        assert run_dense(x, norm, mlp, True, monkeypatch)[1] == 0
+        h.remove()
+    assert run_dense(x, norm, mlp, True, monkeypatch)[1] == 1
+    with torch.enable_grad():
+        y = moe_residual(x, norm, mlp)
+    assert y.requires_grad
+
+
+def test_mlp_block_refuses_bad_arguments():
+    nat = kernels._native()
+    norm, mlp = make_dense(torch.float32, "int4")
+    views = mlp._packed_views(torch.zeros(1, 96))
+    args = kernels.mlp_block_args(*kernels.norm_args(norm), views)
+    x, out = torch.randn(2, 96), torch.empty(2, 96)
+    nat.mlp_block(x.numpy(), *args, out.numpy())
+    for bad_out, msg in ((torch.empty(3, 96), "out"), (torch.empty(2, 96, dtype=torch.bfloat16), "both float32")):
+        with pytest.raises(ValueError, match=msg):
+            nat.mlp_block(x.numpy(), *args, kernels._np(bad_out))
+    with pytest.raises(ValueError, match="norm_w"):
+        nat.mlp_block(x.numpy(), torch.zeros(95).numpy(), *args[1:], out.numpy())
+    with pytest.raises(ValueError, match="down"):  # down's rows must be H
+        nat.mlp_block(x.numpy(), *args[:9], *kernels.mlp_block_args(*kernels.norm_args(norm), (views[0],) * 3)[9:],
+                      out.numpy())
+
+
 def test_a_hook_that_changes_arguments_is_refused(monkeypatch):
     norm, block = make(torch.float32)
     block.experts.register_forward_pre_hook(lambda m, args: (args[0] * 2, args[1], args[2]))
@@ -201,7 +386,7 @@ def test_native_op_refuses_bad_arguments():
     no_mask = torch.empty(0, dtype=torch.uint8).numpy()
 
     def call(router=r, k=2, o=out, ex=views, seen=no_mask):
-        nat.moe_block(x.numpy(), w, 1e-6, 1.0, router, k, True, *ex, [], [], [], empty, kernels._np(o), empty, ids0,
+        nat.moe_block(x.numpy(), w, 1e-6, 1.0, router, k, True, empty, 1, 1, 1.0, *ex, [], [], [], empty, kernels._np(o), empty, ids0,
                       empty, seen)
 
     call()

@@ -1042,6 +1042,64 @@ def test_route_softmax_topk_refuses_bad_arguments():
         nat.route_softmax_topk(x, R, ids, torch.zeros(3, 2).numpy(), True)
 
 
+def _sigmoid_route(E, n_group, topk_group, seed, scale=2.5):
+    g = torch.Generator().manual_seed(seed)
+    return kernels.SigmoidRouting(torch.randn(E, generator=g) * 0.1, n_group, topk_group, scale)
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("T,E,K,n_group,topk_group,renorm", [
+    (1, 8, 2, 1, 1, True), (3, 16, 3, 4, 2, False), (16, 64, 8, 8, 4, True), (2, 32, 4, 2, 1, True),
+    (5, 12, 1, 3, 3, False), (2, 8, 8, 2, 2, True),  # K = every expert of the kept groups
+])
+def test_route_sigmoid_grouped_against_reference(isa, T, E, K, n_group, topk_group, renorm):
+    g = torch.Generator().manual_seed(T * E + K)
+    H = 200  # not a multiple of 8: the dot product's tail
+    x, R = torch.randn(T, H, generator=g), torch.randn(E, H, generator=g) * 0.1
+    route = _sigmoid_route(E, n_group, topk_group, T + E)
+    with kernels.use_isa(isa):
+        w, ids = kernels.route_sigmoid_grouped(x, R, K, renorm, route)
+        w1, ids1 = kernels.route_sigmoid_grouped(x[-1:], R, K, renorm, route)
+    rw, rids = kernels.route_sigmoid_grouped_ref(x, R, K, renorm, route)
+    assert ids.dtype == torch.long and torch.equal(ids, rids)  # largest biased score first, both
+    assert w.shape == (T, K) and max_rel(w, rw) < 1e-5
+    if renorm:
+        assert torch.allclose(w.sum(-1), torch.full((T,), route.scale))
+    # the picks lie in topk_group groups, and the bias picked them: the weights are not the biased scores
+    groups = ids // (E // n_group)
+    assert all(len(set(row.tolist())) <= topk_group for row in groups)
+    # a token's routing does not depend on the other tokens of the call
+    assert torch.equal(ids1, ids[-1:]) and torch.equal(w1, w[-1:])
+
+
+def test_route_sigmoid_grouped_bias_picks_but_does_not_weigh():
+    """A large bias on one expert of a far group: picked (its group wins), weighed by its score."""
+    x, R = torch.randn(1, 64), torch.randn(8, 64) * 0.1
+    bias = torch.zeros(8)
+    bias[6] = 10.0
+    route = kernels.SigmoidRouting(bias, 4, 1, 1.0)
+    w, ids = kernels.route_sigmoid_grouped(x, R, 2, False, route)
+    scores = torch.sigmoid(x @ R.T)[0]
+    assert ids[0, 0] == 6 and ids[0, 1] == 7  # only group 3 (experts 6, 7) is kept
+    assert torch.allclose(w[0], scores[[6, 7]])
+
+
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+def test_route_sigmoid_grouped_refuses_bad_arguments():
+    nat = kernels._native()
+    x, R, b = torch.zeros(2, 16).numpy(), torch.zeros(8, 16).numpy(), torch.zeros(8).numpy()
+    ids, w = torch.zeros(2, 2, dtype=torch.long).numpy(), torch.zeros(2, 2).numpy()
+    nat.route_sigmoid_grouped(x, R, b, 4, 2, 1.0, ids, w, True)
+    for args, msg in (((x, R, b[:7], 4, 2), "bias"), ((x, R, b, 3, 2), "n_group must divide"),
+                      ((x, R, b, 8, 2), "at least 2 experts per group"), ((x, R, b, 4, 5), "topk_group"),
+                      ((x, R, b, 4, 0), "topk_group")):
+        with pytest.raises(ValueError, match=msg):
+            nat.route_sigmoid_grouped(*args, 1.0, ids, w, True)
+    with pytest.raises(ValueError, match="K must be at most"):  # 1 group of 2 kept: K = 3 cannot be met
+        nat.route_sigmoid_grouped(x, R, b, 4, 1, 1.0, torch.zeros(2, 3, dtype=torch.long).numpy(),
+                                  torch.zeros(2, 3).numpy(), True)
+
+
 def test_softmax_topk_runs_router_hooks_through_torch():
     from moerun.layers.moe import softmax_topk
 

@@ -169,16 +169,41 @@ def test_a_batch_step_takes_the_stack_bit_identical_to_the_modules(qwen3_path, d
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-def test_a_dense_layer_runs_the_modules(qwen3_path, monkeypatch):
-    """A layer whose MLP is dense (no MoE half plan): the whole pass runs the modules."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_a_dense_layer_takes_the_stack(qwen3_path, dtype, quant, monkeypatch):
+    """A layer whose MLP is dense (`mlp_only_layers`): its MLP half is one native call
+    (`moe.mlp_residual`), the stack takes it (`NativeStack.add_mlp`), bit-identical to the modules,
+    for one row and for a batch's steps."""
+    import moerun
+
+    net = moerun.load(qwen3_path(mlp_only_layers=[1]), dtype=dtype, threads=1, quant=quant).net
+    kv = net.model.embed_tokens.weight.dtype
+    ran = counting(monkeypatch)
+    with torch.inference_mode():
+        want = passes(net, kv, None)
+        ran.clear()
+        got = passes(net, kv, {})
+        assert ran == [False, False, True, True, False, True, True, True, True]
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        want = batch_steps(net, None, kv)
+        plans = {}
+        got = batch_steps(net, plans, kv)
+    assert stack.decode_path(plans)["native_stack_passes"] == 6
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_a_dense_layer_with_hooks_runs_the_modules(qwen3_path, monkeypatch):
+    """A forward hook on the dense MLP: the modules call it (the stack and the fused half step aside)."""
     import moerun
 
     net = moerun.load(qwen3_path(mlp_only_layers=[1]), dtype="float32", threads=1, quant="int4").net
+    called = []
+    net.model.layers[1].mlp.register_forward_hook(lambda *a: called.append(1))
     ran = counting(monkeypatch)
     with torch.inference_mode():
-        want = passes(net, torch.float32, None)
-        got = passes(net, torch.float32, {})
-    assert not any(ran) and all(torch.equal(a, b) for a, b in zip(got, want))
+        passes(net, torch.float32, {})
+    assert not any(ran) and len(called) == 9
 
 
 @pytest.fixture(scope="module")
@@ -452,8 +477,9 @@ def test_info_says_how_decode_steps_run(qwen3_path, capsys):
         return json.loads(capsys.readouterr().out)["decode_path"]
 
     assert info(qwen3_path(), "--quant", "int4")["native_stack_passes"] > 0
-    dense = info(qwen3_path(mlp_only_layers=[1]), "--quant", "int4")
-    assert dense["native_stack_passes"] == 0 and "layer 1's MLP half" in dense["why"]
-    assert main(["info", "-m", str(qwen3_path(mlp_only_layers=[1]))]) == 0
+    assert info(qwen3_path(mlp_only_layers=[1]), "--quant", "int4")["native_stack_passes"] > 0  # a dense half too
+    int8 = info(qwen3_path(), "--kv-cache", "int8")
+    assert int8["native_stack_passes"] == 0 and "attention half" in int8["why"]
+    assert main(["info", "-m", str(qwen3_path()), "--kv-cache", "int8"]) == 0
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("decode path"))
-    assert "the layers' modules" in line and "MLP half" in line
+    assert "the layers' modules" in line and "attention half" in line

@@ -203,3 +203,94 @@ def test_bench_json_reports_the_native_stack(arch_path, arch, capsys):
     assert main([*map(str, argv), "--quant", "int4"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["decode_path"] == {"native_stack_passes": 6, "module_passes": 0, "why": None}, d["decode_path"]
+
+
+# -- DeepSeek-V3: its MLP halves are native, its attention (MLA) is not yet ------------------
+
+def make_deepseek_v3(**over):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = dict(vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+               topk_group=2, n_shared_experts=1, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8,
+               qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1, routed_scaling_factor=2.5,
+               max_position_embeddings=256, num_mtp_layers=0, **over)
+    ref = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg, experts_implementation="eager"))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # transformers starts the router near zero and the bias at zero: make both matter
+        for name, p in ref.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def deepseek_path(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("deepseek_v3")
+    make_deepseek_v3().eval().save_pretrained(path)
+    return path
+
+
+def _halves(monkeypatch, fused: bool) -> list:
+    """Count the native MLP halves' calls (`moe_block_run`, `mlp_block_run`); with fused False
+    the modules run one by one instead."""
+    from moerun.layers import moe
+
+    calls = []
+    for name in ("moe_block_run", "mlp_block_run"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    if not fused:
+        monkeypatch.setattr(moe, "moe_fusable", lambda *a: None)
+        monkeypatch.setattr(moe, "mlp_fusable", lambda *a: None)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_deepseek_v3_native_mlp_halves_are_bit_identical_to_the_modules(deepseek_path, dtype, quant, monkeypatch):
+    """DeepSeek-V3's decode passes: each layer's MLP half (the dense first layer's, the MoE
+    layers' with grouped sigmoid routing) one native call, the logits, hidden states and
+    caches those of the modules one by one, bit for bit; the decode path says the layers
+    still run as modules, because of MLA."""
+    import moerun
+
+    net = moerun.load(deepseek_path, dtype=dtype, threads=1, quant=quant).net
+    kv = net.model.embed_tokens.weight.dtype
+    with torch.inference_mode(), monkeypatch.context() as m:
+        _halves(m, fused=False)
+        want, want_cache = passes(net, kv, None, keep_cache=True)
+    calls = _halves(monkeypatch, fused=True)
+    plans = {}
+    with torch.inference_mode():
+        got, got_cache = passes(net, kv, plans, keep_cache=True)
+    # 9 passes (an 8-token prompt is decode-sized for an MLP half too) through 3 layers: 1
+    # dense half and 2 MoE halves each; the 8 decode passes counted as the modules'
+    assert calls.count("mlp_block_run") == 9 and calls.count("moe_block_run") == 18, calls
+    path = stack.decode_path(plans)
+    assert path["native_stack_passes"] == 0 and path["module_passes"] == 8 and "MLA" in path["why"], path
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    for a, b in zip(got_cache.layers, want_cache.layers):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deepseek_v3_batch_row_has_the_bits_of_the_row_alone(deepseek_path, dtype, monkeypatch):
+    """A DeepSeek-V3 batch's decode steps (native MLP halves over the rows' tokens, each
+    computed on its own) against each row alone: the same logits, bit for bit."""
+    import moerun
+
+    net = moerun.load(deepseek_path, dtype=dtype, threads=1, quant="int4").net
+    kv = net.model.embed_tokens.weight.dtype
+    calls = _halves(monkeypatch, fused=True)
+    with torch.inference_mode():
+        batch = batch_steps(net, kv, {}, (2, 0))
+        assert calls.count("moe_block_run") >= 2 * 5  # every step's MoE halves natively
+        alone = {r: batch_steps(net, kv, {}, (s,)) for r, s in enumerate((2, 0))}
+    for i, step in enumerate(batch):
+        for r in (0, 1):
+            assert torch.equal(step[r], alone[r][i][0]), (i, r)

@@ -61,6 +61,19 @@ PRESETS: dict[str, dict] = {
         num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1000000.0,
         max_position_embeddings=32768, sliding_window=None, tie_word_embeddings=False,
     ),
+    # DeepSeek-V3 (MLA, grouped sigmoid routing, 3 dense layers first). Its MTP module is left
+    # out (num_nextn_predict_layers 0): the real checkpoint has one, a whole MoE layer more.
+    "deepseek-v3": dict(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
+        topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True,
+        rms_norm_eps=1e-6, max_position_embeddings=163840, num_nextn_predict_layers=0,
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        rope_theta=10000, tie_word_embeddings=False, attention_bias=False,
+    ),
 }
 
 SHARD_BYTES = 2 << 30

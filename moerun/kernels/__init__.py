@@ -539,6 +539,54 @@ def route_softmax_topk_ref(x, router, k, renorm):
     return (w / w.sum(-1, keepdim=True) if renorm else w), ids
 
 
+class SigmoidRouting(NamedTuple):
+    """Grouped sigmoid routing's settings (DeepSeek-V3): the selection-only bias [E] float32,
+    the groups (n_group, topk_group kept) and the weights' scale (routed_scaling_factor)."""
+    bias: torch.Tensor
+    n_group: int
+    topk_group: int
+    scale: float
+
+
+def route_sigmoid_grouped(x: torch.Tensor, router: torch.Tensor, k: int, renorm: bool,
+                          route: SigmoidRouting) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] float32 or bf16, router [E, H] float32 -> (weights [T, k] float32, ids [T, k]
+    long): DeepSeek-V3's routing (`route_sigmoid_grouped_ref`) as one native call, the experts
+    largest biased score first (ties to the lower expert)."""
+    nat = _native()
+    if nat is None:
+        return route_sigmoid_grouped_ref(x, router, k, renorm, route)
+    T = x.shape[0]
+    ids = torch.empty(T, k, dtype=torch.long)
+    w = torch.empty(T, k, dtype=torch.float32)
+    if T:
+        _sync_threads(nat)
+        nat.route_sigmoid_grouped(_np(_act(x)), _np(router), _np(_f32(route.bias)), int(route.n_group),
+                                  int(route.topk_group), float(route.scale), _np(ids), _np(w), bool(renorm))
+    return w, ids
+
+
+def route_sigmoid_grouped_ref(x, router, k, renorm, route):
+    """Torch reference: scores = sigmoid(x router^T) in float32; experts are picked by scores +
+    bias: with n_group > 1 each group of E / n_group experts scores the sum of its two largest
+    biased scores and only the topk_group best groups keep theirs; then the k best (largest
+    first). Weights: the picked experts' unbiased scores, / (their sum + 1e-20) when renorm,
+    times scale."""
+    scores = F.linear(x.float(), router.float()).sigmoid()  # [T, E]
+    choice = scores + route.bias.float()
+    if route.n_group > 1:
+        grouped = choice.view(choice.shape[0], route.n_group, -1)  # [T, groups, E / groups]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # [T, groups]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(route.topk_group, dim=-1)[1], True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+    ids = choice.topk(k, dim=-1)[1]  # [T, k]
+    weights = scores.gather(1, ids)
+    if renorm:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * route.scale, ids
+
+
 # -- fused routed experts ------------------------------------------------------------------
 
 def moe_experts(x, ids, weights, gate, gate_scales, up, up_scales, down, down_scales, fmt: str,
@@ -654,17 +702,20 @@ class ExpertViews(NamedTuple):
 
 def moe_block_args(norm_weight: torch.Tensor, eps: float, norm_offset: float, router: torch.Tensor, k: int,
                    renorm: bool, experts: ExpertViews, shared: tuple | None = None,
-                   shared_gate: torch.Tensor | None = None) -> tuple:
+                   shared_gate: torch.Tensor | None = None, route: SigmoidRouting | None = None) -> tuple:
     """The MoE half of a decoder layer for a decode-sized x [T, H] as one native call
     (`moe_block_run`): x + experts(h) (+ sigmoid(h . shared_gate) * shared(h) with a shared
     expert), h = RMSNorm(x) with norm_weight + norm_offset (float32 [H]), softmax top-k
     routing over router [E, H] (float32) renormalised over the k when `renorm`. `experts`:
     `ExpertViews`; `shared`: the shared expert's (gate, up, down) `Packed`; shared_gate [H]
-    float32. -> those weights and settings as the binding takes them (everything between x
+    float32; `route`: grouped sigmoid routing (`route_sigmoid_grouped`) in place of softmax
+    top-k. -> those weights and settings as the binding takes them (everything between x
     and out), made once where a plan keeps them (`layers.moe`): a decode step then converts
     only its activations."""
     sh = ([p.w for p in shared], [p.s for p in shared], [p.code for p in shared]) if shared else ([], [], [])
-    return (_np(norm_weight), float(eps), float(norm_offset), _np(router), int(k), bool(renorm), *experts, *sh,
+    groups = (_EMPTY_NP, 1, 1, 1.0) if route is None else \
+        (_np(_f32(route.bias)), int(route.n_group), int(route.topk_group), float(route.scale))
+    return (_np(norm_weight), float(eps), float(norm_offset), _np(router), int(k), bool(renorm), *groups, *experts, *sh,
             _EMPTY_NP if shared_gate is None else _np(shared_gate))
 
 
@@ -685,6 +736,34 @@ def moe_block_run(x: torch.Tensor, args: tuple, observe: bool = False, seen=None
     _sync_threads(nat)
     nat.moe_block(_np(_act(x)), *args, _np(out), *obs, _EMPTY_U8_NP if seen is None else seen, observer)
     return (out, *observed) if observe else out
+
+
+def mlp_block_args(norm_weight: torch.Tensor, eps: float, norm_offset: float, mlp: tuple) -> tuple:
+    """A decoder layer's dense MLP half for a decode-sized x [T, H] as one native call
+    (`mlp_block_run`): x + down(silu(gate h) * up h), h = RMSNorm(x) with norm_weight +
+    norm_offset (float32 [H]); `mlp`: the (gate, up, down) `Packed`. -> those weights and
+    settings as the binding (and `NativeStack.add_mlp`) takes them, made once."""
+    g, u, d = mlp
+    return (_np(norm_weight), float(eps), float(norm_offset), g.w, g.s, g.code, u.w, u.s, u.code, d.w, d.s, d.code)
+
+
+def mlp_block_run(x: torch.Tensor, args: tuple) -> torch.Tensor:
+    """x [T, H] through the dense MLP half `mlp_block_args` made, out in x's dtype (float32 or
+    bf16; a bf16 x has h, the MLP's output and the sum rounded where `rms_norm`, `swiglu_mlp`
+    and the add round them: bit-identical to them)."""
+    nat = _native()
+    x = x.contiguous()
+    out = _out(x.shape, x.dtype)
+    _sync_threads(nat)
+    nat.mlp_block(_np(_act(x)), *args, _np(out))
+    return out
+
+
+def mlp_block_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate, up, down) -> torch.Tensor:
+    """Torch reference of the dense MLP half in float32 (gate, up, down float weights [out, in])."""
+    xf = x.float()
+    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    return xf + F.linear(F.silu(F.linear(h, gate.float())) * F.linear(h, up.float()), down.float())
 
 
 _NOT_OBSERVED = (_EMPTY_NP, _EMPTY_I64_NP, _EMPTY_NP)
@@ -1066,8 +1145,10 @@ __all__ = [
     "qlinear", "qlinear_multi", "qlinear_ref", "packed", "Packed", "native_views", "numpy_views", "swiglu_mlp",
     "swiglu_mlp_ref",
     "greedy_picks", "sample_row",
-    "route_softmax_topk", "route_softmax_topk_ref", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
-    "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block_args", "moe_block_run", "MtpStep",
+    "route_softmax_topk", "route_softmax_topk_ref", "route_sigmoid_grouped", "route_sigmoid_grouped_ref",
+    "SigmoidRouting", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
+    "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block_args", "moe_block_run", "mlp_block_args",
+    "mlp_block_run", "mlp_block_ref", "MtpStep",
     "ExpertViews", "norm_args", "rms_norm", "rms_norm_ref", "norm_rope_heads", "norm_rope_heads_ref",
     "attn_decode_is_native", "fuse_decode_attention", "fused_attention_applies",
 ]

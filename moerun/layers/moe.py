@@ -89,7 +89,9 @@ def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module, plans: dict
     native op once the router has picked. Forward pre-hooks on the experts are called after
     it with the arguments the experts would have had; one that returns new arguments cannot
     be honoured there and raises. A route mask on the experts is marked natively.
-    `plans`: a run's (`kernels.run_plan`)."""
+    `plans`: a run's (`kernels.run_plan`). A dense `GatedMLP` block is `mlp_residual`'s."""
+    if type(block) is GatedMLP:
+        return mlp_residual(x, norm, block, plans)
     plan = kernels.run_plan(plans, block, (x.shape, x.dtype), lambda: moe_fusable(x, norm, block))
     if plan is None:
         return x + block(norm(x))
@@ -101,6 +103,41 @@ def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module, plans: dict
         return r.view(x.shape)
     call_observers(experts, r[1:], routes=False)
     return r[0].view(x.shape)
+
+
+def mlp_residual(x: torch.Tensor, norm: nn.Module, mlp: "GatedMLP", plans: dict | None = None) -> torch.Tensor:
+    """x + mlp(norm(x)): a decoder layer's dense MLP half (DeepSeek-V3's first layers, Qwen3-MoE's
+    `mlp_only_layers`). For a decode-sized x whose parts all run natively, one native call
+    (`kernels.mlp_block_run`) in place of the norm, the MLP and a torch add: bit-identical to
+    them, which run otherwise (`mlp_fusable`). Its plan, (None, the op's arguments), is what the
+    layer stack takes as the layer's MLP half (`layers.stack`)."""
+    plan = kernels.run_plan(plans, mlp, (x.shape, x.dtype), lambda: mlp_fusable(x, norm, mlp))
+    if plan is None:
+        return x + mlp(norm(x))
+    return kernels.mlp_block_run(x.reshape(-1, x.shape[-1]), plan[1]).view(x.shape)
+
+
+def mlp_fusable(x: torch.Tensor, norm: nn.Module, mlp: "GatedMLP") -> tuple | None:
+    """(None, `kernels.mlp_block_args`) when x may run through norm and mlp in one native call:
+    a decode-sized float32 or bf16 pass without autograd, a plain or zero-centred `RMSNorm`
+    of x's dtype, the MLP's linears packed or plain float ones (`GatedMLP._packed_views`), no
+    hooks on any of them; None otherwise. Kept on the MLP (`kernels.module_plan`)."""
+    if (type(norm) is not RMSNorm or x.dtype not in kernels.FLOAT_DTYPES or torch.is_grad_enabled()
+            or not _decode_sized(x) or x.numel() > kernels.RMS_NORM_MAX or not kernels.native()):
+        return None
+    mods = (norm, mlp, *mlp._modules.values())
+    if kernels.has_hooks(*mods):
+        return None
+    key = (x.dtype, norm.eps, norm.zero_centered)
+    return kernels.module_plan(mlp, mods, key, lambda: _mlp_plan(x, norm, mlp))
+
+
+def _mlp_plan(x: torch.Tensor, norm: nn.Module, mlp: "GatedMLP") -> tuple | None:
+    h = x.reshape(-1, x.shape[-1])
+    views = mlp._packed_views(h)
+    if norm.weight.dtype != x.dtype or views is None:
+        return None
+    return None, kernels.mlp_block_args(*kernels.norm_args(norm), views)
 
 
 def call_observers(experts: nn.Module, args: tuple, routes: bool = True) -> None:
@@ -133,14 +170,21 @@ def moe_fusable(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | N
             or torch.is_grad_enabled()
             or not _decode_sized(x) or x.numel() > kernels.RMS_NORM_MAX or not kernels.native()):
         return None
+    gate = mods["gate"]
     se = mods.get("shared_expert")
-    others = (norm, block, mods["gate"])
+    others = (norm, block, gate)
     if se is not None:
         others += (se, *se._modules.values(), mods["shared_expert_gate"])
+    shared = mods.get("shared_experts")  # DeepSeek-V3's: no gate
+    if shared is not None:
+        others += (shared, *shared._modules.values())
     if kernels.has_hooks(*others) or experts._forward_hooks:
         return None
     # the key: what the plan takes besides the modules' tensors (settings are plain attributes)
-    key = (x.dtype, norm.eps, norm.zero_centered, block.top_k, block.norm_topk_prob)
+    sigmoid = hasattr(gate, "routing")
+    routing = (gate.top_k, gate.norm_topk_prob, gate.n_group, gate.topk_group, gate.scaling) if sigmoid else \
+        (block.top_k, block.norm_topk_prob)
+    key = (x.dtype, norm.eps, norm.zero_centered, *routing)
     return kernels.module_plan(block, (experts, *others), key, lambda: _moe_plan(x, norm, block))
 
 
@@ -156,8 +200,14 @@ def _decode_sized(x: torch.Tensor) -> bool:
 
 
 def _moe_plan(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None:
+    """The plan of `moe_fusable`. The router is a softmax top-k `gate` linear with the block's
+    `top_k` and `norm_topk_prob`, or a grouped sigmoid router (DeepSeek-V3's: a `gate` with
+    `routing()`, `top_k`, `norm_topk_prob` and `native(h)`); the shared expert is
+    `shared_expert` with its scalar `shared_expert_gate`, or `shared_experts` without one."""
     h = x.reshape(-1, x.shape[-1])
-    if norm.weight.dtype != x.dtype or not native_float_linear(block.gate, h):
+    gate = block.gate
+    sigmoid = hasattr(gate, "routing")
+    if norm.weight.dtype != x.dtype or not (gate.native(h) if sigmoid else native_float_linear(gate, h)):
         return None
     views = block.experts.fused_views(h)
     if views is None:
@@ -169,8 +219,14 @@ def _moe_plan(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | Non
         if shared is None or not native_float_linear(block.shared_expert_gate, h):
             return None
         shared_gate = kernels.float32_weight(block.shared_expert_gate).view(-1)
-    return block.experts, kernels.moe_block_args(*kernels.norm_args(norm), kernels.float32_weight(block.gate),
-                                                 block.top_k, block.norm_topk_prob, views, shared, shared_gate)
+    elif getattr(block, "shared_experts", None) is not None:
+        shared = block.shared_experts._packed_views(h)
+        if shared is None:
+            return None
+    route = gate.routing() if sigmoid else None
+    k, renorm = (gate.top_k, gate.norm_topk_prob) if sigmoid else (block.top_k, block.norm_topk_prob)
+    return block.experts, kernels.moe_block_args(*kernels.norm_args(norm), kernels.float32_weight(gate), k, renorm,
+                                                 views, shared, shared_gate, route=route)
 
 
 def native_float_linear(lin: nn.Linear, x: torch.Tensor) -> bool:

@@ -87,7 +87,7 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
             conv_every.append(kernels._np(conv_all))
             S_every.append(kernels._np(S_all))
             kept.append((state, conv_all, S_all))
-    masks = list(map(routes_seen, experts))
+    masks = [None if e is None else routes_seen(e) for e in experts]  # (None: a dense MLP layer)
     seen = [kernels._EMPTY_U8_NP if m is None else m for m in masks] if any(m is not None for m in masks) else []
     native.run(kernels._np(kernels._act(x.contiguous())), kernels._np(a), kernels._np(b), *rope,
                np.asarray(slots.numpy(), dtype=np.int64), p, conv_every, S_every, seen)
@@ -141,7 +141,7 @@ def _hooked(experts) -> bool:
     """Forward hooks added since the stack was made (on the experts, or global ones): the
     modules call them. (Predictors and profilers watch through route observers instead,
     which the stack calls: `layers.routes`.)"""
-    return kernels.has_hooks() or any(e._forward_pre_hooks for e in experts)
+    return kernels.has_hooks() or any(e is not None and e._forward_pre_hooks for e in experts)
 
 
 _ATTN, _DELTA = "attention", "deltanet"
@@ -160,7 +160,7 @@ def _build(layers, x: torch.Tensor, cache, plans: dict, rope: tuple, pos: int) -
         moe_plan = plans.get((block, (x.shape, x.dtype)))
         if moe_plan is None or kernels.has_hooks(layer):
             plans[_WHY_BUILD] = (f"layer {i} has hooks" if kernels.has_hooks(layer) else
-                                 f"layer {i}'s MLP half is not one native call (a dense MLP, or a part torch runs)")
+                                 f"layer {i}'s MLP half is not one native call (a part torch runs)")
             return None
         first = _attention(mods.get("self_attn"), x, cache.layers[i], plans) if "self_attn" in mods else \
             _deltanet(mods.get("linear_attn"), x, cache.layers[i], plans)
@@ -175,7 +175,10 @@ def _build(layers, x: torch.Tensor, cache, plans: dict, rope: tuple, pos: int) -
             native.add_deltanet(*head, conv, *tail[:2], S, *tail[2:])
             deltanets.append(state)
         e, moe_args = moe_plan
-        native.add_moe(*moe_args, native_observer(e, x.dtype))
+        if e is None:  # a dense MLP half (`moe.mlp_residual`)
+            native.add_mlp(*moe_args)
+        else:
+            native.add_moe(*moe_args, native_observer(e, x.dtype))
         experts.append(e)
     return native, experts, deltanets
 

@@ -21,7 +21,8 @@ from ..config import BaseModelArgs, rope_parameters
 from ..layers.cache import KVSpec
 from ..layers.linear import head_logits
 from ..errors import MoerunError
-from ..layers.moe import Experts, GatedMLP
+from .. import kernels
+from ..layers.moe import Experts, GatedMLP, moe_residual
 from ..layers.norm import RMSNorm, rms_norm_cat
 from ..kernels.reference import apply_rope
 from ..layers.rope import Rope
@@ -195,24 +196,29 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(a.n_routed_experts, a.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.empty(a.n_routed_experts))
 
+    def routing(self) -> kernels.SigmoidRouting:
+        return kernels.SigmoidRouting(self.e_score_correction_bias, self.n_group, self.topk_group, self.scaling)
+
+    def native(self, h) -> bool:
+        """Whether h's routing runs as the native op (`kernels.route_sigmoid_grouped`, also the
+        fused MoE half's): a decode-sized float pass without autograd, float weights."""
+        return (h.shape[0] <= kernels.ROUTE_MAX_TOKENS and h.dtype in kernels.FLOAT_DTYPES
+                and self.weight.dtype in kernels.FLOAT_DTYPES and self.e_score_correction_bias.dtype in kernels.FLOAT_DTYPES
+                and not torch.is_grad_enabled() and kernels.native())
+
     def forward(self, h):
-        """h [B*T, H] -> weights [B*T, K] (fp32), ids [B*T, K]."""
-        scores = F.linear(h.float(), self.weight.float()).sigmoid()  # [B*T, E]
-        choice = scores + self.e_score_correction_bias.float()
-        if self.n_group > 1:
-            grouped = choice.view(choice.shape[0], self.n_group, -1)  # [B*T, groups, E/groups]
-            group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # [B*T, groups]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False)[1], True)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
-        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]  # [B*T, K]
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids
+        """h [B*T, H] -> weights [B*T, K] (fp32), ids [B*T, K]: decode-sized passes as one native
+        call, the rest as its torch reference (`kernels.route_sigmoid_grouped_ref`)."""
+        if self.native(h):
+            return kernels.route_sigmoid_grouped(h, kernels.float32_weight(self), self.top_k, self.norm_topk_prob,
+                                                 self.routing())
+        return kernels.route_sigmoid_grouped_ref(h, self.weight, self.top_k, self.norm_topk_prob, self.routing())
 
 
 class MoE(nn.Module):
+    """Routed experts by grouped sigmoid routing plus shared experts. A decode-sized pass runs as
+    one native call with its layer's norm and residual (`layers.moe.moe_residual`)."""
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.gate = Router(a)
@@ -237,13 +243,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, cos_sin, kv, slots, pos0, last_only=False):
+    def forward(self, x, cos_sin, kv, slots, pos0, last_only=False, plans=None):
         """last_only: only the last position goes on through the MLP ([B, 1, H] out): every
-        position's keys and values are cached by then, and an MTP catch-up wants no more."""
+        position's keys and values are cached by then, and an MTP catch-up wants no more.
+        The MLP half (MoE, or a dense MLP) runs as one native call where it can (`moe_residual`);
+        `plans`: a run's."""
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, slots, pos0)
         if last_only:
             x = x[:, -1:]
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return moe_residual(x, self.post_attention_layernorm, self.mlp, plans)
 
 
 class SharedHead(nn.Module):
@@ -273,6 +281,12 @@ class DeepseekV3Model(nn.Module):
         )
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.rope = Rope(a.rope, a.qk_rope_head_dim, a.max_position_embeddings)
+
+
+# what `decode_path` says of a run's decode passes (`moerun info`, `bench --json`, `generate --verbose`)
+MODULES_WHY = ("DeepSeek-V3's attention half (MLA: the absorbed latent attention) has no native call yet, so its "
+               "layers run as modules and not as the native stack; each MLP half (MoE with grouped sigmoid routing, or "
+               "dense) is one native call")
 
 
 class Model(nn.Module):
@@ -324,14 +338,13 @@ class Model(nn.Module):
         """input_ids [B, T] -> float32 logits [B, T or 1, vocab] (and the final normed hidden state [B, T, H]).
         `plans`: a run's; its decode path says why the layers run as modules."""
         B, T = input_ids.shape
-        module_pass(plans, T, "DeepSeek-V3's layer halves have no native calls yet (MLA attention, grouped "
-                              "sigmoid routing)")
+        module_pass(plans, T, MODULES_WHY)
         slots, pos0 = self._positions(B, cache, slots)
         m = self.model
         x = m.embed_tokens(input_ids)
         cos_sin = m.rope.span(pos0, T, x.dtype)
         for i, layer in enumerate(m.layers):
-            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
+            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0, plans=plans)
         if cache is not None:
             cache.advance(slots, T)
         hidden = m.norm(x)
