@@ -65,7 +65,7 @@ def train(model_type="bpe", vocab_size=700, dummy_prefix=True) -> "spm.SentenceP
 
 
 def write_gguf(sp, path, *, user_defined=True, add_bos=True, add_eos=False, template=None, scores=True,
-               space_prefix=None):
+               space_prefix=None, arch_keys=False):
     """The tokenizer.ggml.* keys llama.cpp's converter writes for a tokenizer.model
     (_create_vocab_sentencepiece, SpecialVocab): pieces, scores, the piece types, and the
     added tokens of the model's tokenizer_config.json (`user_defined`: ours are listed there,
@@ -84,8 +84,8 @@ def write_gguf(sp, path, *, user_defined=True, add_bos=True, add_eos=False, temp
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    if scores:
-        w.add_token_scores(scores_)
+    if scores is not None:  # True: sentencepiece's; a number: every token's
+        w.add_token_scores(scores_ if scores is True else [scores] * len(tokens))
     w.add_token_types(types)
     w.add_bos_token_id(sp.bos_id())
     w.add_eos_token_id(sp.eos_id())
@@ -96,6 +96,15 @@ def write_gguf(sp, path, *, user_defined=True, add_bos=True, add_eos=False, temp
         w.add_chat_template(template)
     if space_prefix is not None:
         w.add_add_space_prefix(space_prefix)
+    if arch_keys:  # what llama.cpp reads before the vocabulary (benchmarks/spm_tokenizer_vs_llamacpp.py)
+        w.add_context_length(256)
+        w.add_embedding_length(64)
+        w.add_block_count(1)
+        w.add_feed_forward_length(128)
+        w.add_head_count(4)
+        w.add_head_count_kv(4)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_vocab_size(sp.vocab_size())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -193,13 +202,17 @@ def test_merges_are_every_split_ranked_by_the_joined_score():
     assert spm_merges(tokens, scores) == [("c", "a"), ("b", "c"), ("a", "b"), ("a", "bc"), ("ab", "c")]
 
 
-def test_file_without_scores_is_refused_in_one_line(sp, tmp_path):
-    path = write_gguf(sp, tmp_path / "noscores.gguf", scores=False)
+@pytest.mark.parametrize("scores", [None, -1000.0])
+def test_scores_that_do_not_order_the_merges_are_refused_in_one_line(sp, tmp_path, scores):
+    """No scores (llama.cpp reads 0 for each), or all -1000 (llama.cpp's converter given a
+    tokenizer.json alone): llama.cpp merges equal scores leftmost first, which no ranking of
+    merges reproduces, so text generation says so in one line."""
+    path = write_gguf(sp, tmp_path / "noscores.gguf", scores=scores)
     f = GGUFFile(path)
     try:
-        with pytest.raises(UnsupportedTokenizer, match="no tokenizer.ggml.scores"):
+        with pytest.raises(UnsupportedTokenizer, match="scores do not order its merges"):
             tokenizer_from_gguf(f)
     finally:
         f.close()
     tok, _, why = gguf_extras(path)
-    assert tok is None and "\n" not in why and "merge order" in why
+    assert tok is None and "\n" not in why and "share a score" in why

@@ -12,6 +12,8 @@ derived here from the vocabulary and the scores (docs/design/gguf.md, "Tokenizer
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ..errors import MoerunError
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
@@ -46,11 +48,7 @@ def spm_tokenizer(f, unsupported):
 
     tokens = f.get("tokenizer.ggml.tokens", "list[str]")
     n = len(tokens)
-    scores = f.get("tokenizer.ggml.scores", "list[float]", None)
-    if scores is None:
-        # every merge would tie, and llama.cpp breaks ties by position, which a BPE's ranks cannot
-        raise unsupported(f"{f.path}: the SentencePiece vocabulary has no tokenizer.ggml.scores, so its merge "
-                          "order is unknown")
+    scores = f.get("tokenizer.ggml.scores", "list[float]", [0.0] * n)  # llama.cpp's default: 0
     types = f.get("tokenizer.ggml.token_type", "list[int]", [NORMAL] * n)
     for key, v in (("scores", scores), ("token_type", types)):
         if len(v) != n:
@@ -66,9 +64,17 @@ def spm_tokenizer(f, unsupported):
             raise MoerunError(f"{f.path}: tokenizer.ggml.{key}_token_id is {i}, past the {n} tokens")
         return None if i is None else tokens[i]
 
+    merges = spm_merges(tokens, scores)
+    joined = {vocab[a + b] for a, b in merges}  # the tokens merges make
+    tied = sum(k for k in Counter(scores[i] for i in joined).values() if k > 1)
+    if tied * 2 > len(joined):
+        # a file converted from a tokenizer.json alone (scores all -1000) or without scores: llama.cpp
+        # merges equal scores leftmost first, an order no ranking of merges gives
+        raise unsupported(f"{f.path}: the SentencePiece vocabulary's scores do not order its merges ({tied} of "
+                          f"{len(joined)} merged tokens share a score), so moerun cannot encode as llama.cpp does")
     unk = token("unknown")
     byte_tokens = all(f"<0x{b:02X}>" in vocab for b in range(256))
-    model = models.BPE(vocab, spm_merges(tokens, scores), unk_token=unk, fuse_unk=False, byte_fallback=byte_tokens)
+    model = models.BPE(vocab, merges, unk_token=unk, fuse_unk=False, byte_fallback=byte_tokens)
     tok = HFTokenizer(model)
     prefix = f.get("tokenizer.ggml.add_space_prefix", "bool", True)
     # llama.cpp writes each piece of text between special or user-defined tokens with a space in
