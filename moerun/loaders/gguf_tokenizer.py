@@ -94,9 +94,10 @@ def spm_tokenizer(f, unsupported):
             raise MoerunError(f"{f.path}: tokenizer.ggml.add_eos_token is set but the file has no eos token")
         tok.post_processor = processors.TemplateProcessing(single=f"$A:0 {eos}:0", pair=f"$A:0 {eos}:0 $B:1 {eos}:1",
                                                            special_tokens=[(eos, vocab[eos])])
-    add_bos = f.get("tokenizer.ggml.add_bos_token", "bool", True)  # llama.cpp's default for SentencePiece
+    add_bos = f.get("tokenizer.ggml.add_bos_token", "bool", None)
     if add_bos and bos is None:
         raise MoerunError(f"{f.path}: tokenizer.ggml.add_bos_token is set but the file has no bos token")
+    add_bos = (bos is not None) if add_bos is None else add_bos  # llama.cpp's default for SentencePiece: add
     template = f.get("tokenizer.chat_template", "str", None)
     return Tokenizer.from_parts(tok, template, bos=bos, eos=token("eot") or eos, add_bos=add_bos)
 
