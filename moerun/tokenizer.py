@@ -98,8 +98,9 @@ class Tokenizer:
         part of one) are rendered as unique placeholders; the rendering is cut there, the
         template's pieces are encoded with special tokens and those contents as plain text.
         That must join up to the real rendering: a template that trims or edits such a content
-        cannot be encoded safely, and the messages are refused. Other contents are rendered
-        and encoded as they are."""
+        cannot be encoded safely, and the messages are refused. The text between two of the
+        template's special tokens is encoded as one text, contents included (`_encode_joined`).
+        Other contents are rendered and encoded as they are."""
         self._check_messages(messages)
         nonce = secrets.token_hex(8)
         marks, shown = {}, []
@@ -118,7 +119,7 @@ class Tokenizer:
         if sorted(pieces[1::2]) != sorted(marks) or "".join(t for t, _ in texts) != real:
             raise MoerunError("a message's content holds a special token's text, and this model's chat template "
                               "edits that content, so it cannot be encoded as plain text")
-        return [i for enc in _encode_many(self, texts) for i in enc]
+        return _encode_joined(self, texts)
 
     def _could_make_special(self, text: str) -> bool:
         """Whether `text` holds a special token's text, or could complete one with the text
@@ -191,14 +192,35 @@ def _ids(tok, text: str, add_special_tokens: bool) -> list[int]:
     return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
-def _encode_many(t: Tokenizer, texts: list[tuple[str, bool]]) -> list[list[int]]:
-    """Each (text, is_template) encoded: template text with special tokens, content without."""
-    out: list[list[int] | None] = [None] * len(texts)
-    for tok, want in ((t.tok, True), (t.plain, False)):
-        idx = [i for i, (_, is_template) in enumerate(texts) if is_template == want]
-        if idx:
-            for i, enc in zip(idx, tok.encode_batch([texts[i][0] for i in idx], add_special_tokens=False)):
-                out[i] = enc.ids
+def _encode_joined(t: Tokenizer, texts: list[tuple[str, bool]]) -> list[int]:
+    """The (text, is_template) pieces of a rendering as token ids: special tokens only where a
+    template piece holds one, and the text between two of them encoded as one text (plainly),
+    across the cuts between template and content pieces, as the whole rendering would be. A
+    tokenizer whose encoding depends on where a text starts (SentencePiece's space prefix,
+    the merges at a cut) then encodes a message the same whether it was cut out or not."""
+    special = {i for i, a in t.tok.get_added_tokens_decoder().items() if a.special}
+    templates = iter(t.tok.encode_batch([x for x, is_template in texts if is_template], add_special_tokens=False))
+    runs: list[list[str]] = [[]]  # runs[k]: the text before marks[k]
+    marks: list[int] = []
+    for text, is_template in texts:
+        if not is_template:
+            runs[-1].append(text)
+            continue
+        pos, enc = 0, next(templates)
+        for i, (start, end) in zip(enc.ids, enc.offsets):
+            if i in special:
+                runs[-1].append(text[pos:start])
+                marks.append(i)
+                runs.append([])
+                pos = end
+        runs[-1].append(text[pos:])
+    raw = ["".join(r) for r in runs]
+    todo = [k for k, r in enumerate(raw) if r]
+    done = dict(zip(todo, (e.ids for e in t.plain.encode_batch([raw[k] for k in todo], add_special_tokens=False))))
+    out: list[int] = []
+    for k in range(len(raw)):
+        out += done.get(k, [])
+        out += marks[k : k + 1]
     return out
 
 

@@ -150,8 +150,8 @@ def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_unsupported_tokenizer_kind_stops_text_but_not_the_weights(good, tmp_path):
-    """A tokenizer moerun cannot build (here 'bert'; Mixtral's files hold SentencePiece,
-    'llama'): generating text says why in one line, while `bench` runs the weights."""
+    """A tokenizer moerun cannot build (here 'bert'): generating text says why in one line,
+    while `bench` runs the weights."""
     def edit(d):
         key = b"tokenizer.ggml.model"
         at = d.index(struct.pack("<Q", len(key)) + key) + 8 + len(key) + 4 + 8

@@ -1197,7 +1197,8 @@ class UnsupportedTokenizer(MoerunError):
 
 def tokenizer_from_gguf(f: GGUFFile):
     """A moerun Tokenizer (tokenizers BPE, special tokens, chat template) from the file's
-    tokenizer.ggml.* keys; None when the file has no tokenizer."""
+    tokenizer.ggml.* keys; None when the file has no tokenizer. SentencePiece ('llama')
+    vocabularies: gguf_tokenizer.py."""
     from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
     from ..tokenizer import Tokenizer
@@ -1205,9 +1206,13 @@ def tokenizer_from_gguf(f: GGUFFile):
     kind = f.get("tokenizer.ggml.model", "str", None)
     if kind is None:
         return None
+    if kind == "llama":
+        from .gguf_tokenizer import spm_tokenizer
+
+        return spm_tokenizer(f, UnsupportedTokenizer)
     if kind != "gpt2":
         raise UnsupportedTokenizer(f"{f.path}: tokenizer model {short(kind)} is not supported (moerun reads byte-level "
-                                   "BPE, 'gpt2')")
+                                   "BPE, 'gpt2', and SentencePiece, 'llama')")
     pre = f.get("tokenizer.ggml.pre", "str", "default")
     if pre not in PRE_TOKENIZERS:
         raise MoerunError(f"{f.path}: pre-tokenizer {short(pre)} is not supported; supported: "
