@@ -239,3 +239,51 @@ def test_a_prompt_reads_each_needed_expert_once(tiny_model):
                 assert st["prefetch_used"] > 0
         finally:
             llm.store.close()
+
+
+# -- the routing-trace replay's mapping (benchmarks/bigger_than_ram.py) ----------------------------
+
+
+def _bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bigger_than_ram.py"
+    spec = importlib.util.spec_from_file_location("bigger_than_ram", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_trace_mapping_onto_more_layers_and_experts():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    Ld, Ed, Kd = 8, 32, 4
+    ids = np.stack([np.stack([rng.choice(Ed, Kd, replace=False) for _ in range(Ld)]) for _ in range(6)])
+    ids[3] = ids[1]  # a token routed as an earlier one
+    out = _bench().map_trace(ids, 40, 256, 8)
+    assert out.shape == (6, 40, 8) and out.min() >= 0 and out.max() < 256
+    for n in range(6):
+        for l in range(40):
+            row = out[n, l].tolist()
+            assert len(set(row)) == 8
+            assert set(x % Ed for x in row) <= set(ids[n, l % Ld].tolist())  # the trace's experts of its layer
+    assert (out[3] == out[1]).all()  # reuse carries over
+    assert not (out[2] == out[1]).all()
+    used = {int(x) for x in out[:, :8].reshape(-1)}
+    assert max(used) >= Ed  # spread past the first Ed experts
+
+
+def test_replay_refuses_a_missing_trace(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bigger_than_ram.py"
+    p = subprocess.run([sys.executable, str(script), "-m", str(f), "--rows", "", "--routing-trace",
+                        str(tmp_path / "none.npz")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert p.stderr.strip().splitlines() == [f"bigger_than_ram: error: routing trace {tmp_path / 'none.npz'} is not a file"]

@@ -39,7 +39,8 @@ Predictors (names as `predict-eval` prints them):
                     router l+1 and layer l+2 from router l+2 (the nearer signal replaces the
                     farther one as it comes); layers 0 and 1 of the next token from this token's
                     choice (temporal). Scored here as layer_ahead1 is (its lead: one layer); the
-                    prefetcher (PrefetchDriver) issues both depths, l+2 at a lower priority
+                    prefetcher (PrefetchDriver) issues both depths, l+2 at a lower priority;
+                    `lookaheadD` (live prefetch only) takes depths 1..D
     mtp_oracle      diagnostic, not a prefetcher: `mtp` with a perfect candidate list (the
                     `token` scores, credited with mtp's one-token lead)
 Where a predictor has no signal (first tokens, first layers) it falls back to `temporal`,
@@ -315,7 +316,7 @@ def fit_probes(trace, ridge: float = 1e-2) -> np.ndarray | None:
 
 def check_name(name: str) -> None:
     """Refuse a predictor name that is none of NAMES (layer_aheadD takes any depth D >= 1)."""
-    if name not in NAMES and not re.fullmatch(r"layer_ahead[1-9][0-9]*", name):
+    if name not in NAMES and not re.fullmatch(r"(layer_ahead|lookahead)[1-9][0-9]*", name):
         raise MoerunError(f"unknown predictor {name!r}; choose one of {', '.join(NAMES)}")
 
 
@@ -700,8 +701,8 @@ def attach_predictor(net, store, name: str, trace=None, factor: float = 1.5) -> 
         pred = Temporal(L, E)
     elif name.startswith("layer_ahead"):
         pred = LayerAhead(L, E, d=int(name[len("layer_ahead"):] or 1))
-    elif name == "lookahead":
-        pred = Lookahead(L, E)
+    elif name.startswith("lookahead"):
+        pred = Lookahead(L, E, depths=tuple(range(1, int(name[len("lookahead"):] or 2) + 1)))
     elif name == "token":
         pred = Token(L, E)
     elif name == "token_ahead":
