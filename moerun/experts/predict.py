@@ -532,8 +532,8 @@ class PrefetchDriver:
         self.top_k = top_k
         self.budget = max(1, int(round(factor * top_k)))
         self.D = getattr(predictor, "d", 0)
-        # lookahead: every depth hinted at each layer (l+1 at `budget`, farther ones at top_k and a
-        # lower priority), held until the layer's own demand misses are in; a prompt's pass
+        # lookahead: every depth hinted at each layer (l+1 at `budget`, farther ones at no more than
+        # top_k and a lower priority), held until the layer's own demand misses are in; a prompt's pass
         # hints the union of its rows' predictions for l+1 (each layer's experts read once)
         self.depths = getattr(predictor, "depths", None)
         self.wants_token = isinstance(predictor, (Token, TokenAhead))
@@ -663,13 +663,13 @@ class PrefetchDriver:
             if l >= self.L:
                 continue
             pick = union if (d == 1 and union is not None) else \
-                [int(e) for e in self.pred.predict(l, self.budget if d == 1 else self.top_k)]
+                [int(e) for e in self.pred.predict(l, self.budget if d == 1 else min(self.budget, self.top_k))]
             self.store.prefetch(self.layer_ids[l], pick, priority=-l - (d - 1) * 0.5, for_step=step, hold=True,
                                 replace=True)
         if i == self.L - 1:
             self._begun = False
             for l in range(min(self.depths[-1], self.L)):  # the next token's first layers: this token's choice
-                ids_next = [int(e) for e in self.pred.next_token(l, self.budget if l == 0 else self.top_k)]
+                ids_next = [int(e) for e in self.pred.next_token(l, self.budget if l == 0 else min(self.budget, self.top_k))]
                 self.store.prefetch(self.layer_ids[l], ids_next, priority=-l, for_step=self.store.step + 1,
                                     hold=True, replace=True)
 
