@@ -287,3 +287,27 @@ def test_replay_refuses_a_missing_trace(tmp_path):
                         str(tmp_path / "none.npz")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 1
     assert p.stderr.strip().splitlines() == [f"bigger_than_ram: error: routing trace {tmp_path / 'none.npz'} is not a file"]
+
+
+def test_late_queued_prefetches_are_read_by_every_worker(tmp_path):
+    """A layer's misses whose prefetches are still queued are read by the disk workers as
+    demand reads, at once, not one after another by the caller."""
+    with make_store(tmp_path, layers=2, experts=8, ram_budget="100%", disk_workers=4) as s:
+        s.evict_all()
+        slow = SlowReads(s, 0.1)
+        touch(s, 0, [0])  # step 1
+        s.prefetch(1, [1, 2, 3, 4], hold=True)  # held: still queued when the layer asks
+        threads = set()
+        orig = slow.__call__
+
+        def read(ent, buf):
+            threads.add(threading.current_thread().name)
+            return orig(ent, buf)
+        s._read = read
+        touch(s, 1, [1, 2, 3, 4])
+        st = s.stats()
+        assert st["prefetch_used"] == 4 and st["prefetch_late"] == 4 and st["prefetch_reads"] == 0
+        assert sorted(k for k in slow.keys() if k[0] == 1) == [(1, 1), (1, 2), (1, 3), (1, 4)]
+        assert len(threads) >= 3, threads  # the caller and the workers, not the caller alone
+        spans = [(t0, t1) for k, t0, t1 in slow.log if k[0] == 1]
+        assert max(t0 for t0, _ in spans) < min(t1 for _, t1 in spans)  # all four in flight at once

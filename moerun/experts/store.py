@@ -815,9 +815,15 @@ class ExpertStore:
                 return out
             self._demanding += 1  # speculative reads wait until this layer's misses are in
             try:
-                # queue the disk reads so idle disk workers read in parallel with us
+                # queue the disk reads so idle disk workers read in parallel with us; a prefetch
+                # still queued becomes a demand job (else the gate would keep the workers off it
+                # and we would read every late prefetch of the layer one after another)
                 for ent in misses:
-                    if ent.host_state == NONE and ent.job is None:
+                    job = ent.job
+                    if ent.host_state == NONE and job is not None and not job.demand and job.stage == HOST:
+                        job.cancelled = True
+                        ent.job = job = None
+                    if ent.host_state == NONE and job is None:
                         ent.job = Job(ent, math.inf, self.step, HOST, demand=True)
                         self.disk_mover.submit(ent.job)
                 places = self._place(misses, n_tokens, counts)
