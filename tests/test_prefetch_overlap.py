@@ -311,3 +311,31 @@ def test_late_queued_prefetches_are_read_by_every_worker(tmp_path):
         assert len(threads) >= 3, threads  # the caller and the workers, not the caller alone
         spans = [(t0, t1) for k, t0, t1 in slow.log if k[0] == 1]
         assert max(t0 for t0, _ in spans) < min(t1 for _, t1 in spans)  # all four in flight at once
+
+
+def test_lookahead_predicts_from_the_nearest_router_and_the_last_token():
+    import numpy as np
+
+    from moerun.experts.predict import Lookahead, evaluate
+    from moerun.experts.profile import Trace
+
+    L, E, K = 4, 8, 2
+    rng = np.random.default_rng(0)
+    ids = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(40)])
+    ids[:, 0] = [0, 1]
+    truth = np.zeros((40, L, E), dtype=np.float16)
+    np.put_along_axis(truth, ids.astype(np.int64), 1.0, axis=-1)
+    ahead = np.zeros((2, 40, L, E), dtype=np.float16)
+    ahead[0, :, :-1] = truth[:, 1:]  # router l+1 at layer l: exact
+    ahead[1, :, :-2] = np.roll(truth[:, 2:], 1, axis=-1)  # router l+2 at layer l: always wrong
+    tr = Trace.from_ids(ids, E, seq=np.repeat([0, 1], 20), ahead=ahead)
+    res = evaluate(tr, ("lookahead", "layer_ahead2"))
+    assert res["lookahead"]["1.0"]["recall"] == 1.0  # layer l+1's signal replaces l+2's a layer later
+    assert res["layer_ahead2"]["1.0"]["recall"] < 0.7
+    p = Lookahead(L, E)
+    p.begin_token()
+    p.observe(0, [0, 1], {1: truth[0, 1], 2: ahead[1, 0, 0]})
+    assert set(p.predict(2, K)) == set(np.flatnonzero(ahead[1, 0, 0]))  # before layer 1: the l+2 guess
+    p.observe(1, ids[0, 1], {1: truth[0, 2], 2: truth[0, 3]})
+    assert set(p.predict(2, K)) == set(ids[0, 2]) and set(p.predict(3, K)) == set(ids[0, 3])
+    assert set(p.next_token(0, K)) == {0, 1}  # the next token's layer 0: this token's choice

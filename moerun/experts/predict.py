@@ -337,10 +337,11 @@ def make_predictors(fit, names=NAMES) -> dict[str, Predictor]:
             if fit.ahead is None or d > fit.ahead.shape[0]:
                 continue
             out[n] = LayerAhead(L, E, prior, d)
-        elif n == "lookahead":
+        elif n.startswith("lookahead"):
             if fit.ahead is None:
                 continue
-            out[n] = Lookahead(L, E, prior, depths=tuple(range(1, min(2, fit.ahead.shape[0]) + 1)))
+            D = int(n[len("lookahead"):] or 2)
+            out[n] = Lookahead(L, E, prior, depths=tuple(range(1, min(D, fit.ahead.shape[0]) + 1)))
         elif n == "mtp":
             if fit.mtp_route is None:
                 continue
