@@ -559,9 +559,11 @@ class StoreOptions:
     emulate_link: str | None = None  # --emulate-link pcie4 | 'GB/s,µs': the device tier is emulated
     execute: str = "device"  # --execute: a device miss waits for the link (device), runs on the CPU (cpu), or the cost model picks (auto)
     # experts read at once (a layer's demand misses, prefetches): each read is followed by CPU
-    # work (the repack, the copy) that the other workers' reads overlap; 2 -> 4 took the full
-    # Qwen3.6 shape's decode from 0.29 to 0.38-0.40 tok/s on this disk (docs/benchmarks.md)
-    disk_workers: int = 4
+    # work (the repack, the copy) that the other workers' reads overlap; 2 -> 4 -> 6 took the
+    # full Qwen3.6 shape's decode from 0.29 to 0.38 to 0.44 tok/s (docs/benchmarks.md), where
+    # the budget holds thousands of experts. Kept at 2: prefetches in flight hold their room,
+    # and under a budget of a few experts more of them leave a demand no room (a transient load)
+    disk_workers: int = 2
     drop_page_cache: bool = True
     # reads bypass the page cache (O_DIRECT into aligned bounce buffers, an expert's ranges read
     # at once on `io_threads` pread threads); False: buffered preads, pages dropped after each
