@@ -19,6 +19,18 @@ past `--rss-limit` (default 14 GiB) or `--timeout` seconds and reported as such:
 is shared. The page cache is dropped before each run with /proc/sys/vm/drop_caches when
 permitted, else the file's pages with POSIX_FADV_DONTNEED (the line `page cache:` says which).
 Random weights route almost uniformly: the worst case for any cache.
+
+`+lookahead` (issue 37): at layer l's router, layer l+1's experts (router l+1 on layer l's
+input, the union over a prompt's rows) and layer l+2's are hinted, held until layer l's own
+demand misses are in, and read while layer l computes; layers 0-1 of the next token from this
+token's choice. `+NAME:F` sets the prefetch budget to F x top-k (default 1.0 for lookahead,
+1.5 otherwise). `--rounds N` repeats the rows interleaved (row A, row B, A, B...).
+
+`--routing-trace TRACE` adds a REPLAY row per budget: no model runs; the demo model's routing
+trace (`moerun profile`, 8 layers x 32 experts, top-4) is mapped onto this file's layers and
+experts (see `map_trace`) and drives the same store (get/release per layer, the reads real),
+with each layer's compute stood in by a sleep (`--replay-compute-ms`). Its tok/s is the
+store's, labelled as a replay.
 """
 
 from __future__ import annotations
@@ -116,8 +128,13 @@ def child(a) -> dict:
     from moerun.experts.store import StoreOptions
 
     watchdog(a.rss_limit, "moerun")
+    if a.row.startswith("replay"):
+        return replay_child(a)
     io_mode, _, predictor = a.row.partition("+")
-    opts = StoreOptions(ram_budget=a.ram_budget, direct_io=io_mode == "direct", cache_policy=a.cache_policy)
+    predictor, _, factor = predictor.partition(":")
+    factor = float(factor) if factor else (1.0 if predictor.startswith("lookahead") else 1.5)
+    opts = StoreOptions(ram_budget=a.ram_budget, direct_io=io_mode == "direct", cache_policy=a.cache_policy,
+                        disk_workers=a.disk_workers, io_threads=a.io_threads or None)
     t0 = time.perf_counter()
     io0 = proc_io()
     llm = load_store(a.model, threads=a.threads, options=opts)
@@ -127,7 +144,7 @@ def child(a) -> dict:
     if predictor:
         from moerun.experts.predict import attach_predictor
 
-        llm.predictor = attach_predictor(llm.net, store, predictor)
+        llm.predictor = attach_predictor(llm.net, store, predictor, factor=factor)
     net = llm.net
     vocab = net.args.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -137,26 +154,7 @@ def child(a) -> dict:
            "budget_bytes": store.tiers["host"].budget, "rss_after_load": proc_status()["VmRSS"]}
 
     def phase(name, fn, tokens):
-        store.reset_stats()
-        io = proc_io()["read_bytes"]
-        t = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t
-        st = store.stats()
-        read = proc_io()["read_bytes"] - io
-        out[name] = {
-            "tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "rss_after": proc_status()["VmRSS"],
-            "host_used_bytes": st["tiers"]["host"]["used_bytes"],
-            "disk_bytes_per_token": read / tokens, "disk_GB_s": read / dt / 1e9,
-            "expert_bytes_per_token": st["tiers"]["disk"]["bytes_read"] / tokens,
-            "hit_rate": st["expert_hit_rate"], "stall_s": st["stall_s"], "stall_share": st["stall_s"] / dt,
-            "read_stalled_s": st["read_stalled_s"], "read_hidden_s": st["read_hidden_s"],
-            "expert_wait_hidden_fraction": st["expert_wait_hidden_fraction"],
-            "demand_misses": st["demand_misses"], "transient_loads": st["transient_loads"],
-            "prefetch_issued": st["prefetch_issued"], "prefetch_used": st["prefetch_used"],
-            "prefetch_late": st["prefetch_late"], "prefetch_wasted": st["prefetch_wasted"],
-            "disk_tier": st["tiers"]["disk"],
-        }
+        out[name] = measure(store, fn, tokens)
 
     with torch.inference_mode():
         cache = Cache(net.cache_spec(), 1, a.prompt_tokens + a.gen_tokens + 8, llm.dtype, llm.kv_dtype)
@@ -180,6 +178,123 @@ def child(a) -> dict:
         phase("decode", decode, a.gen_tokens)
     out["peak_rss"] = proc_status()["VmHWM"]
     out["io"] = store.io
+    store.close()
+    return out
+
+
+def measure(store, fn, tokens) -> dict:
+    """Run fn() with the store's stats reset; the phase's figures."""
+    store.reset_stats()
+    io = proc_io()["read_bytes"]
+    t = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t
+    st = store.stats()
+    read = proc_io()["read_bytes"] - io
+    return {
+        "tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "rss_after": proc_status()["VmRSS"],
+        "host_used_bytes": st["tiers"]["host"]["used_bytes"],
+        "disk_bytes_per_token": read / tokens, "disk_GB_s": read / dt / 1e9,
+        "expert_bytes_per_token": st["tiers"]["disk"]["bytes_read"] / tokens,
+        "expert_reads_per_token": st["tiers"]["disk"]["reads"] / tokens,
+        "hit_rate": st["expert_hit_rate"], "stall_s": st["stall_s"], "stall_share": st["stall_s"] / dt,
+        "read_stalled_s": st["read_stalled_s"], "read_hidden_s": st["read_hidden_s"],
+        "expert_wait_hidden_fraction": st["expert_wait_hidden_fraction"],
+        "requests": st["requests"], "demand_misses": st["demand_misses"], "transient_loads": st["transient_loads"],
+        "prefetch_issued": st["prefetch_issued"], "prefetch_used": st["prefetch_used"],
+        "prefetch_late": st["prefetch_late"], "prefetch_wasted": st["prefetch_wasted"],
+        "prefetch_dropped": st["prefetch_dropped"], "prefetch_cancelled": st["prefetch_cancelled"],
+        "prefetch_no_room": st["prefetch_no_room"], "prefetch_reads": st["prefetch_reads"],
+        "prefetch_reads_used": st["prefetch_reads_used"],
+        "prefetch_precision": st["prefetch_precision"], "prefetch_read_precision": st["prefetch_read_precision"],
+        "prefetch_recall": st["prefetch_recall"],
+        "disk_tier": st["tiers"]["disk"],
+    }
+
+
+# -- the routing-trace replay ---------------------------------------------------------------------
+
+def map_trace(ids, layers: int, experts: int, top_k: int):
+    """A trace's expert ids [N, Ld, Kd] (Ed experts) -> [N, layers, top_k] ids of `experts`.
+
+    Layer l takes the trace's layer a = l % Ld and a partner b (a + 1 + l // Ld, mod Ld, never
+    a): expert ids are g * Ed + e for e in a's experts (its route) and g = f % (experts // Ed)
+    for f in b's, pairs taken in rank order (i + j, then i) until top_k are distinct. So a
+    layer's choices keep the trace's skew and its reuse from token to token (both layers'),
+    spread over all `experts` instead of the first Ed."""
+    import numpy as np
+
+    ids = np.asarray(ids, dtype=np.int64)
+    N, Ld, Kd = ids.shape
+    Ed = int(ids.max()) + 1
+    G = max(experts // Ed, 1)
+    pairs = sorted(((i, j) for i in range(Kd) for j in range(Kd)), key=lambda p: (p[0] + p[1], p[0]))
+    out = np.zeros((N, layers, top_k), dtype=np.int64)
+    for l in range(layers):
+        a = l % Ld
+        b = (a + 1 + l // Ld) % Ld
+        if b == a:
+            b = (a + 1) % Ld
+        for n in range(N):
+            e, f = ids[n, a], ids[n, b]
+            got: list[int] = []
+            for i, j in pairs:
+                x = int((f[j] % G) * Ed + e[i]) % experts
+                if x not in got:
+                    got.append(x)
+                    if len(got) == top_k:
+                        break
+            t = 1
+            while len(got) < top_k:  # b's experts fell into too few groups: the next groups
+                for i in range(Kd):
+                    x = int(((f[0] + t) % G) * Ed + e[i]) % experts
+                    if x not in got and len(got) < top_k:
+                        got.append(x)
+                t += 1
+            out[n, l] = got
+    return out
+
+
+def replay_child(a) -> dict:
+    """A REPLAY of a routing trace through the store (no model runs): per token, per layer,
+    get the mapped experts, hold them for `--replay-compute-ms` (a sleep standing in for the
+    layer's compute), release them."""
+    from moerun.experts.attach import load as load_store
+    from moerun.experts.profile import Trace
+    from moerun.experts.store import StoreOptions
+
+    opts = StoreOptions(ram_budget=a.ram_budget, cache_policy=a.cache_policy, disk_workers=a.disk_workers,
+                        io_threads=a.io_threads or None)
+    llm = load_store(a.model, threads=a.threads, options=opts)
+    store = llm.store
+    tr = Trace.load(a.routing_trace)
+    K = getattr(llm.net.args, "num_experts_per_tok", 8)
+    layers = store.layers
+    E = store.num_experts[layers[0]]
+    warm, n = a.replay_warmup, a.replay_tokens
+    if tr.num_tokens < warm + n:
+        raise SystemExit(f"bigger_than_ram: error: the trace has {tr.num_tokens} tokens, the replay needs {warm + n}")
+    ids = map_trace(tr.ids[: warm + n], len(layers), E, K)
+    sleep = a.replay_compute_ms / 1e3
+
+    def run(rows):
+        for row in rows:
+            for li, layer in enumerate(layers):
+                got = [int(x) for x in row[li]]
+                store.get(layer, got)
+                if sleep:
+                    time.sleep(sleep)
+                store.release(layer, got)
+
+    out = {"row": a.row, "ram_budget": a.ram_budget, "replay": True, "trace": str(a.routing_trace),
+           "trace_tokens": int(tr.num_tokens), "trace_shape": [int(x) for x in tr.ids.shape],
+           "compute_ms_per_layer": a.replay_compute_ms, "warmup_tokens": warm,
+           "non_expert_bytes": store.non_expert_bytes, "budget_bytes": store.tiers["host"].budget}
+    out["warmup"] = measure(store, lambda: run(ids[:warm]), warm)
+    out["decode"] = measure(store, lambda: run(ids[warm:]), n)
+    used = len({(l, int(e)) for row in ids for l in range(len(layers)) for e in row[l]})
+    out["distinct_experts"] = used
+    out["peak_rss"] = proc_status()["VmHWM"]
     store.close()
     return out
 
@@ -271,7 +386,12 @@ def disk_probe(path: Path, size: int = 1_118_208, reads: int = 96, threads=(1, 3
 def run_child(a, row: str) -> dict:
     cmd = [sys.executable, __file__, "--child", "--row", row, "-m", str(a.model), "--ram-budget", a.ram_budget,
            "--threads", str(a.threads), "--prompt-tokens", str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens),
-           "--rss-limit", str(a.rss_limit), "--cache-policy", a.cache_policy]
+           "--rss-limit", str(a.rss_limit), "--cache-policy", a.cache_policy,
+           "--replay-compute-ms", str(a.replay_compute_ms), "--replay-tokens", str(a.replay_tokens),
+           "--replay-warmup", str(a.replay_warmup), "--disk-workers", str(a.disk_workers),
+           "--io-threads", str(a.io_threads)]
+    if a.routing_trace:
+        cmd += ["--routing-trace", str(a.routing_trace)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
     except subprocess.TimeoutExpired:
@@ -285,10 +405,15 @@ def run_child(a, row: str) -> dict:
 def fmt_row(r: dict) -> str:
     if "error" in r:
         return f"| moerun {r['row']} | {r['error']} |"
-    d, pf = r["decode"], r["prefill"]
-    return (f"| moerun {r['row']}, {r['ram_budget']} | {pf['tok_s']:.2f} | {d['tok_s']:.2f} | {r['peak_rss'] / GiB:.2f} | "
+    d = r["decode"]
+    pf = r.get("prefill")
+    name = f"REPLAY of {Path(r['trace']).name} (no model; {r['compute_ms_per_layer']} ms sleep a layer)" \
+        if r.get("replay") else f"moerun {r['row']}"
+    pre = "(replay)" if pf is None else f"{pf['tok_s']:.2f}"
+    pfx = (f"{d['prefetch_read_precision']:.2f} / {d['prefetch_recall']:.2f}" if d["prefetch_reads"] else "-")
+    return (f"| {name}, {r['ram_budget']} | {pre} | {d['tok_s']:.2f} | {r['peak_rss'] / GiB:.2f} | "
             f"{d['disk_bytes_per_token'] / 1e6:.0f} | {d['disk_GB_s']:.2f} | {d['hit_rate']:.2f} | "
-            f"{d['stall_share']:.0%} | {d['expert_wait_hidden_fraction']:.0%} |")
+            f"{d['stall_share']:.0%} | {d['expert_wait_hidden_fraction']:.0%} | {pfx} |")
 
 
 def main(argv=None) -> int:
@@ -307,12 +432,24 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-policy", default="lru")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     ap.add_argument("--probe", action="store_true", help="first measure the disk alone (O_DIRECT, sequential and random)")
+    ap.add_argument("--disk-workers", type=int, default=6, help="the store's disk workers (StoreOptions.disk_workers)")
+    ap.add_argument("--io-threads", type=int, default=0, help="the store's pread threads (0: the store's default, "
+                    "3 x (disk workers + 1))")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the rows this many times, interleaved")
+    ap.add_argument("--routing-trace", type=Path, default=None,
+                    help="a routing trace (moerun profile .npz): add a REPLAY row driving the store with it")
+    ap.add_argument("--replay-compute-ms", type=float, default=5.0, help="replay: sleep per layer standing in for compute")
+    ap.add_argument("--replay-tokens", type=int, default=48, help="replay: tokens timed")
+    ap.add_argument("--replay-warmup", type=int, default=32, help="replay: tokens replayed first, not timed")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--row", default="direct", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.rss_limit = int(a.rss_limit)
     if not a.model.is_file():
         print(f"bigger_than_ram: error: {a.model} is not a file", file=sys.stderr)
+        return 1
+    if a.routing_trace is not None and not a.routing_trace.is_file():
+        print(f"bigger_than_ram: error: routing trace {a.routing_trace} is not a file", file=sys.stderr)
         return 1
     if a.child:
         print(json.dumps(child(a)), flush=True)
@@ -324,16 +461,19 @@ def main(argv=None) -> int:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     head = {"model": str(a.model), "file_bytes": size, "ram_bytes": mem, "cpu": cpu_line(),
             "read_bandwidth_GB_s": read_bandwidth(a.threads) / 1e9, "threads": a.threads,
-            "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens}
+            "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "disk_workers": a.disk_workers,
+            "io_threads": a.io_threads or 3 * (a.disk_workers + 1), "rounds": a.rounds}
     print(f"# {a.model.name}: {size / 1e9:.1f} GB file, {mem / GiB:.1f} GiB RAM; {head['cpu']}; "
           f"torch.sum read bandwidth {head['read_bandwidth_GB_s']:.1f} GB/s; {a.threads} threads; "
-          f"prompt {a.prompt_tokens}, decode {a.gen_tokens} tokens", flush=True)
+          f"prompt {a.prompt_tokens}, decode {a.gen_tokens} tokens; store: {head['disk_workers']} disk workers, "
+          f"{head['io_threads']} pread threads", flush=True)
     if a.probe:
         drop_page_cache(a.model)
         head["disk"] = disk_probe(a.model)
         print("# disk alone (O_DIRECT): " + ", ".join(f"{k} {v:.2f}" for k, v in head["disk"].items()), flush=True)
     results = []
-    for row in [r for r in a.rows.split(",") if r]:
+    rows = [r for r in a.rows.split(",") if r] + (["replay"] if a.routing_trace else [])
+    for row in rows * a.rounds:
         how = drop_page_cache(a.model)
         r = run_child(a, row)
         r["page_cache"] = how
@@ -352,8 +492,8 @@ def main(argv=None) -> int:
             print(f"page cache: {how}", flush=True)
             print(json.dumps(r), flush=True)
     print("\n| engine, row | prefill tok/s | decode tok/s | peak RSS GiB | disk MB/token (decode) | disk GB/s (decode) "
-          "| hit rate | stall share | expert wait hidden |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| hit rate | stall share | expert wait hidden | prefetch read precision / recall |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(fmt_row(r))
     for r in llama:

@@ -35,6 +35,12 @@ Predictors (names as `predict-eval` prints them):
                     embedding through every layer's router (the same approximation as `mtp`,
                     with the right token but only a token-start lead)
     token_ahead     `token` for layer 0, then layer_ahead1 (lead: one layer)
+    lookahead       layer_ahead1 and layer_ahead2 at once: at layer l's router, layer l+1 from
+                    router l+1 and layer l+2 from router l+2 (the nearer signal replaces the
+                    farther one as it comes); layers 0 and 1 of the next token from this token's
+                    choice (temporal). Scored here as layer_ahead1 is (its lead: one layer); the
+                    prefetcher (PrefetchDriver) issues both depths, l+2 at a lower priority;
+                    `lookaheadD` (live prefetch only) takes depths 1..D
     mtp_oracle      diagnostic, not a prefetcher: `mtp` with a perfect candidate list (the
                     `token` scores, credited with mtp's one-token lead)
 Where a predictor has no signal (first tokens, first layers) it falls back to `temporal`,
@@ -54,7 +60,7 @@ from ..layers.routes import observe_routes
 # N tokens, L MoE layers, K experts per token, E experts, H hidden
 
 NAMES = ("frequency", "temporal", "layer_ahead1", "layer_ahead2", "token", "mtp", "mtp_learned", "combined",
-         "token_ahead", "mtp_oracle")
+         "token_ahead", "lookahead", "mtp_oracle")
 PREFETCHERS = NAMES[:-1]  # mtp_oracle reads the true next token a token early: a diagnostic, not a prefetcher
 FACTORS = (1.0, 1.5, 2.0)
 
@@ -141,6 +147,31 @@ class LayerAhead(Predictor):
 
     def lead(self, layer):
         return (0, self.d) if layer >= self.d else (1, 0)
+
+
+class Lookahead(LayerAhead):
+    """layer_ahead d for every d in `depths` at once (`ahead[d]` from layer l-d's observation)."""
+
+    def __init__(self, num_layers, num_experts, prior=None, depths=(1, 2)):
+        self.depths = tuple(sorted(depths))
+        super().__init__(num_layers, num_experts, prior, d=self.depths[-1])
+        self.name = "lookahead"
+
+    def observe(self, layer, ids, ahead=None):
+        Predictor.observe(self, layer, ids, ahead)
+        for d in self.depths:
+            if ahead is not None and d in ahead and layer + d < self.L:
+                self.cur[layer + d] = ahead[d]  # layer+1's from d=1 replaces what d=2 said a layer before
+
+    def lead(self, layer):
+        return (0, 1) if layer >= 1 else (1, 0)
+
+    def next_token(self, layer: int, budget: int) -> np.ndarray:
+        """The next token's experts for `layer`, best first: this token's (temporal), then the prior."""
+        s = self.last_used[layer] + self._tiebreak[layer]
+        budget = min(int(budget), self.E)
+        top = np.argpartition(-s, budget - 1)[:budget]
+        return top[np.argsort(-s[top], kind="stable")]
 
 
 class MTP(Predictor):
@@ -285,7 +316,7 @@ def fit_probes(trace, ridge: float = 1e-2) -> np.ndarray | None:
 
 def check_name(name: str) -> None:
     """Refuse a predictor name that is none of NAMES (layer_aheadD takes any depth D >= 1)."""
-    if name not in NAMES and not re.fullmatch(r"layer_ahead[1-9][0-9]*", name):
+    if name not in NAMES and not re.fullmatch(r"(layer_ahead|lookahead)[1-9][0-9]*", name):
         raise MoerunError(f"unknown predictor {name!r}; choose one of {', '.join(NAMES)}")
 
 
@@ -306,6 +337,11 @@ def make_predictors(fit, names=NAMES) -> dict[str, Predictor]:
             if fit.ahead is None or d > fit.ahead.shape[0]:
                 continue
             out[n] = LayerAhead(L, E, prior, d)
+        elif n.startswith("lookahead"):
+            if fit.ahead is None:
+                continue
+            D = int(n[len("lookahead"):] or 2)
+            out[n] = Lookahead(L, E, prior, depths=tuple(range(1, min(D, fit.ahead.shape[0]) + 1)))
         elif n == "mtp":
             if fit.mtp_route is None:
                 continue
@@ -386,6 +422,8 @@ def model_cost_us(trace, name: str) -> float:
     D = max(int(trace.meta.get("ahead", 1)), 1)
     if name.startswith("layer_ahead"):
         return t.get("ahead_us", 0.0) / D
+    if name == "lookahead":
+        return t.get("ahead_us", 0.0) * min(D, 2) / D
     if name in ("mtp", "mtp_oracle"):
         return t.get("mtp_head_us", 0.0) + t.get("mtp_route_us", 0.0)
     if name == "token":
@@ -492,8 +530,13 @@ class PrefetchDriver:
         self.blocks = moe_blocks(net)
         self.L = len(self.blocks)
         top_k = getattr(getattr(net, "args", None), "num_experts_per_tok", 1)
+        self.top_k = top_k
         self.budget = max(1, int(round(factor * top_k)))
         self.D = getattr(predictor, "d", 0)
+        # lookahead: every depth hinted at each layer (l+1 at `budget`, farther ones at no more than
+        # top_k and a lower priority), held until the layer's own demand misses are in; a prompt's pass
+        # hints the union of its rows' predictions for l+1 (each layer's experts read once)
+        self.depths = getattr(predictor, "depths", None)
         self.wants_token = isinstance(predictor, (Token, TokenAhead))
         self._handles = []
         self._torch = torch
@@ -562,6 +605,8 @@ class PrefetchDriver:
 
     def _observer(self, i):
         def observe(h, ids, weights):
+            if self.depths:
+                return self._observe_multi(i, h, ids)
             ids = ids[-1:]  # prefill or a batch: observe the last row
             if i == 0 and not self._begun:
                 self._start(None)
@@ -593,6 +638,42 @@ class PrefetchDriver:
         ids = self.pred.predict(l, self.budget)
         self.store.prefetch(self.layer_ids[l], [int(e) for e in ids], priority=-l, for_step=step)
 
+    def _observe_multi(self, i, h, ids):
+        """A `lookahead` predictor's observation of layer i (see __init__)."""
+        torch = self._torch
+        if i == 0 and not self._begun:
+            self._start(None)
+        rows = h.reshape(-1, h.shape[-1])
+        ahead, union = {}, None
+        with torch.inference_mode():
+            for d in self.depths:
+                if i + d < self.L:
+                    g = self.blocks[i + d][1].gate
+                    if d == 1 and rows.shape[0] > 1:  # a prompt: every row's experts at layer i+1
+                        s = torch.nn.functional.linear(rows.to(g.weight.dtype), g.weight).float()
+                        top = s.topk(min(self.top_k, s.shape[-1]), dim=-1).indices.reshape(-1)
+                        cnt = torch.bincount(top, minlength=s.shape[-1])
+                        union = [int(e) for e in cnt.argsort(descending=True, stable=True)[: int((cnt > 0).sum())]]
+                        ahead[d] = s[-1].numpy()
+                    else:
+                        ahead[d] = torch.nn.functional.linear(rows[-1:].to(g.weight.dtype), g.weight).float()[0].numpy()
+        self.pred.observe(i, ids[-1].tolist(), ahead)
+        step = self.store.step + (1 if i == 0 else 0)  # the store starts a step in layer 0's get, after this
+        for d in self.depths:
+            l = i + d
+            if l >= self.L:
+                continue
+            pick = union if (d == 1 and union is not None) else \
+                [int(e) for e in self.pred.predict(l, self.budget if d == 1 else min(self.budget, self.top_k))]
+            self.store.prefetch(self.layer_ids[l], pick, priority=-l - (d - 1) * 0.5, for_step=step, hold=True,
+                                replace=True)
+        if i == self.L - 1:
+            self._begun = False
+            for l in range(min(self.depths[-1], self.L)):  # the next token's first layers: this token's choice
+                ids_next = [int(e) for e in self.pred.next_token(l, self.budget if l == 0 else min(self.budget, self.top_k))]
+                self.store.prefetch(self.layer_ids[l], ids_next, priority=-l, for_step=self.store.step + 1,
+                                    hold=True, replace=True)
+
     def close(self) -> None:
         for h in self._handles:
             h.remove()
@@ -621,6 +702,8 @@ def attach_predictor(net, store, name: str, trace=None, factor: float = 1.5) -> 
         pred = Temporal(L, E)
     elif name.startswith("layer_ahead"):
         pred = LayerAhead(L, E, d=int(name[len("layer_ahead"):] or 1))
+    elif name.startswith("lookahead"):
+        pred = Lookahead(L, E, depths=tuple(range(1, int(name[len("lookahead"):] or 2) + 1)))
     elif name == "token":
         pred = Token(L, E)
     elif name == "token_ahead":

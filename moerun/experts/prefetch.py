@@ -33,9 +33,13 @@ class Job:
 
 
 class Mover:
-    def __init__(self, name: str, handler: Callable[[Job], None], workers: int = 1):
+    def __init__(self, name: str, handler: Callable[[Job], None], workers: int = 1,
+                 gate: Callable[[], bool] | None = None):
+        """gate(): whether a speculative job (not `demand`) may start now; while it says no,
+        workers leave prefetches queued and take only demand jobs (`kick` when it changes)."""
         self.name = name
         self._handler = handler
+        self._gate = gate
         self._heap: list = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
@@ -57,6 +61,16 @@ class Mover:
                 heapq.heappush(self._heap, (-job.priority, next(self._seq), job))
             self._cv.notify(len(jobs))
 
+    def kick(self) -> None:
+        """Wake the workers to look at the gate again."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def queued(self) -> list[Job]:
+        """The jobs waiting (not started), in no particular order."""
+        with self._cv:
+            return [item[2] for item in self._heap]
+
     def pending(self) -> int:
         with self._cv:
             return len(self._heap)
@@ -64,8 +78,9 @@ class Mover:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._heap and not self._closed:
-                    self._cv.wait()
+                while not self._closed and not self._ready():
+                    # gated: wait for a kick; the timeout only bounds a missed one
+                    self._cv.wait(0.05 if self._heap else None)
                 if self._closed:
                     return
                 job = heapq.heappop(self._heap)[2]
@@ -73,6 +88,12 @@ class Mover:
                 self._handler(job)
             except BaseException as e:  # a worker must never die silently and leave waiters hanging
                 self.errors.append(e)
+
+    def _ready(self) -> bool:
+        """A job may be taken: the first is a demand (demands sort first), or the gate is open."""
+        if not self._heap:
+            return False
+        return self._heap[0][2].demand or self._gate is None or self._gate()
 
     def close(self, timeout: float = 5.0) -> None:
         with self._cv:

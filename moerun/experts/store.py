@@ -558,12 +558,19 @@ class StoreOptions:
     pin_after_tokens: int = 1  # without a profile: pin after this many tokens have been routed
     emulate_link: str | None = None  # --emulate-link pcie4 | 'GB/s,µs': the device tier is emulated
     execute: str = "device"  # --execute: a device miss waits for the link (device), runs on the CPU (cpu), or the cost model picks (auto)
+    # experts read at once (a layer's demand misses, prefetches): each read is followed by CPU
+    # work (the repack, the copy) that the other workers' reads overlap; 2 -> 4 -> 6 took the
+    # full Qwen3.6 shape's decode from 0.29 to 0.38 to 0.44 tok/s (docs/benchmarks.md), where
+    # the budget holds thousands of experts. Kept at 2: prefetches in flight hold their room,
+    # and under a budget of a few experts more of them leave a demand no room (a transient load)
     disk_workers: int = 2
     drop_page_cache: bool = True
     # reads bypass the page cache (O_DIRECT into aligned bounce buffers, an expert's ranges read
     # at once on `io_threads` pread threads); False: buffered preads, pages dropped after each
     direct_io: bool = True
-    io_threads: int = 8
+    # None: 3 x (disk_workers + 1), so every reader's gate, up and down ranges are in flight at
+    # once (a smaller FIFO pool queued a demand's ranges behind prefetches')
+    io_threads: int | None = None
     auto_margin: object = "2GiB"  # --ram-budget auto: left free (beside the non-expert weights)
 
     def __post_init__(self):
@@ -572,7 +579,7 @@ class StoreOptions:
         if not is_auto(self.ram_budget):
             parse_budget(self.ram_budget, 0, "--ram-budget")
         parse_budget(self.auto_margin, 0, "auto_margin")
-        if self.io_threads < 1:
+        if self.io_threads is not None and self.io_threads < 1:
             raise MoerunError("io_threads must be at least 1")
         parse_budget(self.vram_budget, 0, "--vram-budget")
         if self.emulate_link:
@@ -596,7 +603,7 @@ class ExpertWeights(tuple):
 
 class Entry:
     __slots__ = ("key", "pieces", "nbytes", "layout", "host", "host_slot", "host_state", "dev", "dev_state",
-                 "job", "in_use", "pf", "ggml", "read_s")
+                 "job", "in_use", "pf", "ggml", "read_s", "t_read", "t_ask", "spec_read")
 
     def __init__(self, key, pieces, layout, nbytes, ggml=None):
         self.key = key
@@ -609,6 +616,9 @@ class Entry:
         self.pf = False  # a prefetch is responsible for this expert and it has not been used yet
         self.ggml = ggml  # (gate, up, down) formats of GGUF Q8_0/Q4_0 rows repacked at read, or None
         self.read_s = 0.0  # a prefetch's read time, counted hidden once it is used in time
+        self.t_read = 0.0  # when the read in flight began (perf_counter)
+        self.t_ask = 0.0  # when a demand first asked for it while a prefetch was reading it (0: nobody)
+        self.spec_read = False  # the read in flight (or that made it resident) was a prefetch's
 
 
 @dataclass
@@ -627,6 +637,10 @@ COUNTERS = ("requests", "hits_device", "hits_host", "demand_misses", "prefetch_i
             "reads_disk", "transfers_link", "stall_s", "tokens", "steps", "transient_loads",
             # expert read time: waited for (a demand miss, or a late prefetch) or hidden (a prefetch in time)
             "read_stalled_s", "read_hidden_s",
+            # prefetch reads started, those of them a get then used (in time or late), queued
+            # hints withdrawn before their read by a newer prediction of the same layer, and
+            # prefetches refused room (they would have evicted what the token still needs)
+            "prefetch_reads", "prefetch_reads_used", "prefetch_cancelled", "prefetch_no_room",
             # device misses by where they ran; measured expert compute; the device's is modelled
             "link_waits", "cpu_executed", "link_bytes_avoided", "background_moves", "cpu_exec_s", "device_exec_s",
             "device_exec_modelled_s")
@@ -670,6 +684,8 @@ class ExpertStore:
         self.pinned: set[tuple] = set()
         self.routing = {l: [0] * n for l, n in self.num_experts.items()}
         self.step = 0
+        self._demanding = 0  # gets reading demand misses now: speculative reads wait (the disk mover's gate)
+        self._parked: list[Job] = []  # prefetches held until the next get has its demand misses in
         self.c = _zeros()
         self.last_error: str | None = None
         self._closed = False
@@ -715,8 +731,9 @@ class ExpertStore:
             self.tiers[DEVICE] = Tier(DEVICE, vram, make_policy(o.cache_policy, self.wanted))
         self.pool = SlotPool(pin=isinstance(self.link, CudaLink))
         self.io = "direct" if o.direct_io and o.drop_page_cache else "buffered"
-        self.reader = DirectReader(o.io_threads, identity) if self.io == "direct" else DiskReader(o.drop_page_cache, identity)
-        self.disk_mover = Mover("disk", self._on_job, o.disk_workers)
+        io_threads = o.io_threads or 3 * (o.disk_workers + 1)
+        self.reader = DirectReader(io_threads, identity) if self.io == "direct" else DiskReader(o.drop_page_cache, identity)
+        self.disk_mover = Mover("disk", self._on_job, o.disk_workers, gate=lambda: self._demanding == 0)
         self.link_mover = Mover("link", self._on_job, 1) if self.link is not None else None
         self._pin_pending = bool(o.pin_hot or o.pin_hot_fraction)
         if not _defer_preload:
@@ -774,11 +791,17 @@ class ExpertStore:
                 if ent.pf:
                     ent.pf = False
                     c["prefetch_used"] += 1
+                    if ent.spec_read:  # its read was started by the prefetch (not taken over)
+                        c["prefetch_reads_used"] += 1
                     if not ready:
                         c["prefetch_late"] += 1
+                        if ent.host_state == LOADING and ent.spec_read and not ent.t_ask:
+                            # the read goes on; from now on it is waited for (`_ensure_host` splits it)
+                            ent.t_ask = t0
                     elif ent.read_s:
                         c["read_hidden_s"] += ent.read_s
                     ent.read_s = 0.0
+                    ent.spec_read = False
                 elif not ready:
                     c["demand_misses"] += 1
                 if ready:
@@ -790,11 +813,19 @@ class ExpertStore:
             if where is not None:
                 where.update(dict.fromkeys(out, DEVICE if self.compute == DEVICE else CPU))
             if not misses:
+                self._unpark()
                 return out
+            self._demanding += 1  # speculative reads wait until this layer's misses are in
             try:
-                # queue the disk reads so idle disk workers read in parallel with us
+                # queue the disk reads so idle disk workers read in parallel with us; a prefetch
+                # still queued becomes a demand job (else the gate would keep the workers off it
+                # and we would read every late prefetch of the layer one after another)
                 for ent in misses:
-                    if ent.host_state == NONE and ent.job is None:
+                    job = ent.job
+                    if ent.host_state == NONE and job is not None and not job.demand and job.stage == HOST:
+                        job.cancelled = True
+                        ent.job = job = None
+                    if ent.host_state == NONE and job is None:
                         ent.job = Job(ent, math.inf, self.step, HOST, demand=True)
                         self.disk_mover.submit(ent.job)
                 places = self._place(misses, n_tokens, counts)
@@ -821,6 +852,10 @@ class ExpertStore:
                 raise
             finally:
                 c["stall_s"] += time.perf_counter() - t0
+                self._demanding -= 1
+                if not self._demanding:
+                    self.disk_mover.kick()
+                self._unpark()
         if moves:  # queued once the lock is free, so the link's worker does not wake into it
             self.link_mover.submit(*moves)
         return out
@@ -842,16 +877,37 @@ class ExpertStore:
                 if self.cost is not None and (place == CPU or self.emulated):  # emulated: the CPU ran it
                     self.cost.cpu.observe(n, nbytes, sec)
 
-    def prefetch(self, layer: int, ids, priority: float = 0.0, for_step: int | None = None) -> None:
+    def prefetch(self, layer: int, ids, priority: float = 0.0, for_step: int | None = None, hold: bool = False,
+                 replace: bool = False) -> None:
         """Ask for experts to be moved to the compute tier ahead of use; returns at once.
-        Higher `priority` goes first. The hint is dropped once the store's step (one per
-        forward pass) moves past `for_step` (default: the current step)."""
+        Higher `priority` goes first (`ids` best first: each later one a little lower). The
+        hint is dropped once the store's step (one per forward pass) moves past `for_step`
+        (default: the current step). Reads of prefetches start only while no get is reading
+        its demand misses (demand goes first), and a prefetch never evicts an expert that is
+        wanted by a pending hint or prefetched and not yet used: without room it is dropped.
+        hold: queue the reads only once the next get has its demand misses in (a route
+        observer hinting the next layers just before this layer's get); replace: withdraw
+        this layer's queued prefetches (for the same step) that `ids` no longer names."""
         with self._cv:
             if self._closed:
                 return
             fs = self.step if for_step is None else for_step
-            for e in ids:
-                ent = self.entries[(layer, int(e))]
+            ids = [int(e) for e in ids]
+            if replace:
+                keep = set(ids)
+                for job in [*self._parked, *self.disk_mover.queued()]:
+                    ent = job.entry
+                    if (ent.key[0] == layer and ent.key[1] not in keep and ent.job is job and not job.demand
+                            and job.for_step == fs and ent.pf):
+                        job.cancelled = True
+                        ent.job = None
+                        ent.pf = False
+                        self.c["prefetch_cancelled"] += 1
+                        if self.wanted.get(ent.key) == fs:
+                            del self.wanted[ent.key]
+            jobs = []
+            for rank, e in enumerate(ids):
+                ent = self.entries[(layer, e)]
                 if self.wanted.get(ent.key, -1) < fs:
                     self.wanted[ent.key] = fs
                 state = ent.dev_state if self.compute == DEVICE else ent.host_state
@@ -860,8 +916,13 @@ class ExpertStore:
                 ent.pf = True
                 self.c["prefetch_issued"] += 1
                 stage = DEVICE if self.compute == DEVICE and ent.host_state == READY else HOST
-                ent.job = Job(ent, priority, fs, stage)
-                (self.link_mover if stage == DEVICE else self.disk_mover).submit(ent.job)
+                ent.job = Job(ent, priority - rank * 1e-6, fs, stage)
+                jobs.append(ent.job)
+            if hold:
+                self._parked.extend(jobs)
+            else:
+                for job in jobs:
+                    (self.link_mover if job.stage == DEVICE else self.disk_mover).submit(job)
 
     def advance(self, n_tokens: int = 1) -> None:
         """Start a new step (the store also does this itself at each pass's first layer)."""
@@ -917,6 +978,12 @@ class ExpertStore:
             "requests": c["requests"],
             "expert_hit_rate": c["hits_" + self.compute] / req,
             "prefetch_precision": c["prefetch_used"] / c["prefetch_issued"] if c["prefetch_issued"] else 0.0,
+            # of the reads prefetches started, the share a get used (bytes not wasted)
+            "prefetch_read_precision": c["prefetch_reads_used"] / c["prefetch_reads"] if c["prefetch_reads"] else 0.0,
+            "prefetch_reads": c["prefetch_reads"],
+            "prefetch_reads_used": c["prefetch_reads_used"],
+            "prefetch_cancelled": c["prefetch_cancelled"],
+            "prefetch_no_room": c["prefetch_no_room"],
             "prefetch_recall": c["prefetch_used"] / max(c["prefetch_used"] + c["demand_misses"], 1),
             "bytes_moved_per_token": (c["bytes_disk"] + c["bytes_link"]) / tok,
             "stall_s_per_token": c["stall_s"] / tok,
@@ -1000,6 +1067,17 @@ class ExpertStore:
             t.peak = t.used
             t.evictions = 0
 
+    def _unpark(self):
+        """Queue the held prefetches (a get has its demand misses in)."""
+        if self._parked:
+            jobs, self._parked = self._parked, []
+            disk = [j for j in jobs if j.stage == HOST and not j.cancelled]
+            link = [j for j in jobs if j.stage == DEVICE and not j.cancelled]
+            if disk:
+                self.disk_mover.submit(*disk)
+            if link:
+                self.link_mover.submit(*link)
+
     def _advance(self, n_tokens):
         self.step += 1
         self.c["steps"] += 1
@@ -1056,13 +1134,19 @@ class ExpertStore:
                               and not (inclusive and e.dev_state != NONE))
         return lambda k: (e := self.entries[k]).in_use == 0 and e.dev_state == READY
 
-    def _reserve(self, tier_name: str, ent: Entry):
-        """Room for `ent` in a tier, evicting per policy; a slot (host), True (device) or None."""
+    def _reserve(self, tier_name: str, ent: Entry, spec: bool = False):
+        """Room for `ent` in a tier, evicting per policy; a slot (host), True (device) or None.
+        spec (a prefetch's room): never at the cost of an expert a pending hint wants for
+        this step or a later one, or one prefetched and not used yet."""
         t = self.tiers[tier_name]
         n = ent.nbytes
+        ok = self._evictable(tier_name)
+        if spec:
+            base, wanted, step = ok, self.wanted, self.step
+            ok = lambda k: base(k) and not self.entries[k].pf and wanted.get(k, -1) < step  # noqa: E731
         while t.used + n > t.budget:
             k = max(1, -(-(t.used + n - t.budget) // n))
-            victims = t.policy.victims(k, self._evictable(tier_name))
+            victims = t.policy.victims(k, ok)
             if not victims:
                 return None
             for key in victims:
@@ -1092,6 +1176,8 @@ class ExpertStore:
             self._unreserve(DEVICE, ent)
         t.policy.removed(ent.key)
         t.evictions += 1
+        if tier_name == HOST:
+            ent.spec_read = False
         if tier_name == self.compute and ent.pf:
             ent.pf = False
             self.c["prefetch_wasted"] += 1
@@ -1142,8 +1228,10 @@ class ExpertStore:
         if self._closed:
             raise MoerunError("the expert store was closed while waiting for an expert")
 
-    def _ensure_host(self, ent: Entry, take_over: bool, transient_ok: bool):
-        """Make `ent` READY in RAM. Returns (weights or None when there is no room, moved)."""
+    def _ensure_host(self, ent: Entry, take_over: bool, transient_ok: bool, spec: bool = False):
+        """Make `ent` READY in RAM. Returns (weights or None when there is no room, moved).
+        spec: a prefetch's read (its room is found as `_reserve` says; its time is hidden if
+        it is used in time, else split at the moment a get asked for it)."""
         while True:
             if ent.host_state == READY:
                 return ent.host, False
@@ -1155,14 +1243,20 @@ class ExpertStore:
                 job.cancelled = True  # a queued prefetch: the demand does its work now
                 ent.job = None
             break
-        slot = self._reserve(HOST, ent)
+        slot = self._reserve(HOST, ent, spec)
         if slot is None and not transient_ok:
+            if spec:
+                self.c["prefetch_no_room"] += 1
             return None, False
         buf = slot if slot is not None else torch.empty(ent.nbytes, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        spec = spec and ent.pf and slot is not None
         if slot is not None:
             ent.host_state = LOADING
+            ent.t_read, ent.t_ask, ent.spec_read = t0, 0.0, spec
+            if spec:
+                self.c["prefetch_reads"] += 1
         self._cv.release()
-        t0 = time.perf_counter()
         try:
             views = self._read(ent, buf)
         except BaseException:
@@ -1172,11 +1266,17 @@ class ExpertStore:
                 self._unreserve(HOST, ent, slot)
                 self._cv.notify_all()
             raise
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        dt = t1 - t0
         self._cv.acquire()
-        if ent.pf and slot is not None:  # a prefetch's: hidden if it is used in time (`get`)
+        if spec and ent.pf:  # a prefetch's, nobody asked yet: hidden if it is used in time (`get`)
             ent.read_s = dt
-        else:
+        elif spec and ent.t_ask:  # a get asked while it was reading: hidden until then, waited for after
+            asked = min(max(ent.t_ask, t0), t1)
+            self.c["read_hidden_s"] += asked - t0
+            self.c["read_stalled_s"] += t1 - asked
+            ent.t_ask = 0.0
+        elif not spec:  # a demand's read
             self.c["read_stalled_s"] += dt
         self.c["bytes_disk"] += ent.nbytes
         self.c["reads_disk"] += 1
@@ -1266,6 +1366,9 @@ class ExpertStore:
         with self._cv:
             if self._closed or job.cancelled or ent.job is not job:
                 return
+            if not job.demand and job.stage == HOST and self._demanding:
+                self.disk_mover.submit(job)  # a get began reading its misses since: back in the queue
+                return
             ent.job = None
             demand = job.demand
             if not demand and self.step > job.for_step:
@@ -1274,7 +1377,7 @@ class ExpertStore:
             ent.in_use += 1
             try:
                 if job.stage == HOST:
-                    w, _ = self._ensure_host(ent, False, False)
+                    w, _ = self._ensure_host(ent, False, False, spec=not demand)
                     if w is None:
                         if not demand:
                             self._drop(ent)
