@@ -164,6 +164,8 @@ def test_qwen3next_file_holds_the_converters_tensors(tmp_path):
     assert torch.equal(g("blk.0.ssm_norm.weight"), hf["model.layers.0.linear_attn.norm.weight"])
     assert torch.equal(g("blk.1.attn_q_norm.weight"), hf["model.layers.1.self_attn.q_norm.weight"] + 1)
     assert torch.equal(g("output_norm.weight"), hf["model.norm.weight"] + 1)
+    assert torch.equal(g("blk.4.nextn.enorm.weight"), hf["mtp.pre_fc_norm_embedding.weight"] + 1)
+    assert torch.equal(g("blk.4.nextn.hnorm.weight"), hf["mtp.pre_fc_norm_hidden.weight"] + 1)
     assert torch.equal(g("blk.2.ffn_down.weight"), hf["model.layers.2.mlp.down_proj.weight"])  # the dense layer
     assert "blk.2.ffn_gate_inp.weight" not in f.tensors and "blk.0.ssm_in.weight" not in f.tensors
     assert f.get("general.architecture", "str") == "qwen3next"

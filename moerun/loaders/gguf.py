@@ -844,8 +844,8 @@ def transform_of(arch: Arch, name: str, args, overrides: dict | None = None) -> 
     key = m[1] if m else None
     if overrides is not None and key in overrides:
         return overrides[key]
-    if key is None and arch.name in ZERO_CENTRED and name.startswith("mtp.") and name.endswith("norm.weight"):
-        return _plus_one()  # the MTP head's own norms
+    if key is None and arch.name in ZERO_CENTRED and name.startswith("mtp.") and "norm" in name:
+        return _plus_one()  # the MTP head's own norms (pre_fc_norm_* too: the converter's enorm/hnorm)
     if key is None and arch.name in ZERO_CENTRED and name == "model.norm.weight":
         return _plus_one()
     make = arch.transforms.get(key) if key else None
