@@ -78,3 +78,21 @@ def test_fused_projection_of_the_wrong_size_is_one_error(tmp_path):
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(MoerunError, match=r"'model.layers.1.linear_attn.in_proj_qkvz.weight' has shape \[124, 32\]"):
         moerun.load(tmp_path, dtype="float32")
+
+
+def test_mtp_head_loads_and_drafts(tmp_path):
+    """The released checkpoints' `mtp.*` layer (no mtp_num_hidden_layers in config.json): loaded,
+    and MTP speculative decoding gives plain greedy decoding's tokens."""
+    import moerun
+    from safetensors.torch import load_file
+    from test_gguf import CONFIGS, random_checkpoint
+
+    cfg = {k: v for k, v in CONFIGS["qwen3_next"].items() if k != "mtp_num_hidden_layers"}
+    ck = random_checkpoint(tmp_path / "ck", cfg)
+    assert "mtp.fc.weight" in load_file(ck / "model.safetensors")
+    llm = moerun.load(ck, dtype="float32", threads=1)
+    assert llm.net.has_mtp
+    assert torch.equal(llm.net.mtp.fc.weight, load_file(ck / "model.safetensors")["mtp.fc.weight"])
+    prompt = [5, 17, 99, 3, 42, 8]
+    plain = llm.generate_ids([prompt], max_tokens=12, temperature=0.0)
+    assert llm.generate_ids([prompt], speculative="mtp", max_tokens=12, temperature=0.0) == plain
