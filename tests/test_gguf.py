@@ -174,6 +174,34 @@ def test_qwen3next_file_holds_the_converters_tensors(tmp_path):
     assert f.get("qwen3next.expert_weights_norm", "bool") is False
 
 
+@pytest.mark.parametrize("recipe", ["f32", "q8_0"])
+def test_qwen3next_fused_ssm_in_is_read(tmp_path, monkeypatch, recipe):
+    """The older qwen3next form, the checkpoint's in_proj_qkvz kept whole as `ssm_in` (written
+    here by the writer with a table that says so): read as the split form's model."""
+    from dataclasses import replace
+
+    from moerun.loaders import gguf as g
+    from moerun.models.qwen3_next import fused_rows
+
+    ck = random_checkpoint(tmp_path / "ck", CONFIGS["qwen3_next"])
+    arch = g.ARCHS["qwen3next"]
+    fused = {**arch.layer, "linear_attn.in_proj_qkv.weight": "ssm_in.weight", "linear_attn.in_proj_z.weight": "ssm_in.weight"}
+
+    def part(p):
+        return lambda a: g.Transform(gather=fused_rows(a)[p])
+    old = replace(arch, layer=fused, transforms={**arch.transforms, "linear_attn.in_proj_qkv.weight": part("in_proj_qkv"),
+                                                 "linear_attn.in_proj_z.weight": part("in_proj_z")})
+    with monkeypatch.context() as m:
+        m.setitem(g.ARCHS, "qwen3next", old)
+        export(ck, tmp_path / "old.gguf", recipe)
+    export(ck, tmp_path / "new.gguf", recipe)
+    names = set(GGUFFile(tmp_path / "old.gguf").tensors)
+    assert "blk.0.ssm_in.weight" in names and "blk.0.attn_qkv.weight" not in names
+    ids = ids_for(256)
+    assert torch.equal(moerun.load(tmp_path / "old.gguf", threads=1).forward(ids),
+                       moerun.load(tmp_path / "new.gguf", threads=1).forward(ids))
+
+
 @pytest.mark.parametrize("recipe", ["q8_0", "q4_0"])
 def test_quantized_round_trip_is_moerun_quantization(checkpoint, tmp_path, recipe):
     out = tmp_path / "m.gguf"

@@ -882,6 +882,8 @@ def build(path, dtype="auto", prepare=None, check_weights: bool = False):
         except (ValueError, TypeError, KeyError, IndexError, ArithmeticError) as e:
             raise MoerunError(f"{f.path}: its metadata is not valid for {arch.name}: {one_line(e)}") from None
         names = gguf_names(net, arch)
+        if arch.name == "qwen3next":
+            overrides = _fused_ssm_in(f, names, args)
         _drop_missing_mtp(net, names, f)
         dtype = _resolve_dtype(dtype, f)
         if check_weights:
@@ -929,6 +931,26 @@ def _expanded_key_heads(f: GGUFFile, cfg: dict) -> dict | None:
             "linear_attn.in_proj_z.weight": None, "linear_attn.in_proj_a.weight": None,
             "linear_attn.in_proj_b.weight": None, "linear_attn.dt_bias": None,
             "linear_attn.A_log": Transform(value=a_log), "linear_attn.out_proj.weight": None}
+
+
+def _fused_ssm_in(f: GGUFFile, names: dict[str, str], args) -> dict | None:
+    """Files from llama.cpp's first qwen3next converter hold the checkpoint's in_proj_qkvz as
+    it is (`ssm_in`), where later ones split it into attn_qkv and attn_gate: in_proj_qkv and
+    in_proj_z are then its rows, the ones the HF loader takes (`names` changed to match);
+    the reader's transforms for that form, or None."""
+    from ..models.qwen3_next import fused_rows
+
+    fused = False
+    for name, g in names.items():
+        if g.endswith((".attn_qkv.weight", ".attn_gate.weight")) and g not in f.tensors:
+            alt = g.split(".")[0] + "." + g.split(".")[1] + ".ssm_in.weight"
+            if alt in f.tensors:
+                names[name], fused = alt, True
+    if not fused:
+        return None
+    rows = fused_rows(args)
+    return {"linear_attn.in_proj_qkv.weight": Transform(gather=rows["in_proj_qkv"]),
+            "linear_attn.in_proj_z.weight": Transform(gather=rows["in_proj_z"])}
 
 
 def _drop_missing_mtp(net, names: dict[str, str], f: GGUFFile) -> None:
