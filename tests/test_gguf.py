@@ -38,6 +38,14 @@ CONFIGS = {
                         moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=6,
                         num_experts_per_tok=2, mtp_num_hidden_layers=1,
                         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
+    # Qwen3-Next: the checkpoint in its own fused layout (in_proj_qkvz, in_proj_ba; `fuse_qwen3_next`),
+    # a dense layer, top-k weights not renormalised, an MTP layer
+    "qwen3_next": dict(model_type="qwen3_next", vocab_size=256, hidden_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_key_head_dim=32,
+                       linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=64, intermediate_size=96,
+                       num_experts=6, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[2],
+                       layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
     "deepseek_v3": dict(model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=96,
                         moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, n_routed_experts=8,
                         num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16,
@@ -64,10 +72,30 @@ def random_checkpoint(path: Path, cfg: dict, seed: int = 0) -> Path:
         if name.endswith("norm.weight") and not torch.all(p == 0):
             t += 1  # a plain RMSNorm's weight (a zero-centred one stays around 0)
         state[name] = t.contiguous()
+    if cfg["model_type"] == "qwen3_next":
+        state = fuse_qwen3_next(state, net.args)
     path.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float32"}))
     return path
+
+
+def fuse_qwen3_next(state: dict, args) -> dict:
+    """Qwen3-Next's checkpoint layout: each DeltaNet layer's in_proj_qkv/z and in_proj_b/a
+    fused into in_proj_qkvz and in_proj_ba, their rows where `fused_rows` reads them."""
+    from moerun.models.qwen3_next import fused_rows
+
+    rows = fused_rows(args)
+    out = dict(state)
+    for name in [n for n in state if n.endswith("linear_attn.in_proj_qkv.weight")]:
+        prefix = name[: -len("in_proj_qkv.weight")]
+        for fused, parts in (("in_proj_qkvz", ("in_proj_qkv", "in_proj_z")), ("in_proj_ba", ("in_proj_b", "in_proj_a"))):
+            ws = [out.pop(f"{prefix}{p}.weight") for p in parts]
+            w = torch.empty(sum(len(x) for x in ws), ws[0].shape[1])
+            for p, x in zip(parts, ws):
+                w[rows[p]] = x
+            out[f"{prefix}{fused}.weight"] = w
+    return out
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -107,6 +135,71 @@ def test_f32_round_trip(checkpoint, tmp_path):
         ref.generate_ids([ids[0, :5].tolist()], max_tokens=8, temperature=0)
     if hasattr(ref.net, "has_mtp") or getattr(ref.net, "mtp", None) is not None:
         assert bool(getattr(ours.net, "mtp", None)) == bool(getattr(ref.net, "mtp", None))
+
+
+def test_qwen3next_file_holds_the_converters_tensors(tmp_path):
+    """A qwen3_next export holds what llama.cpp's converter writes, worked out here from the
+    checkpoint's fused tensors without moerun's tables: attn_qkv (all q, all k, all v) and
+    attn_gate (z) from in_proj_qkvz split per key head, ssm_ba as in_proj_ba, -exp(A_log),
+    zero-centred norms + 1 (not ssm_norm), the conv squeezed, the MTP layer as nextn block 4."""
+    from safetensors.torch import load_file
+
+    cfg = CONFIGS["qwen3_next"]
+    ck = random_checkpoint(tmp_path / "ck", cfg)
+    out = tmp_path / "m.gguf"
+    export(ck, out, "f32")
+    hf, f = load_file(ck / "model.safetensors"), GGUFFile(out)
+
+    def g(name):
+        return f.floats(f.tensors[name]).float()
+
+    nk, dk, dv, r = 2, 32, 32, 2
+    q, k, v, z = hf["model.layers.0.linear_attn.in_proj_qkvz.weight"].view(nk, 2 * dk + 2 * r * dv, -1).split(
+        [dk, dk, r * dv, r * dv], dim=1)
+    assert torch.equal(g("blk.0.attn_qkv.weight"), torch.cat([x.reshape(-1, 64) for x in (q, k, v)]))
+    assert torch.equal(g("blk.0.attn_gate.weight"), z.reshape(-1, 64))
+    assert torch.equal(g("blk.2.ssm_ba.weight"), hf["model.layers.2.linear_attn.in_proj_ba.weight"])
+    assert torch.equal(g("blk.0.ssm_a"), -torch.exp(hf["model.layers.0.linear_attn.A_log"]))
+    assert torch.equal(g("blk.0.ssm_conv1d.weight"), hf["model.layers.0.linear_attn.conv1d.weight"].squeeze(1))
+    assert torch.equal(g("blk.0.ssm_norm.weight"), hf["model.layers.0.linear_attn.norm.weight"])
+    assert torch.equal(g("blk.1.attn_q_norm.weight"), hf["model.layers.1.self_attn.q_norm.weight"] + 1)
+    assert torch.equal(g("output_norm.weight"), hf["model.norm.weight"] + 1)
+    assert torch.equal(g("blk.4.nextn.enorm.weight"), hf["mtp.pre_fc_norm_embedding.weight"] + 1)
+    assert torch.equal(g("blk.4.nextn.hnorm.weight"), hf["mtp.pre_fc_norm_hidden.weight"] + 1)
+    assert torch.equal(g("blk.2.ffn_down.weight"), hf["model.layers.2.mlp.down_proj.weight"])  # the dense layer
+    assert "blk.2.ffn_gate_inp.weight" not in f.tensors and "blk.0.ssm_in.weight" not in f.tensors
+    assert f.get("general.architecture", "str") == "qwen3next"
+    assert f.get("qwen3next.block_count", "int") == 5 and f.get("qwen3next.nextn_predict_layers", "int") == 1
+    assert f.get("qwen3next.rope.dimension_count", "int") == 8 and f.get("qwen3next.ssm.group_count", "int") == nk
+    assert f.get("qwen3next.expert_weights_norm", "bool") is False
+
+
+@pytest.mark.parametrize("recipe", ["f32", "q8_0"])
+def test_qwen3next_fused_ssm_in_is_read(tmp_path, monkeypatch, recipe):
+    """The older qwen3next form, the checkpoint's in_proj_qkvz kept whole as `ssm_in` (written
+    here by the writer with a table that says so): read as the split form's model."""
+    from dataclasses import replace
+
+    from moerun.loaders import gguf as g
+    from moerun.models.qwen3_next import fused_rows
+
+    ck = random_checkpoint(tmp_path / "ck", CONFIGS["qwen3_next"])
+    arch = g.ARCHS["qwen3next"]
+    fused = {**arch.layer, "linear_attn.in_proj_qkv.weight": "ssm_in.weight", "linear_attn.in_proj_z.weight": "ssm_in.weight"}
+
+    def part(p):
+        return lambda a: g.Transform(gather=fused_rows(a)[p])
+    old = replace(arch, layer=fused, transforms={**arch.transforms, "linear_attn.in_proj_qkv.weight": part("in_proj_qkv"),
+                                                 "linear_attn.in_proj_z.weight": part("in_proj_z")})
+    with monkeypatch.context() as m:
+        m.setitem(g.ARCHS, "qwen3next", old)
+        export(ck, tmp_path / "old.gguf", recipe)
+    export(ck, tmp_path / "new.gguf", recipe)
+    names = set(GGUFFile(tmp_path / "old.gguf").tensors)
+    assert "blk.0.ssm_in.weight" in names and "blk.0.attn_qkv.weight" not in names
+    ids = ids_for(256)
+    assert torch.equal(moerun.load(tmp_path / "old.gguf", threads=1).forward(ids),
+                       moerun.load(tmp_path / "new.gguf", threads=1).forward(ids))
 
 
 @pytest.mark.parametrize("recipe", ["q8_0", "q4_0"])

@@ -398,7 +398,9 @@ class Transform:
     rows: torch.Tensor | None = None
     cols: torch.Tensor | None = None
     value: tuple[Callable, Callable] | None = None
-    gather: torch.Tensor | None = None  # reader only: moerun rows = gguf rows[gather] (rows repeated)
+    # moerun rows = gguf rows[gather]: rows repeated (reader only), or one of the parameters a
+    # fused GGUF tensor holds (qwen3next's ssm_ba), which the writer joins again
+    gather: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -530,8 +532,7 @@ def _olmoe(f, cfg):
     cfg["attention_bias"] = _has(f, "blk.0.attn_q.bias")
 
 
-def _qwen35moe(f, cfg):
-    a = "qwen35moe"
+def _qwen35moe(f, cfg, a="qwen35moe"):
     _kv_heads(f, a, cfg)
     _rope(f, a, cfg)
     cfg["head_dim"] = f.get(f"{a}.attention.key_length", "int", 256)
@@ -547,11 +548,28 @@ def _qwen35moe(f, cfg):
     cfg["rope_parameters"]["partial_rotary_factor"] = rot / cfg["head_dim"]
 
 
+def _qwen3next(f, cfg):
+    """Qwen3.5's keys and layer types, plus Qwen3-Next's routing and dense layers."""
+    a = "qwen3next"
+    _qwen35moe(f, cfg, a)
+    cfg["norm_topk_prob"] = f.get(f"{a}.expert_weights_norm", "bool", True)  # llama.cpp always renormalises
+    cfg["mlp_only_layers"] = _dense_layers(f, cfg["num_hidden_layers"])
+
+
 def _qwen35moe_keys(args):
+    return {**_qwen35_keys(args),
+            "rope.dimension_sections": [*(args.rope or {}).get("mrope_section", [11, 11, 10]), 0][:4]}
+
+
+def _qwen3next_keys(args):
+    return {**_qwen35_keys(args), "expert_weights_norm": args.norm_topk_prob}
+
+
+def _qwen35_keys(args):
     interval = next((i + 1 for i, t in enumerate(args.layer_types) if t == "full_attention"), 4)
     return {**_rope_keys(args), "attention.head_count_kv": args.num_key_value_heads, "attention.key_length": args.head_dim,
             "attention.value_length": args.head_dim, "rope.dimension_count": args.rotary_dim,
-            "rope.dimension_sections": [*(args.rope or {}).get("mrope_section", [11, 11, 10]), 0][:4], "ssm.conv_kernel": args.linear_conv_kernel_dim,
+            "ssm.conv_kernel": args.linear_conv_kernel_dim,
             "ssm.state_size": args.linear_key_head_dim, "ssm.group_count": args.linear_num_key_heads,
             "ssm.time_step_rank": args.linear_num_value_heads,
             "ssm.inner_size": args.linear_value_head_dim * args.linear_num_value_heads,
@@ -605,10 +623,12 @@ def _plus_one() -> Transform:
     return Transform(value=(lambda t: t.float() + 1, lambda t: t.float() - 1))
 
 
-def _qwen35_transforms() -> dict[str, Callable[[Any], Transform]]:
+def _qwen35_transforms(tiled: bool = True) -> dict[str, Callable[[Any], Transform]]:
+    """qwen35moe's converter transforms; `tiled` False: qwen3next's, whose value heads stay
+    grouped by key head as moerun holds them."""
     def v_rows(head: Callable) -> Callable:
         def make(a):
-            if a.linear_num_key_heads == a.linear_num_value_heads:
+            if a.linear_num_key_heads == a.linear_num_value_heads or not tiled:
                 return None
             return head(a)
         return make
@@ -647,7 +667,21 @@ def _qwen35_transforms() -> dict[str, Callable[[Any], Transform]]:
     }
 
 
-def _qwen35_mtp(args) -> dict[str, str]:
+def _qwen3next_transforms() -> dict[str, Callable[[Any], Transform]]:
+    """As qwen35moe's without the value-head tiling; b and a are rows of one fused `ssm_ba`
+    (per key head: its value heads' b, then their a), as in the HF checkpoint."""
+    def rows_of(part: str) -> Callable[[Any], Transform]:
+        def make(a):
+            from ..models.qwen3_next import fused_rows
+
+            return Transform(gather=fused_rows(a)[part])
+        return make
+
+    return {**_qwen35_transforms(tiled=False), "linear_attn.in_proj_b.weight": rows_of("in_proj_b"),
+            "linear_attn.in_proj_a.weight": rows_of("in_proj_a")}
+
+
+def _qwen35_mtp(args, layer: dict | None = None) -> dict[str, str]:
     out = {}
     L = args.num_hidden_layers
     for k in range(args.mtp_num_hidden_layers):
@@ -655,7 +689,7 @@ def _qwen35_mtp(args) -> dict[str, str]:
                     "mtp.pre_fc_norm_embedding.weight": f"blk.{L + k}.nextn.enorm.weight",
                     "mtp.pre_fc_norm_hidden.weight": f"blk.{L + k}.nextn.hnorm.weight",
                     "mtp.norm.weight": f"blk.{L + k}.nextn.shared_head_norm.weight"})
-        out.update({f"mtp.layers.{k}.{m}": f"blk.{L + k}.{g}" for m, g in QWEN35_LAYER.items()})
+        out.update({f"mtp.layers.{k}.{m}": f"blk.{L + k}.{g}" for m, g in (layer or QWEN35_LAYER).items()})
     return out
 
 
@@ -684,6 +718,9 @@ QWEN35_LAYER = {
     "linear_attn.norm.weight": "ssm_norm.weight",
     "linear_attn.out_proj.weight": "ssm_out.weight",
 }
+# qwen3next keeps b and a fused (`ssm_ba`; split and joined by the gather transforms)
+QWEN3NEXT_LAYER = {**QWEN35_LAYER, "linear_attn.in_proj_a.weight": "ssm_ba.weight",
+                   "linear_attn.in_proj_b.weight": "ssm_ba.weight"}
 DEEPSEEK_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -718,6 +755,15 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
                                    Key("linear_num_key_heads", "ssm.group_count", "int")),
          QWEN35_LAYER, _qwen35moe, _qwen35moe_keys,
          {**_qwen35_transforms()}, _qwen35_mtp),
+    Arch("qwen3next", "qwen3_next",
+         COMMON_KEYS + MOE_KEYS + (Key("moe_intermediate_size", "expert_feed_forward_length", "int"),
+                                   Key("shared_expert_intermediate_size", "expert_shared_feed_forward_length", "int"),
+                                   Key("intermediate_size", "feed_forward_length", "int", False),
+                                   Key("linear_conv_kernel_dim", "ssm.conv_kernel", "int"),
+                                   Key("linear_key_head_dim", "ssm.state_size", "int"),
+                                   Key("linear_num_key_heads", "ssm.group_count", "int")),
+         QWEN3NEXT_LAYER, _qwen3next, _qwen3next_keys, _qwen3next_transforms(),
+         lambda args: _qwen35_mtp(args, QWEN3NEXT_LAYER)),
     Arch("qwen3moe", "qwen3_moe",
          COMMON_KEYS + MOE_KEYS + (Key("moe_intermediate_size", "expert_feed_forward_length", "int"),
                                    Key("intermediate_size", "feed_forward_length", "int", False)),
@@ -741,8 +787,12 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
                         Key("intermediate_size", "feed_forward_length", "int")),
          DEEPSEEK_LAYER, _deepseek2, _deepseek2_keys, mtp=_deepseek_mtp),
 )}
-MODEL_TYPES = {"qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe", "qwen3_moe": "qwen3moe",
+MODEL_TYPES = {"qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
+               "qwen3_moe": "qwen3moe",
                "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe", "deepseek_v3": "deepseek2"}
+
+
+ZERO_CENTRED = ("qwen35moe", "qwen3next")  # every RMSNorm but the gated one stored w + 1
 
 
 def arch_of(f: GGUFFile) -> Arch:
@@ -794,9 +844,9 @@ def transform_of(arch: Arch, name: str, args, overrides: dict | None = None) -> 
     key = m[1] if m else None
     if overrides is not None and key in overrides:
         return overrides[key]
-    if key is None and arch.name == "qwen35moe" and name.startswith("mtp.") and name.endswith("norm.weight"):
-        return _plus_one()  # the MTP head's own norms
-    if key is None and arch.name == "qwen35moe" and name == "model.norm.weight":
+    if key is None and arch.name in ZERO_CENTRED and name.startswith("mtp.") and "norm" in name:
+        return _plus_one()  # the MTP head's own norms (pre_fc_norm_* too: the converter's enorm/hnorm)
+    if key is None and arch.name in ZERO_CENTRED and name == "model.norm.weight":
         return _plus_one()
     make = arch.transforms.get(key) if key else None
     return make(args) if make else None
@@ -846,6 +896,8 @@ def build(path, dtype="auto", prepare=None, check_weights: bool = False):
         except (ValueError, TypeError, KeyError, IndexError, ArithmeticError) as e:
             raise MoerunError(f"{f.path}: its metadata is not valid for {arch.name}: {one_line(e)}") from None
         names = gguf_names(net, arch)
+        if arch.name == "qwen3next":
+            overrides = _fused_ssm_in(f, names, args)
         _drop_missing_mtp(net, names, f)
         dtype = _resolve_dtype(dtype, f)
         if check_weights:
@@ -893,6 +945,26 @@ def _expanded_key_heads(f: GGUFFile, cfg: dict) -> dict | None:
             "linear_attn.in_proj_z.weight": None, "linear_attn.in_proj_a.weight": None,
             "linear_attn.in_proj_b.weight": None, "linear_attn.dt_bias": None,
             "linear_attn.A_log": Transform(value=a_log), "linear_attn.out_proj.weight": None}
+
+
+def _fused_ssm_in(f: GGUFFile, names: dict[str, str], args) -> dict | None:
+    """Files from llama.cpp's first qwen3next converter hold the checkpoint's in_proj_qkvz as
+    it is (`ssm_in`), where later ones split it into attn_qkv and attn_gate: in_proj_qkv and
+    in_proj_z are then its rows, the ones the HF loader takes (`names` changed to match);
+    the reader's transforms for that form, or None."""
+    from ..models.qwen3_next import fused_rows
+
+    fused = False
+    for name, g in names.items():
+        if g.endswith((".attn_qkv.weight", ".attn_gate.weight")) and g not in f.tensors:
+            alt = g.split(".")[0] + "." + g.split(".")[1] + ".ssm_in.weight"
+            if alt in f.tensors:
+                names[name], fused = alt, True
+    if not fused:
+        return None
+    rows = fused_rows(args)
+    return {"linear_attn.in_proj_qkv.weight": Transform(gather=rows["in_proj_qkv"]),
+            "linear_attn.in_proj_z.weight": Transform(gather=rows["in_proj_z"])}
 
 
 def _drop_missing_mtp(net, names: dict[str, str], f: GGUFFile) -> None:

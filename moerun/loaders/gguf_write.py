@@ -26,7 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -73,6 +73,8 @@ def export(model_dir, out, recipe: str = "bf16", force: bool = False, split_byte
     if out.exists() and out.is_dir():
         raise MoerunError(f"{out} is a directory")
     _, args, net, dtype = build(src, "float32" if recipe == "f32" else "auto")
+    if getattr(args, "mtp_num_hidden_layers", 0) and getattr(net, "mtp", None) is None:
+        args = replace(args, mtp_num_hidden_layers=0)  # the checkpoint had no MTP head: the file has no nextn block
     arch = ARCHS.get(MODEL_TYPES.get(args.model_type, ""))
     if arch is None:
         raise MoerunError(f"{src} is {args.model_type!r}, which moerun cannot write as GGUF")
@@ -122,14 +124,16 @@ def _plan(net, args, arch: Arch, recipe: str, dtype) -> list[tuple[str, str, tup
     meta_modules = dict(meta.named_modules())
     policy = _recipe_policy(recipe)
     float_type = "F32" if recipe == "f32" or dtype == torch.float32 else "BF16"
-    plan = []
+    plan, parts = [], {}
     for name, p in meta.state_dict(keep_vars=True).items():
         gname = names[name]
+        tr = transform_of(arch, name, args)
+        if tr is not None and tr.gather is not None:  # one part of a fused GGUF tensor
+            parts.setdefault(gname, []).append((tr.gather, len(plan)))
         if name == "lm_head.weight" and getattr(args, "tie_word_embeddings", False):
             continue  # llama.cpp ties by the absence of output.weight
         owner_name, _, leaf = name.rpartition(".")
         owner, meta_owner = modules.get(owner_name), meta_modules[owner_name]
-        tr = transform_of(arch, name, args)
         if isinstance(owner, QuantizedLinear) and leaf == "weight":
             plan.append((gname, GGML_OF[owner.fmt], tuple(p.shape), _stored_rows(owner, "qweight", "scales", tr)))
             continue
@@ -160,7 +164,33 @@ def _plan(net, args, arch: Arch, recipe: str, dtype) -> list[tuple[str, str, tup
         if len(shape) == 2 and shape[0] == 1:  # a one-row matrix (a shared-expert gate): 1-D F32, as llama.cpp has it
             shape, gtype = shape[1:], "F32"
         plan.append((gname, gtype, shape, _floats(get, gtype, tr)))
-    return plan
+    return _join(plan, parts)
+
+
+def _join(plan: list, parts: dict[str, list[tuple[torch.Tensor, int]]]) -> list:
+    """The plan with each fused GGUF tensor (qwen3next's ssm_ba: in_proj_b and in_proj_a) as
+    one entry in the place of its first part: every part's rows (float or quantized, a row is
+    independent of the others) put back where its `gather` reads them from."""
+    joined = {}
+    for gname, got in parts.items():
+        entries = [plan[i] for _, i in got]
+        gathers = [g for g, _ in got]
+        if len({e[1] for e in entries}) != 1 or len({e[2][1:] for e in entries}) != 1:
+            raise MoerunError(f"{gname}: its parts would be written as {sorted({e[1] for e in entries})} with shapes "
+                              f"{[list(e[2]) for e in entries]}; they must agree")
+        rows = sum(len(g) for g in gathers)
+        if not torch.equal(torch.sort(torch.cat(gathers)).values, torch.arange(rows)):
+            raise RuntimeError(f"the parts of {gname} do not cover its rows once")  # a table of ours is wrong
+
+        def make(entries=entries, gathers=gathers, rows=rows):
+            data = [e[3]() for e in entries]
+            out = np.empty((rows, *data[0].shape[1:]), dtype=data[0].dtype)
+            for g, d in zip(gathers, data):
+                out[g.numpy()] = d
+            return out
+        joined[got[0][1]] = (gname, entries[0][1], (rows, *entries[0][2][1:]), make)
+    drop = {i for got in parts.values() for _, i in got}
+    return [joined[i] if i in joined else e for i, e in enumerate(plan) if i in joined or i not in drop]
 
 
 def _k_type(recipe: str, gname: str, shape: tuple, args) -> str:

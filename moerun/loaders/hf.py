@@ -1,7 +1,8 @@
 """Build a model from a Hugging Face directory: config -> architecture -> weights.
 
 Checkpoint names are mapped to ours in one declarative place per model
-(`Model.checkpoint_renames`: regex, replacement); experts stored one tensor per expert
+(`Model.checkpoint_renames`: regex, replacement; `Model.checkpoint_parts`: a parameter that is
+some rows of a fused checkpoint tensor, e.g. Qwen3-Next's `in_proj_qkvz`); experts stored one tensor per expert
 (`...experts.{e}.gate_proj.weight`) or fused (`...experts.gate_up_proj`) are stacked into
 our `[E, out, in]` parameters here, the same way for every architecture.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +26,14 @@ DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torc
 PROGRESS_BYTES = 1 << 30
 SCAN_ELEMENTS = 1 << 24  # --check-weights reads a tensor in pieces of this many values
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class PartRef(TensorRef):
+    """Rows `rows` of checkpoint tensor `name` (a fused tensor that our model holds as several
+    parameters); its bytes, offset and size are the whole tensor's."""
+
+    rows: torch.Tensor = field(default=None, compare=False)
 
 
 def named_dtype(dtype) -> torch.dtype | None:
@@ -177,6 +187,11 @@ def _sources(name: str, p: torch.Tensor, names: dict[str, TensorRef], net) -> li
             return [names[fused]]
         missing = next(n for n in per_expert if n not in names)
         raise MoerunError(f"checkpoint is missing tensor {missing!r} (needed for {name})")
+    for pat, rep, rows in getattr(net, "checkpoint_parts", ()):
+        m = re.match(pat, name)
+        if m and m.expand(rep) in names:
+            ref = names[m.expand(rep)]
+            return [PartRef(**{f: getattr(ref, f) for f in ref.__dataclass_fields__}, rows=rows(net.args, m))]
     tie = getattr(net, "tied_parameters", {}).get(name)
     if tie is not None and getattr(net.args, "tie_word_embeddings", False):
         return tie
@@ -218,6 +233,15 @@ def check_dtype(ref: TensorRef, want: torch.dtype, name: str) -> None:
 def materialize(ckpt: Checkpoint, srcs: list[TensorRef], shape, dtype, name) -> torch.Tensor:
     for ref in srcs:
         check_dtype(ref, dtype, name)
+    if len(srcs) == 1 and isinstance(srcs[0], PartRef):
+        ref = srcs[0]
+        if len(ref.shape) != len(shape) or ref.shape[1:] != shape[1:] or int(ref.rows.max()) >= ref.shape[0] \
+                or len(ref.rows) != shape[0]:
+            raise MoerunError(f"tensor {ref.name!r} has shape {list(ref.shape)}; the config expects {shape[0]} of "
+                              f"its rows to be {name}, of shape {list(shape)}")
+        out = ckpt.view(ref)[ref.rows].to(dtype)
+        ckpt.drop_pages(ref)
+        return out
     if len(srcs) == 1 and not (srcs[0].name.endswith("gate_up_proj") and not name.endswith("gate_up_proj")):
         ref = srcs[0]
         if ref.shape != shape:

@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "olmoe": "olmoe",
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_next": "qwen3_next",
     "deepseek_v3": "deepseek_v3",
 }
 

@@ -271,9 +271,9 @@ class GatedDeltaNet(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, norm_topk_prob: bool = True):
         super().__init__()
-        self.top_k, self.norm_topk_prob = a.num_experts_per_tok, True
+        self.top_k, self.norm_topk_prob = a.num_experts_per_tok, norm_topk_prob
         self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)  # the router
         self.experts = Experts(a.num_experts, a.hidden_size, a.moe_intermediate_size)
         self.shared_expert = GatedMLP(a.hidden_size, a.shared_expert_intermediate_size)
@@ -287,14 +287,15 @@ class SparseMoeBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs, layer_type: str):
+    def __init__(self, a: ModelArgs, layer_type: str, mlp: nn.Module | None = None):
+        """mlp: the layer's MLP half (default: a `SparseMoeBlock`)."""
         super().__init__()
         self.layer_type = layer_type
         if layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(a)
         else:
             self.self_attn = Attention(a)
-        self.mlp = SparseMoeBlock(a)
+        self.mlp = SparseMoeBlock(a) if mlp is None else mlp
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, zero_centered=True)
 
@@ -311,11 +312,15 @@ class DecoderLayer(nn.Module):
         return moe_residual(x, self.post_attention_layernorm, self.mlp, plans)  # x + mlp(norm(x))
 
 
+def _mlp(mlp_for, a: ModelArgs, layer: int) -> nn.Module | None:
+    return mlp_for(a, layer) if mlp_for is not None else None
+
+
 class Qwen3_5MoeTextModel(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, mlp_for=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(a, t) for t in a.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(a, t, _mlp(mlp_for, a, i)) for i, t in enumerate(a.layer_types))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, zero_centered=True)
         self.rope = Rope(a.rope, a.rotary_dim, a.max_position_embeddings)
 
@@ -323,13 +328,14 @@ class Qwen3_5MoeTextModel(nn.Module):
 class MultiTokenPredictor(nn.Module):
     """`mtp.*`: fuse the next token's embedding with the hidden state, one full-attention MoE layer."""
 
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, mlp_for=None):
         super().__init__()
         H, eps = a.hidden_size, a.rms_norm_eps
         self.pre_fc_norm_embedding = RMSNorm(H, eps, zero_centered=True)
         self.pre_fc_norm_hidden = RMSNorm(H, eps, zero_centered=True)
         self.fc = nn.Linear(2 * H, H, bias=False)
-        self.layers = nn.ModuleList(DecoderLayer(a, "full_attention") for _ in range(a.mtp_num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, "full_attention", _mlp(mlp_for, a, a.num_hidden_layers + k))
+                                    for k in range(a.mtp_num_hidden_layers))
         self.norm = RMSNorm(H, eps, zero_centered=True)
 
 
@@ -340,13 +346,16 @@ class Model(CausalLM):
     # checkpoint was stripped of it: with none of the mtp.* tensors the model loads without the
     # head (has_mtp False); with only some of them the loader names the missing one
     optional_submodules = ("mtp",)
+    # (args, layer index) -> that layer's MLP half; None: a SparseMoeBlock in every layer (the
+    # MTP head's layers are numbered after the trunk's). Qwen3-Next sets its own.
+    mlp_for = None
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.model = Qwen3_5MoeTextModel(args)
+        self.model = Qwen3_5MoeTextModel(args, self.mlp_for)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.mtp = MultiTokenPredictor(args) if args.mtp_num_hidden_layers > 0 else None
+        self.mtp = MultiTokenPredictor(args, self.mlp_for) if args.mtp_num_hidden_layers > 0 else None
 
     @property
     def has_mtp(self) -> bool:
