@@ -73,7 +73,7 @@ def _range(xs: list[float]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", required=True, help="checkpoint directory (a quantized one keeps its format)")
+    ap.add_argument("-m", "--model", required=True, help="checkpoint directory (a quantized one keeps its format) or GGUF file")
     ap.add_argument("--budgets", default="100%,50%,25%", help="comma-separated --ram-budget values")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each running every setting once")
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -85,8 +85,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
-    if not Path(a.model, "config.json").is_file():
-        ap.error(f"{a.model} is not a model directory (no config.json)")
+    if not (Path(a.model, "config.json").is_file() or (a.model.endswith(".gguf") and Path(a.model).is_file())):
+        ap.error(f"{a.model} is neither a model directory (no config.json) nor a GGUF file")
     settings = [None] + [b for b in a.budgets.split(",") if b]
     runs: dict[str | None, list[dict]] = {s: [] for s in settings}
     for r in range(a.rounds):
