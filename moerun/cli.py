@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import json
+import os
 import sys
 
 
@@ -773,6 +774,12 @@ def _say_on_stderr(level: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Idle OpenMP threads (torch's, after each of its parallel ops) sleep rather than spin:
+    # moerun's own pool runs the heavy ops on the same cores, and spinning threads took them
+    # (a 512-token prompt pass of a Qwen3-30B-A3B-shaped Q4_K_M file on 2 threads: libgomp 14%
+    # of the samples, the pass ~5% slower; docs/benchmarks.md). Set before torch loads; a
+    # value the user set is kept.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from .errors import MoerunError
 
     parser = build_parser()

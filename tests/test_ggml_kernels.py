@@ -95,7 +95,7 @@ def test_codes_agree():
 
 @pytest.mark.parametrize("isa", NATIVE)
 @pytest.mark.parametrize("fmt", RAW)
-@pytest.mark.parametrize("M", [1, 3, 16, 64])
+@pytest.mark.parametrize("M", [1, 3, 16, 64, 512])
 def test_qlinear_raw(isa, fmt, M):
     K = 3 * 256 if fmt != "q5_0" else 13 * 32  # q5_0: 8-block groups and a tail of 5 blocks
     N = 37
@@ -119,11 +119,12 @@ X86 = [i for i in NATIVE if i != "generic"]
 
 @pytest.mark.skipif(len(X86) < 2, reason="needs two x86 kernel tables")
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
-@pytest.mark.parametrize("M", [1, 2, 5, 13])
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 9, 13, 16, 23, 64, 512])
 def test_k_quants_same_bits_on_every_x86_table(fmt, M):
-    """The AVX-512 tables' K-quant kernel (quants gathered into the activations' lane order)
-    adds the same integer sums and takes the same float steps as the 256-bit transposing
-    kernel of the AVX2 tables: the same bits, at every token count."""
+    """The AVX-512 tables' K-quant kernels (quants gathered into the activations' lane order;
+    from 8 tokens on, tokens in pairs sharing a register) add the same integer sums and take
+    the same float steps as the 256-bit transposing kernel of the AVX2 tables: the same bits,
+    at every token count."""
     K, N = 4 * 256, 45
     raw = random_raw(fmt, (N,), K, seed=M + 100)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M + 100))
