@@ -61,19 +61,21 @@ def make(dtype, experts="float", shared=True, shared_fmt=None, renorm=True, zero
     return norm, block
 
 
-def run(x, norm, block, fused: bool, monkeypatch):
-    """moe_residual with the fusion allowed or not -> (output, how many fused calls ran)."""
+def run(x, norm, block, fused: bool, monkeypatch, op: str = "moe_block_run", fusable: str = "moe_fusable"):
+    """moe_residual with the fusion allowed or not -> (output, how many fused calls ran).
+    `op`/`fusable`: the fused op counted and the check that allows it (a dense MLP's:
+    "mlp_block_run", "mlp_fusable")."""
     calls = []
-    real = kernels.moe_block_run
+    real = getattr(kernels, op)
 
     def counted(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
     with monkeypatch.context() as m:
-        m.setattr(kernels, "moe_block_run", counted)
+        m.setattr(kernels, op, counted)
         if not fused:
-            m.setattr(moe, "moe_fusable", lambda *a: None)
+            m.setattr(moe, fusable, lambda *a: None)
         with torch.inference_mode():
             return moe_residual(x, norm, block), len(calls)
 
@@ -225,21 +227,8 @@ def make_dense(dtype, fmt=None, H=96, I=160, zero_centered=False, seed=0):
 
 
 def run_dense(x, norm, mlp, fused: bool, monkeypatch):
-    """moe_residual of a dense MLP (`mlp_residual`) with the fusion allowed or not -> (output,
-    how many fused calls ran)."""
-    calls = []
-    real = kernels.mlp_block_run
-
-    def counted(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    with monkeypatch.context() as m:
-        m.setattr(kernels, "mlp_block_run", counted)
-        if not fused:
-            m.setattr(moe, "mlp_fusable", lambda *a: None)
-        with torch.inference_mode():
-            return moe_residual(x, norm, mlp), len(calls)
+    """`run` of a dense MLP (`mlp_residual`)."""
+    return run(x, norm, mlp, fused, monkeypatch, "mlp_block_run", "mlp_fusable")
 
 
 @pytest.mark.parametrize("isa", NATIVE)
