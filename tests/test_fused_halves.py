@@ -88,13 +88,20 @@ def run(x, norm, block, fused: bool, monkeypatch, op: str = "moe_block_run", fus
 @pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 2), (1, 16), "last"])
 def test_fused_block_is_bit_identical(isa, dtype, experts, shared, shared_fmt, shape, monkeypatch):
     norm, block = make(dtype, experts, shared, shared_fmt)
-    if shape == "last":  # the last position of 2 rows of 3 (an MTP catch-up call): not contiguous
+    check_fused_bits(isa, dtype, shape, norm, block, monkeypatch)
+
+
+def check_fused_bits(isa, dtype, shape, norm, block, monkeypatch, *dense):
+    """`run` of an input of `shape` ((rows, tokens), or "last": the last position of 2 rows of
+    3, an MTP catch-up call, not contiguous) with the fusion off, then on: one fused call, the
+    same bits. `dense`: `run`'s op and check for a dense MLP."""
+    if shape == "last":
         x = (torch.randn(2, 3, 96) * 2).to(dtype)[:, -1:]
     else:
         x = (torch.randn(*shape, 96) * 2).to(dtype)
     with kernels.use_isa(isa):
-        want, n0 = run(x, norm, block, False, monkeypatch)
-        got, n1 = run(x, norm, block, True, monkeypatch)
+        want, n0 = run(x, norm, block, False, monkeypatch, *dense)
+        got, n1 = run(x, norm, block, True, monkeypatch, *dense)
     assert (n0, n1) == (0, 1)
     assert got.dtype == dtype and got.shape == x.shape
     assert torch.equal(got, want)
@@ -226,9 +233,11 @@ def make_dense(dtype, fmt=None, H=96, I=160, zero_centered=False, seed=0):
     return norm, mlp
 
 
+DENSE = ("mlp_block_run", "mlp_fusable")  # `run`'s op and check for a dense MLP (`mlp_residual`)
+
+
 def run_dense(x, norm, mlp, fused: bool, monkeypatch):
-    """`run` of a dense MLP (`mlp_residual`)."""
-    return run(x, norm, mlp, fused, monkeypatch, "mlp_block_run", "mlp_fusable")
+    return run(x, norm, mlp, fused, monkeypatch, *DENSE)
 
 
 @pytest.mark.parametrize("isa", NATIVE)
@@ -239,16 +248,7 @@ def test_fused_dense_mlp_is_bit_identical(isa, dtype, fmt, zero_centered, shape,
     """A dense MLP half (DeepSeek-V3's first layers, Qwen3-MoE's mlp_only_layers) as one native
     call (`kernels.mlp_block_run`): the bits of the norm, the MLP and the add one by one."""
     norm, mlp = make_dense(dtype, fmt, zero_centered=zero_centered)
-    if shape == "last":  # not contiguous
-        x = (torch.randn(2, 3, 96) * 2).to(dtype)[:, -1:]
-    else:
-        x = (torch.randn(*shape, 96) * 2).to(dtype)
-    with kernels.use_isa(isa):
-        want, n0 = run_dense(x, norm, mlp, False, monkeypatch)
-        got, n1 = run_dense(x, norm, mlp, True, monkeypatch)
-    assert (n0, n1) == (0, 1)
-    assert got.dtype == dtype and got.shape == x.shape
-    assert torch.equal(got, want)
+    check_fused_bits(isa, dtype, shape, norm, mlp, monkeypatch, *DENSE)
 
 
 @pytest.mark.parametrize("isa", NATIVE)
