@@ -319,6 +319,21 @@ def import_llama_cpp_lowlevel(d=None):
 _QUIET = None
 
 
+def decode_batch(ll, ctx, batch, ids, start: int, all_logits: bool) -> None:
+    """ids at positions start.. of sequence 0 through llama_decode, in one batch; logits kept
+    for every position or the last one."""
+    batch.n_tokens = len(ids)
+    for i, t in enumerate(ids):
+        batch.token[i] = int(t)
+        batch.pos[i] = start + i
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = 0
+        batch.logits[i] = 1 if all_logits or i == len(ids) - 1 else 0
+    rc = ll.llama_decode(ctx, batch)
+    if rc != 0:
+        raise BuildError(f"llama_decode returned {rc}")
+
+
 def logits(model_path, ids: list[int], threads: int = 2, n_batch: int = 512, d=None, quiet: bool = True,
            kv_type: str | None = None, flash_attn: bool | None = None):
     """Per-position logits [len(ids), vocab] (float32 numpy) of the GGUF at `model_path` run by
@@ -358,16 +373,7 @@ def logits(model_path, ids: list[int], threads: int = 2, n_batch: int = 512, d=N
         try:
             for s in range(0, n, step):
                 chunk = ids[s:s + step]
-                batch.n_tokens = len(chunk)
-                for i, t in enumerate(chunk):
-                    batch.token[i] = int(t)
-                    batch.pos[i] = s + i
-                    batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = 0
-                    batch.logits[i] = 1
-                rc = ll.llama_decode(ctx, batch)
-                if rc != 0:
-                    raise BuildError(f"llama_decode returned {rc}")
+                decode_batch(ll, ctx, batch, chunk, s, all_logits=True)
                 for i in range(len(chunk)):
                     out[s + i] = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, i), shape=(n_vocab,))
         finally:
@@ -430,8 +436,6 @@ class Session:
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """The file's tokenizer (llama_tokenize); add_special adds BOS where the file says so."""
-        import ctypes
-
         raw = text.encode("utf-8")
         n_max = len(raw) + 8
         buf = (self.ll.llama_token * n_max)()
@@ -445,17 +449,7 @@ class Session:
         return list(buf[:n])
 
     def _decode(self, ids, start: int, all_logits: bool) -> None:
-        b = self.batch
-        b.n_tokens = len(ids)
-        for i, t in enumerate(ids):
-            b.token[i] = int(t)
-            b.pos[i] = start + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = 1 if all_logits or i == len(ids) - 1 else 0
-        rc = self.ll.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise BuildError(f"llama_decode returned {rc}")
+        decode_batch(self.ll, self.ctx, self.batch, ids, start, all_logits)
 
     def _row(self, i: int):
         import numpy as np
