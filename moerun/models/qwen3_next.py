@@ -11,8 +11,8 @@ shared expert, zero-centred RMSNorm, partial rotary, an MTP head), so it runs on
   channels and the rest are Qwen3.5's as stored.
 - `norm_topk_prob` is read from the config (Qwen3.5 always renormalises).
 - Dense layers: `mlp_only_layers` and `decoder_sparse_step` as Qwen2-MoE (a dense layer is a
-  plain SwiGLU MLP of `intermediate_size`; released checkpoints have none). A dense layer's
-  MLP half runs as modules, so such a model's decode steps leave the native stack.
+  plain SwiGLU MLP of `intermediate_size`; released checkpoints have none), a native stack
+  half of its own (`mlp_block`).
 - Rope is plain partial rotary (Qwen3.5's M-RoPE is the same for text).
 - The MTP head: the released config.json does not say `mtp_num_hidden_layers` while the
   checkpoints hold one `mtp.*` layer (transformers ignores it, vLLM runs it as Qwen3.5's), so
