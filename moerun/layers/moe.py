@@ -79,6 +79,24 @@ def softmax_topk(gate: nn.Linear, h: torch.Tensor, k: int, renorm: bool) -> tupl
     return weights.to(h.dtype), ids
 
 
+def sigmoid_grouped_topk(router: nn.Module, h: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's grouped sigmoid routing of h [N, H] by `router` (its `weight` and
+    `routing()`, a `kernels.SigmoidRouting`) -> (weights [N, k] in fp32, ids [N, k]):
+    decode-sized passes as one native call (`kernels.route_sigmoid_grouped`), the rest as its
+    torch reference."""
+    if sigmoid_native(router, h):
+        return kernels.route_sigmoid_grouped(h, kernels.float32_weight(router), k, renorm, router.routing())
+    return kernels.route_sigmoid_grouped_ref(h, router.weight, k, renorm, router.routing())
+
+
+def sigmoid_native(router: nn.Module, h: torch.Tensor) -> bool:
+    """Whether h's grouped sigmoid routing runs natively (also inside the fused MoE half): a
+    decode-sized float pass without autograd, float router weight and bias."""
+    return (h.shape[0] <= kernels.ROUTE_MAX_TOKENS and h.dtype in kernels.FLOAT_DTYPES
+            and router.weight.dtype in kernels.FLOAT_DTYPES and router.routing().bias.dtype in kernels.FLOAT_DTYPES
+            and not torch.is_grad_enabled() and kernels.native())
+
+
 def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module, plans: dict | None = None) -> torch.Tensor:
     """x + block(norm(x)): a decoder layer's MLP half. For a decode-sized x through a softmax
     top-k MoE block (`gate`: the router, `top_k`, `norm_topk_prob`, `experts`, and maybe a
@@ -202,12 +220,12 @@ def _decode_sized(x: torch.Tensor) -> bool:
 def _moe_plan(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None:
     """The plan of `moe_fusable`. The router is a softmax top-k `gate` linear with the block's
     `top_k` and `norm_topk_prob`, or a grouped sigmoid router (DeepSeek-V3's: a `gate` with
-    `routing()`, `top_k`, `norm_topk_prob` and `native(h)`); the shared expert is
+    `routing()`, `top_k` and `norm_topk_prob`: `sigmoid_grouped_topk`); the shared expert is
     `shared_expert` with its scalar `shared_expert_gate`, or `shared_experts` without one."""
     h = x.reshape(-1, x.shape[-1])
     gate = block.gate
     sigmoid = hasattr(gate, "routing")
-    if norm.weight.dtype != x.dtype or not (gate.native(h) if sigmoid else native_float_linear(gate, h)):
+    if norm.weight.dtype != x.dtype or not (sigmoid_native(gate, h) if sigmoid else native_float_linear(gate, h)):
         return None
     views = block.experts.fused_views(h)
     if views is None:

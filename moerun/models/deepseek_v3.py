@@ -22,7 +22,7 @@ from ..layers.cache import KVSpec
 from ..layers.linear import head_logits
 from ..errors import MoerunError
 from .. import kernels
-from ..layers.moe import Experts, GatedMLP, moe_residual
+from ..layers.moe import Experts, GatedMLP, moe_residual, sigmoid_grouped_topk
 from ..layers.norm import RMSNorm, rms_norm_cat
 from ..kernels.reference import apply_rope
 from ..layers.rope import Rope
@@ -199,20 +199,9 @@ class Router(nn.Module):
     def routing(self) -> kernels.SigmoidRouting:
         return kernels.SigmoidRouting(self.e_score_correction_bias, self.n_group, self.topk_group, self.scaling)
 
-    def native(self, h) -> bool:
-        """Whether h's routing runs as the native op (`kernels.route_sigmoid_grouped`, also the
-        fused MoE half's): a decode-sized float pass without autograd, float weights."""
-        return (h.shape[0] <= kernels.ROUTE_MAX_TOKENS and h.dtype in kernels.FLOAT_DTYPES
-                and self.weight.dtype in kernels.FLOAT_DTYPES and self.e_score_correction_bias.dtype in kernels.FLOAT_DTYPES
-                and not torch.is_grad_enabled() and kernels.native())
-
     def forward(self, h):
-        """h [B*T, H] -> weights [B*T, K] (fp32), ids [B*T, K]: decode-sized passes as one native
-        call, the rest as its torch reference (`kernels.route_sigmoid_grouped_ref`)."""
-        if self.native(h):
-            return kernels.route_sigmoid_grouped(h, kernels.float32_weight(self), self.top_k, self.norm_topk_prob,
-                                                 self.routing())
-        return kernels.route_sigmoid_grouped_ref(h, self.weight, self.top_k, self.norm_topk_prob, self.routing())
+        """h [B*T, H] -> weights [B*T, K] (fp32), ids [B*T, K] (`layers.moe.sigmoid_grouped_topk`)."""
+        return sigmoid_grouped_topk(self, h, self.top_k, self.norm_topk_prob)
 
 
 class MoE(nn.Module):
