@@ -1384,3 +1384,25 @@ def test_qwen3_attention_runs_norm_and_rope_as_one_call(monkeypatch):
         hooked = attn(x, cos_sin, None, None, None)
     assert seen == [(1, 9, 4, 16)] and calls == [(9, 2, 16)]
     assert max_rel(hooked, ref) < 1e-5
+
+
+@pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
+@pytest.mark.parametrize("head", ["bf16", "int8"])
+def test_head_logits_of_a_bf16_model_keep_float32_precision(head):
+    """`layers.linear.head_logits`: a bf16 model's logits are the native product's float32
+    sums, not rounded to bf16 (where logits within 1/256 tie and argmax takes the lower id)."""
+    from moerun.layers.linear import head_logits
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 500, bias=False).to(torch.bfloat16)
+    if head == "int8":
+        lin = QuantizedLinear.from_linear(lin, "int8")
+    else:
+        assert native_float_linears(torch.nn.Sequential(lin)) == 1  # its forward: the native bf16 product
+    h = torch.randn(2, 3, 256).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = head_logits(lin, h)
+        rounded = lin(h)  # the module's own output: rounded to bf16
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 500)
+    assert torch.equal(got.to(torch.bfloat16), rounded)  # the same product, rounded once at the end
+    assert not torch.equal(got, rounded.float())  # ... which head_logits does not do
