@@ -43,7 +43,7 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
         s.add_argument("--emulate-link", default=None, help="emulated device link: pcie4, pcie5 or 'GB/s,us' (figures are EMULATED)")
         s.add_argument("--execute", default=None, choices=["auto", "device", "cpu"],
                        help="a device miss waits for the link (device, default), runs on the CPU (cpu), or a cost model picks (auto)")
-        s.add_argument("--predictor", default=None, help="drive the prefetcher with a predictor (temporal, layer_ahead1, lookahead, ...)")
+        s.add_argument("--predictor", default=None, help="drive the prefetcher with a predictor (temporal, layer_ahead1, lookahead, lookahead_mtp, ...)")
         s.add_argument("--predictor-trace", default=None, help="routing trace that fits the predictor (frequency, mtp_learned, ...)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available cores)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")

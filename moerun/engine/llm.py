@@ -209,7 +209,11 @@ class LLM:
     def _mtp_prefetch(self):
         """The MTP-driven prefetcher's per-token call, when one drives the expert store."""
         driver = getattr(self, "predictor", None)
-        if driver is None or getattr(driver, "name", None) not in MTP_PREDICTORS or not getattr(self.net, "has_mtp", False):
+        if driver is None or not getattr(self.net, "has_mtp", False):
+            return None
+        if getattr(driver, "uses_draft", False):  # lookahead_mtp: the head's draft for the next token's layer 0
+            return driver.mtp_draft
+        if getattr(driver, "name", None) not in MTP_PREDICTORS:
             return None
         return driver.mtp_step
 

@@ -41,6 +41,13 @@ Predictors (names as `predict-eval` prints them):
                     choice (temporal). Scored here as layer_ahead1 is (its lead: one layer); the
                     prefetcher (PrefetchDriver) issues both depths, l+2 at a lower priority;
                     `lookaheadD` (live prefetch only) takes depths 1..D
+    lookahead_mtp   live prefetch only: `lookahead`, but layer 0 of the next token from the MTP
+                    head's draft (PrefetchDriver.mtp_draft, called after each sampled token:
+                    the head drafts the token after it, whose input embedding, normed by layer
+                    0's post-attention norm, goes through layer 0's router; approximate: the
+                    embedding stands in for the residual after layer 0's attention/DeltaNet
+                    half, which needs the state the next token leaves). Layer 1 stays this
+                    token's choice (its router input needs layer 0's experts on the draft)
     mtp_oracle      diagnostic, not a prefetcher: `mtp` with a perfect candidate list (the
                     `token` scores, credited with mtp's one-token lead)
 Where a predictor has no signal (first tokens, first layers) it falls back to `temporal`,
@@ -62,6 +69,7 @@ from ..layers.routes import observe_routes
 NAMES = ("frequency", "temporal", "layer_ahead1", "layer_ahead2", "token", "mtp", "mtp_learned", "combined",
          "token_ahead", "lookahead", "mtp_oracle")
 PREFETCHERS = NAMES[:-1]  # mtp_oracle reads the true next token a token early: a diagnostic, not a prefetcher
+LIVE_ONLY = ("lookahead_mtp",)  # prefetchers driven by a live model only (no trace replay)
 FACTORS = (1.0, 1.5, 2.0)
 
 
@@ -169,6 +177,27 @@ class Lookahead(LayerAhead):
     def next_token(self, layer: int, budget: int) -> np.ndarray:
         """The next token's experts for `layer`, best first: this token's (temporal), then the prior."""
         s = self.last_used[layer] + self._tiebreak[layer]
+        budget = min(int(budget), self.E)
+        top = np.argpartition(-s, budget - 1)[:budget]
+        return top[np.argsort(-s[top], kind="stable")]
+
+
+class LookaheadMTP(Lookahead):
+    """`lookahead`, with layer 0 of the next token from the MTP head's draft (see the module's
+    docstring): `next_token(0, budget, draft)` ranks by `draft`, the drafted token's layer-0
+    router scores, where the driver has them; every other layer, and layer 0 without a draft,
+    as `lookahead` (this token's choice)."""
+
+    uses_draft = True
+
+    def __init__(self, num_layers, num_experts, prior=None, depths=(1, 2)):
+        super().__init__(num_layers, num_experts, prior, depths)
+        self.name = "lookahead_mtp"
+
+    def next_token(self, layer: int, budget: int, draft: np.ndarray | None = None) -> np.ndarray:
+        if layer != 0 or draft is None:
+            return super().next_token(layer, budget)
+        s = np.asarray(draft, dtype=np.float64)
         budget = min(int(budget), self.E)
         top = np.argpartition(-s, budget - 1)[:budget]
         return top[np.argsort(-s[top], kind="stable")]
@@ -316,8 +345,8 @@ def fit_probes(trace, ridge: float = 1e-2) -> np.ndarray | None:
 
 def check_name(name: str) -> None:
     """Refuse a predictor name that is none of NAMES (layer_aheadD takes any depth D >= 1)."""
-    if name not in NAMES and not re.fullmatch(r"(layer_ahead|lookahead)[1-9][0-9]*", name):
-        raise MoerunError(f"unknown predictor {name!r}; choose one of {', '.join(NAMES)}")
+    if name not in NAMES and name not in LIVE_ONLY and not re.fullmatch(r"(layer_ahead|lookahead)[1-9][0-9]*", name):
+        raise MoerunError(f"unknown predictor {name!r}; choose one of {', '.join(NAMES + LIVE_ONLY)}")
 
 
 def make_predictors(fit, names=NAMES) -> dict[str, Predictor]:
@@ -337,6 +366,8 @@ def make_predictors(fit, names=NAMES) -> dict[str, Predictor]:
             if fit.ahead is None or d > fit.ahead.shape[0]:
                 continue
             out[n] = LayerAhead(L, E, prior, d)
+        elif n in LIVE_ONLY:  # driven by a live model's MTP head: nothing in a trace to replay
+            continue
         elif n.startswith("lookahead"):
             if fit.ahead is None:
                 continue
@@ -538,6 +569,15 @@ class PrefetchDriver:
         # hints the union of its rows' predictions for l+1 (each layer's experts read once)
         self.depths = getattr(predictor, "depths", None)
         self.wants_token = isinstance(predictor, (Token, TokenAhead))
+        self.name = getattr(predictor, "name", None)
+        # lookahead_mtp: the next token's layer 0 from the MTP head's draft (`mtp_draft`)
+        self.uses_draft = bool(getattr(predictor, "uses_draft", False))
+        self._draft: dict[int, tuple] = {}  # pass number -> (its drafted input token, layer-0 router scores)
+        self._pred0: dict[int, dict] = {}  # pass number -> its layer-0 hints, by source ("last", "draft")
+        self._mtp_cache = None
+        self.layer0 = {"passes": 0, "last_actual": 0, "last_hinted": 0, "last_hits": 0, "draft_actual": 0,
+                       "draft_hinted": 0, "draft_hits": 0, "drafts": 0, "drafts_scored": 0, "drafts_right": 0,
+                       "draft_s": 0.0}
         self._handles = []
         self._torch = torch
         self._begun = False
@@ -583,6 +623,86 @@ class PrefetchDriver:
             hk.remove()
             self._in_mtp = False
         self.on_mtp({"mtp_route": route, "mtp_hidden": captured["h"][0, -1].float().numpy()})
+
+    def mtp_draft(self, hidden, next_ids, cache_len: int = 4096) -> None:
+        """For the engine, after sampling (a `lookahead_mtp` predictor): the MTP head on the last
+        row's final normed hidden state (hidden [B, T, H]) and the token just sampled
+        (next_ids [B, T]) drafts the token after it; that token's layer-0 router scores are
+        kept for the pass it will be the input of (two passes on), whose layer 0 the last
+        layer of the next pass hints from them instead of from this token's choice.
+
+        The draft's router input is its embedding normed by layer 0's post-attention norm
+        (approximate: layer 0's attention/DeltaNet half is skipped). The head keeps a KV
+        cache of its own over the calls (reset every `cache_len` calls), which sees only the
+        decoded positions, not the prompt's."""
+        from ..layers.cache import Cache
+
+        torch = self._torch
+        t0 = time.perf_counter()
+        h, tok = hidden[-1:, -1:], next_ids[-1:, -1:]
+        with torch.inference_mode():
+            if self._mtp_cache is None or int(self._mtp_cache.lengths[0]) >= cache_len:
+                self._mtp_cache = Cache(self.net.mtp_cache_spec(), 1, cache_len, h.dtype)
+            self._in_mtp = True
+            try:
+                lg = self.net.mtp_logits(h, tok, self._mtp_cache, torch.zeros(1, dtype=torch.long))
+            finally:
+                self._in_mtp = False
+            d = int(lg[0, -1].argmax())
+            scores = self.router0_scores(d)
+        c = self.layer0
+        prev = self._draft.get(self.passes + 1)  # the draft made a pass ago, for the token just sampled
+        if prev is not None:
+            c["drafts_scored"] += 1
+            c["drafts_right"] += int(prev[0] == int(tok.reshape(-1)[0]))
+        self._draft = {k: v for k, v in self._draft.items() if k > self.passes}
+        self._draft[self.passes + 2] = (d, scores)
+        c["drafts"] += 1
+        c["draft_s"] += time.perf_counter() - t0
+
+    def router0_scores(self, token: int) -> np.ndarray:
+        """Layer 0's router logits [E] for `token`: its input embedding normed by layer 0's
+        post-attention norm (the input of layer 0's attention half stands in for its output)."""
+        torch = self._torch
+        name, blk = self.blocks[0]
+        layer = self.net.get_submodule(name.rsplit(".mlp", 1)[0]) if ".mlp" in name else None
+        norm = getattr(layer, "post_attention_layernorm", None)
+        with torch.inference_mode():
+            emb = self.net.model.embed_tokens(torch.tensor([[token]]))
+            u = norm(emb) if norm is not None else emb
+            g = blk.gate
+            return torch.nn.functional.linear(u.reshape(1, -1).to(g.weight.dtype), g.weight).float()[0].numpy()
+
+    def layer0_stats(self) -> dict:
+        """How well the next token's layer-0 hints named its experts, per source: `last` (this
+        token's choice) and `draft` (the MTP draft's router scores), each as precision (hints
+        the layer then used / hints) and recall (its experts hinted / its experts), over the
+        decode passes that had them; and the drafts' token accuracy."""
+        c = dict(self.layer0)
+        for src in ("last", "draft"):
+            c[f"{src}_precision"] = c[f"{src}_hits"] / c[f"{src}_hinted"] if c[f"{src}_hinted"] else None
+            c[f"{src}_recall"] = c[f"{src}_hits"] / c[f"{src}_actual"] if c[f"{src}_actual"] else None
+        c["draft_accuracy"] = c["drafts_right"] / c["drafts_scored"] if c["drafts_scored"] else None
+        c["draft_ms"] = 1e3 * c["draft_s"] / c["drafts"] if c["drafts"] else None
+        return c
+
+    def reset_layer0_stats(self) -> None:
+        for k in self.layer0:
+            self.layer0[k] = 0.0 if k == "draft_s" else 0
+
+    def _score_layer0(self, ids) -> None:
+        """This pass's layer 0 routed to `ids`: score the hints made for it a pass ago."""
+        p = self._pred0.pop(self.passes, None)
+        self._pred0 = {k: v for k, v in self._pred0.items() if k > self.passes}
+        if p is None:
+            return
+        got = {int(e) for e in ids}
+        c = self.layer0
+        c["passes"] += 1
+        for src, hinted in p.items():
+            c[f"{src}_actual"] += len(got)
+            c[f"{src}_hinted"] += len(hinted)
+            c[f"{src}_hits"] += len(got & set(hinted))
 
     def _start(self, info):
         self._begun = True
@@ -644,6 +764,8 @@ class PrefetchDriver:
         if i == 0 and not self._begun:
             self._start(None)
         rows = h.reshape(-1, h.shape[-1])
+        if i == 0 and rows.shape[0] == 1:  # a decode pass: how well its layer 0 was hinted
+            self._score_layer0(ids[-1].tolist())
         ahead, union = {}, None
         with torch.inference_mode():
             for d in self.depths:
@@ -670,7 +792,15 @@ class PrefetchDriver:
         if i == self.L - 1:
             self._begun = False
             for l in range(min(self.depths[-1], self.L)):  # the next token's first layers: this token's choice
-                ids_next = [int(e) for e in self.pred.next_token(l, self.budget if l == 0 else min(self.budget, self.top_k))]
+                budget = self.budget if l == 0 else min(self.budget, self.top_k)
+                ids_next = [int(e) for e in self.pred.next_token(l, budget)]
+                if l == 0 and rows.shape[0] == 1:
+                    pred0 = {"last": ids_next}
+                    draft = self._draft.get(self.passes + 1)
+                    if self.uses_draft and draft is not None:  # lookahead_mtp: the MTP head's draft instead
+                        ids_next = [int(e) for e in self.pred.next_token(0, budget, draft[1])]
+                        pred0["draft"] = ids_next
+                    self._pred0[self.passes + 1] = pred0
                 self.store.prefetch(self.layer_ids[l], ids_next, priority=-l, for_step=self.store.step + 1,
                                     hold=True, replace=True)
 
@@ -693,7 +823,7 @@ def attach_predictor(net, store, name: str, trace=None, factor: float = 1.5) -> 
     E = net.args.num_experts
     if trace is not None and not isinstance(trace, Trace):
         trace = Trace.load(trace)
-    if trace is not None:
+    if trace is not None and name not in LIVE_ONLY:
         preds = make_predictors(trace, (name,))
         if name not in preds:
             raise MoerunError(f"predictor {name!r} needs signals the trace {trace.meta.get('trace', '')} lacks")
@@ -702,6 +832,10 @@ def attach_predictor(net, store, name: str, trace=None, factor: float = 1.5) -> 
         pred = Temporal(L, E)
     elif name.startswith("layer_ahead"):
         pred = LayerAhead(L, E, d=int(name[len("layer_ahead"):] or 1))
+    elif name == "lookahead_mtp":
+        if not getattr(net, "has_mtp", False):
+            raise MoerunError("predictor 'lookahead_mtp' drafts with the model's MTP head; this model has none")
+        pred = LookaheadMTP(L, E)
     elif name.startswith("lookahead"):
         pred = Lookahead(L, E, depths=tuple(range(1, int(name[len("lookahead"):] or 2) + 1)))
     elif name == "token":
