@@ -121,6 +121,7 @@ def test_layer0_hints_follow_the_draft_and_are_scored(mtp_model, monkeypatch):
         assert c["draft_hinted"] == c["draft_actual"] == c["last_hinted"] == c["last_actual"] == 8 * K
         assert c["draft_precision"] == c["draft_recall"] == draft_hits / (8 * K)
         assert c["last_precision"] == last_hits / (8 * K)
+        assert c["token_hits"] == draft_hits and c["token_hinted"] == 8 * K  # every draft right: the ceiling met
     finally:
         llm.store.close()
 

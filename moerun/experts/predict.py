@@ -575,9 +575,8 @@ class PrefetchDriver:
         self._draft: dict[int, tuple] = {}  # pass number -> (its drafted input token, layer-0 router scores)
         self._pred0: dict[int, dict] = {}  # pass number -> its layer-0 hints, by source ("last", "draft")
         self._mtp_cache = None
-        self.layer0 = {"passes": 0, "last_actual": 0, "last_hinted": 0, "last_hits": 0, "draft_actual": 0,
-                       "draft_hinted": 0, "draft_hits": 0, "drafts": 0, "drafts_scored": 0, "drafts_right": 0,
-                       "draft_s": 0.0}
+        self.layer0 = {"passes": 0, "drafts": 0, "drafts_scored": 0, "drafts_right": 0, "draft_s": 0.0,
+                       **{f"{src}_{k}": 0 for src in ("last", "draft", "token") for k in ("actual", "hinted", "hits")}}
         self._handles = []
         self._torch = torch
         self._begun = False
@@ -651,6 +650,9 @@ class PrefetchDriver:
             d = int(lg[0, -1].argmax())
             scores = self.router0_scores(d)
         c = self.layer0
+        p = self._pred0.get(self.passes + 1)
+        if p is not None:  # the ceiling of the draft's approximation: the right token through the same route
+            p["token"] = [int(e) for e in self.pred.next_token(0, len(p["last"]), self.router0_scores(int(tok.reshape(-1)[0])))]
         prev = self._draft.get(self.passes + 1)  # the draft made a pass ago, for the token just sampled
         if prev is not None:
             c["drafts_scored"] += 1
@@ -675,11 +677,13 @@ class PrefetchDriver:
 
     def layer0_stats(self) -> dict:
         """How well the next token's layer-0 hints named its experts, per source: `last` (this
-        token's choice) and `draft` (the MTP draft's router scores), each as precision (hints
-        the layer then used / hints) and recall (its experts hinted / its experts), over the
-        decode passes that had them; and the drafts' token accuracy."""
+        token's choice), `draft` (the MTP draft's router scores) and `token` (not a hint: the
+        right token through the draft's approximate route, once it is sampled; the ceiling of a
+        perfect draft), each as precision (hints the layer then used / hints) and recall (its
+        experts hinted / its experts), over the decode passes that had them; and the drafts'
+        token accuracy and the head's time per call."""
         c = dict(self.layer0)
-        for src in ("last", "draft"):
+        for src in ("last", "draft", "token"):
             c[f"{src}_precision"] = c[f"{src}_hits"] / c[f"{src}_hinted"] if c[f"{src}_hinted"] else None
             c[f"{src}_recall"] = c[f"{src}_hits"] / c[f"{src}_actual"] if c[f"{src}_actual"] else None
         c["draft_accuracy"] = c["drafts_right"] / c["drafts_scored"] if c["drafts_scored"] else None
