@@ -16,14 +16,25 @@ bytes read from disk per token (/proc/PID/io read_bytes), and for moerun the sto
 stall, the expert read time hidden by prefetch against the time waited for, and the disk
 bandwidth the reads got (bytes of the reads over the wall time of the phase). A run is killed
 past `--rss-limit` (default 14 GiB) or `--timeout` seconds and reported as such: the machine
-is shared. The page cache is dropped before each run with /proc/sys/vm/drop_caches when
+is shared. For llama-bench the limit applies to its private memory (RssAnon): the file pages
+its mapping holds (RssFile) are page cache the kernel reclaims, so its RSS may pass the limit
+(up to what the page cache holds) without taking memory from anyone; it is also stopped if the
+machine's MemAvailable falls under `--llama-min-available` (2 GiB). No cgroup limits memory
+here (memory.limit_in_bytes of the process's cgroup is unlimited): these limits are the
+benchmark's own, for the other jobs on the machine. `--llama-runs` takes llama-bench's own
+flags per run, e.g. `tg:--repack 0` (mmap, weights used in place) or `tg:-lm none` (no mmap:
+read into memory). The page cache is dropped before each run with /proc/sys/vm/drop_caches when
 permitted, else the file's pages with POSIX_FADV_DONTNEED (the line `page cache:` says which).
 Random weights route almost uniformly: the worst case for any cache.
 
 `+lookahead` (issue 37): at layer l's router, layer l+1's experts (router l+1 on layer l's
 input, the union over a prompt's rows) and layer l+2's are hinted, held until layer l's own
 demand misses are in, and read while layer l computes; layers 0-1 of the next token from this
-token's choice. `+NAME:F` sets the prefetch budget to F x top-k (default 1.0 for lookahead,
+token's choice. `+lookahead_mtp`: the same, but after each sampled token the MTP head drafts
+the token after it and the next token's layer 0 is hinted from that draft's embedding
+through layer 0's router (approximate; see predict.LookaheadMTP); a row with a predictor
+also scores the next token's layer-0 hints by source (this token's choice, the draft):
+precision, recall, the drafts' token accuracy and the head's time. `+NAME:F` sets the prefetch budget to F x top-k (default 1.0 for lookahead,
 1.5 otherwise). `--rounds N` repeats the rows interleaved (row A, row B, A, B...).
 
 `--routing-trace TRACE` adds a REPLAY row per budget: no model runs; the demo model's routing
@@ -41,6 +52,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -57,7 +69,7 @@ def proc_status(pid="self") -> dict:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 k, _, v = line.partition(":")
-                if k in ("VmRSS", "VmHWM"):
+                if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
                     out[k] = int(v.split()[0]) * 1024
     except OSError:
         pass
@@ -74,6 +86,16 @@ def proc_io(pid="self") -> dict:
     except OSError:
         pass
     return out
+
+
+def mem_available() -> int:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
 
 
 def drop_page_cache(path: Path) -> str:
@@ -141,10 +163,12 @@ def child(a) -> dict:
     load_s = time.perf_counter() - t0
     io_load = proc_io()["read_bytes"] - io0["read_bytes"]
     store = llm.store
+    driver = None
     if predictor:
         from moerun.experts.predict import attach_predictor
 
-        llm.predictor = attach_predictor(llm.net, store, predictor, factor=factor)
+        llm.predictor = driver = attach_predictor(llm.net, store, predictor, factor=factor)
+    draft = driver.mtp_draft if driver is not None and driver.uses_draft else None
     net = llm.net
     vocab = net.args.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -161,7 +185,12 @@ def child(a) -> dict:
         plans = run_plans(net)
 
         def step(ids):
-            return net(ids, cache, last_only=True, **plans)[:, -1].argmax(-1, keepdim=True)
+            if draft is None:
+                return net(ids, cache, last_only=True, **plans)[:, -1].argmax(-1, keepdim=True)
+            logits, hidden = net(ids, cache, last_only=True, return_hidden=True, **plans)
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            draft(hidden[:, -1:], tok)  # lookahead_mtp: the MTP head drafts the token after `tok`
+            return tok
 
         tok = step(prompt[:, :1])  # warm-up: plans, native stack, first allocations
         for _ in range(2):
@@ -175,7 +204,11 @@ def child(a) -> dict:
             t = tok
             for _ in range(a.gen_tokens):
                 t = step(t)
+        if driver is not None:
+            driver.reset_layer0_stats()
         phase("decode", decode, a.gen_tokens)
+        if driver is not None:  # the next token's layer-0 hints: this token's choice, and the MTP draft's
+            out["decode"]["layer0"] = driver.layer0_stats()
     out["peak_rss"] = proc_status()["VmHWM"]
     out["io"] = store.io
     store.close()
@@ -308,14 +341,24 @@ def llama_bench(a, p: int, n: int, extra: list[str]) -> dict:
     cmd = [str(tool("llama-bench")), "-m", str(a.model), "-p", str(p), "-n", str(n), "-r", "1",
            "-t", str(a.threads), "-o", "json", *extra]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak, io_last, killed = 0, {}, None
+    log = tempfile.TemporaryFile("w+")  # its loading log (a pipe left unread could fill and stall it)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    peak, peak_anon, peak_file, io_last, killed, min_avail = 0, 0, 0, {}, None, mem_available()
+    # a mapping's file pages (RssFile) are page cache the kernel takes back under pressure; what
+    # cannot be taken back is the process's private memory (RssAnon): the limit applies to that,
+    # and the run is also stopped if the machine's MemAvailable falls under `--llama-min-available`
     while proc.poll() is None:
         st = proc_status(proc.pid)
         peak = max(peak, st.get("VmRSS", 0))
+        peak_anon, peak_file = max(peak_anon, st.get("RssAnon", 0)), max(peak_file, st.get("RssFile", 0))
+        avail = mem_available()
+        min_avail = min(min_avail, avail)
         io_last = proc_io(proc.pid) or io_last
-        if st.get("VmRSS", 0) > a.rss_limit:
-            killed = f"RSS {st['VmRSS'] / GiB:.2f} GiB passed the limit of {a.rss_limit / GiB:.2f} GiB"
+        if st.get("RssAnon", 0) > a.rss_limit:
+            killed = (f"private memory (RssAnon) {st['RssAnon'] / GiB:.2f} GiB passed the limit of "
+                      f"{a.rss_limit / GiB:.2f} GiB (RSS {st.get('VmRSS', 0) / GiB:.2f} GiB)")
+        elif avail < a.llama_min_available:
+            killed = f"the machine's MemAvailable fell to {avail / GiB:.2f} GiB"
         elif time.perf_counter() - t0 > a.timeout:
             killed = f"no result in {a.timeout} s"
         if killed:
@@ -325,12 +368,16 @@ def llama_bench(a, p: int, n: int, extra: list[str]) -> dict:
         time.sleep(0.1)
     wall = time.perf_counter() - t0
     res = {"cmd": " ".join(cmd), "test": (f"pp{p}" if p else f"tg{n}") + (f" {' '.join(extra)}" if extra else ""),
-           "wall_s": wall, "peak_rss": peak,
-           "read_bytes": io_last.get("read_bytes", 0)}
+           "wall_s": wall, "peak_rss": peak, "peak_rss_anon": peak_anon, "peak_rss_file": peak_file,
+           "min_mem_available": min_avail, "read_bytes": io_last.get("read_bytes", 0)}
+    stdout, _ = proc.communicate()
+    log.seek(0)
+    stderr = log.read()
+    log.close()
+    res["stderr_tail"] = stderr.strip().splitlines()[-6:]
     if killed:
         res["error"] = f"killed: {killed} (after {wall:.0f} s)"
         return res
-    stdout, stderr = proc.communicate()
     try:
         rows = json.loads(stdout)
         res["tok_s"] = rows[0]["avg_ts"]
@@ -428,14 +475,18 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--gen-tokens", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per run")
-    ap.add_argument("--rss-limit", type=float, default=14 * GiB, help="bytes; a run past it is killed")
+    ap.add_argument("--rss-limit", type=float, default=14 * GiB,
+                    help="bytes; a moerun run past this RSS is killed, a llama-bench run past this private memory (RssAnon)")
+    ap.add_argument("--llama-min-available", type=float, default=2 * GiB,
+                    help="bytes; a llama-bench run is killed if the machine's MemAvailable falls under it")
     ap.add_argument("--cache-policy", default="lru")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     ap.add_argument("--probe", action="store_true", help="first measure the disk alone (O_DIRECT, sequential and random)")
     ap.add_argument("--disk-workers", type=int, default=6, help="the store's disk workers (StoreOptions.disk_workers)")
     ap.add_argument("--io-threads", type=int, default=0, help="the store's pread threads (0: the store's default, "
                     "3 x (disk workers + 1))")
-    ap.add_argument("--rounds", type=int, default=1, help="repeat the rows this many times, interleaved")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the rows (and the llama-bench runs) this many times, interleaved")
     ap.add_argument("--routing-trace", type=Path, default=None,
                     help="a routing trace (moerun profile .npz): add a REPLAY row driving the store with it")
     ap.add_argument("--replay-compute-ms", type=float, default=5.0, help="replay: sleep per layer standing in for compute")
@@ -445,6 +496,7 @@ def main(argv=None) -> int:
     ap.add_argument("--row", default="direct", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.rss_limit = int(a.rss_limit)
+    a.llama_min_available = int(a.llama_min_available)
     if not a.model.is_file():
         print(f"bigger_than_ram: error: {a.model} is not a file", file=sys.stderr)
         return 1
@@ -471,23 +523,22 @@ def main(argv=None) -> int:
         drop_page_cache(a.model)
         head["disk"] = disk_probe(a.model)
         print("# disk alone (O_DIRECT): " + ", ".join(f"{k} {v:.2f}" for k, v in head["disk"].items()), flush=True)
-    results = []
+    results, llama = [], []
     rows = [r for r in a.rows.split(",") if r] + (["replay"] if a.routing_trace else [])
-    for row in rows * a.rounds:
-        how = drop_page_cache(a.model)
-        r = run_child(a, row)
-        r["page_cache"] = how
-        results.append(r)
-        print(f"page cache: {how}", flush=True)
-        print(json.dumps(r), flush=True)
-    llama = []
-    if a.llama:
-        for spec in a.llama_runs.split(","):
+    for rnd in range(a.rounds):  # each round: every moerun row, then every llama-bench run
+        for row in rows:
+            how = drop_page_cache(a.model)
+            r = run_child(a, row)
+            r["page_cache"], r["round"] = how, rnd + 1
+            results.append(r)
+            print(f"page cache: {how}", flush=True)
+            print(json.dumps(r), flush=True)
+        for spec in (a.llama_runs.split(",") if a.llama else []):
             kind, _, extra = spec.partition(":")
             p, n = (0, a.gen_tokens) if kind == "tg" else (a.prompt_tokens, 0)
             how = drop_page_cache(a.model)
             r = llama_bench(a, p, n, extra.split())
-            r["page_cache"] = how
+            r["page_cache"], r["round"] = how, rnd + 1
             llama.append(r)
             print(f"page cache: {how}", flush=True)
             print(json.dumps(r), flush=True)
@@ -496,15 +547,29 @@ def main(argv=None) -> int:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(fmt_row(r))
+    l0 = [r for r in results if "error" not in r and r.get("decode", {}).get("layer0")]
+    if l0:
+        print("\n| row | decode passes | layer 0 from this token's choice: precision / recall "
+              "| from the MTP draft: precision / recall | draft token accuracy | MTP draft ms/token |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for r in l0:
+            c = r["decode"]["layer0"]
+
+            def pr(src):
+                return "-" if c[f"{src}_precision"] is None else f"{c[f'{src}_precision']:.2f} / {c[f'{src}_recall']:.2f}"
+            acc = "-" if c["draft_accuracy"] is None else f"{c['draft_accuracy']:.2f} ({c['drafts_scored']})"
+            ms = "-" if c["draft_ms"] is None else f"{c['draft_ms']:.0f}"
+            print(f"| {r['row']} | {c['passes']} | {pr('last')} | {pr('draft')} | {acc} | {ms} |")
     for r in llama:
         test = r.get("test", "")
+        mem = (f"peak RSS {r['peak_rss'] / GiB:.2f} GiB (private {r['peak_rss_anon'] / GiB:.2f}, file pages "
+               f"{r['peak_rss_file'] / GiB:.2f})")
         if "error" in r:
-            print(f"| llama-bench mmap {test} | {r['error']} (peak RSS {r['peak_rss'] / GiB:.2f} GiB, "
-                  f"{r['read_bytes'] / 1e9:.1f} GB read) |")
+            print(f"| llama-bench {test} | {r['error']} ({mem}, {r['read_bytes'] / 1e9:.1f} GB read) |")
         else:
             tok = r["tok_s"]
-            print(f"| llama-bench mmap {test} | {f'{tok:.2f}' if test.startswith('pp') else ''} | "
-                  f"{f'{tok:.2f}' if test.startswith('tg') else ''} | {r['peak_rss'] / GiB:.2f} | "
+            print(f"| llama-bench {test} | {f'{tok:.2f}' if test.startswith('pp') else ''} | "
+                  f"{f'{tok:.2f}' if test.startswith('tg') else ''} | {mem} | "
                   f"{r['read_bytes'] / 1e6 / (a.prompt_tokens if test.startswith('pp') else a.gen_tokens):.0f} (with load) "
                   f"| {r['read_bytes'] / r['wall_s'] / 1e9:.2f} (with load) | | | |")
     if a.json:
