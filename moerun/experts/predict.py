@@ -573,7 +573,7 @@ class PrefetchDriver:
         # lookahead_mtp: the next token's layer 0 from the MTP head's draft (`mtp_draft`)
         self.uses_draft = bool(getattr(predictor, "uses_draft", False))
         self._draft: dict[int, tuple] = {}  # pass number -> (its drafted input token, layer-0 router scores)
-        self._pred0: dict[int, dict] = {}  # pass number -> its layer-0 hints, by source ("last", "draft")
+        self._pred0: dict[int, dict] = {}  # pass number -> its layer-0 hints by source ("last", "draft"; "token": the ceiling)
         self._mtp_cache = None
         self.layer0 = {"passes": 0, "drafts": 0, "drafts_scored": 0, "drafts_right": 0, "draft_s": 0.0,
                        **{f"{src}_{k}": 0 for src in ("last", "draft", "token") for k in ("actual", "hinted", "hits")}}
