@@ -69,7 +69,8 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("isa", NATIVE)
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.5e-2)])
+# measured ~1e-7 and ~5e-4 relative; the rope's pairs taken the other way round give ~1e-2 in both
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 4e-3)])
 @pytest.mark.parametrize("q_lora_rank,bias", [(None, False), (24, False), (24, True)], ids=["q_proj", "q_lora", "bias"])
 def test_mla_half_matches_the_module(isa, dtype, tol, q_lora_rank, bias):
     a, attn, norm, rope = make(q_lora_rank, bias, dtype)
@@ -110,7 +111,7 @@ def test_mla_half_with_rotate_half_rope_and_quantized_projections(dtype):
         x = torch.randn(1, 1, H, generator=torch.Generator().manual_seed(8)).to(dtype)
         with torch.inference_mode():
             want, got, _, _ = both(a, m, norm, rope, dtype, x, torch.tensor([1]), torch.tensor([P]))
-        assert rel(got, want) < (2e-6 if dtype == torch.float32 else 1.5e-2), mode
+        assert rel(got, want) < (2e-6 if dtype == torch.float32 else 4e-3), mode
 
 
 def test_mla_block_refuses_bad_arguments():
