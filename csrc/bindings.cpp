@@ -534,6 +534,42 @@ void attn_block_rows(Array x, Array qw, Array qs, int qf, Array kw, Array ks, in
 
 
 
+// DeepSeek-V3's attention half (MLA) for B rows of T tokens (moerun::mla_block_decode): x and
+// out [B * T, H], both float32 or both bf16 (then every intermediate the module hands on in
+// bf16 is rounded so); row b's tokens at slot slots[b], positions pos[b], pos[b] + 1, ... of
+// the whole cache [slots, 1, max_len, R + Dr]; cos, sin [B * T, Dr] their rope rows; the
+// weights as `mla_args` takes them; in_norm [H] or empty (out = x + block(RMSNorm(x))).
+void mla_block(Array x, Array qaw, Array qas, int qaf, Array qbw, Array qbs, int qbf, Array kvw, Array kvs, int kvf,
+               Array ow, Array os, int of, Array qa_bias, Array kva_bias, Array o_bias, Array q_norm, float q_eps,
+               Array kv_norm, float kv_eps, Array wkb, Array kvb, Array cos, Array sin, Array cache, Array slots,
+               Array pos, int N, float scale, bool interleaved, Array out, Array in_norm, float in_offset,
+               float in_eps) {
+    MOERUN_CHECK(x.ndim() == 2 && x.shape(0) >= 1, "x must be [B * T, H]");
+    const size_t M = x.shape(0), H = x.shape(1);
+    check_shape(out, {M, H}, "out");
+    MOERUN_CHECK(is_bf16(x) == is_bf16(out), "x and out: both float32 or both bf16");
+    for (const Array* r : {&slots, &pos}) {
+        check_dtype(*r, dtype_code::Int, 64, "slots, pos");
+        MOERUN_CHECK(r->ndim() == 1, "slots, pos must be [B]");
+    }
+    const size_t B = slots.shape(0);
+    MOERUN_CHECK(B >= 1 && pos.shape(0) == B && M % B == 0, "slots, pos: one per row, x's tokens B * T");
+    size_t slot_elems = 0;
+    moerun::MlaArgs a = mla_args(M, H, qaw, qas, qaf, qbw, qbs, qbf, kvw, kvs, kvf, ow, os, of, qa_bias, kva_bias,
+                                 o_bias, q_norm, q_eps, kv_norm, kv_eps, wkb, kvb, cache, N, scale, interleaved,
+                                 in_norm, in_offset, in_eps, is_bf16(out), slot_elems);
+    std::vector<long> off;
+    std::vector<int> at;
+    mla_rows(a, slot_elems, cache.shape(0), B, M / B, (const int64_t*)slots.data(), (const int64_t*)pos.data(), cos,
+             sin, off, at);
+    ActIn xin(x, "x");
+    ActOut o(out, "out");
+    nb::gil_scoped_release release;
+    OpLock lk;
+    moerun::mla_block_decode(a, xin.p, o.p);
+    o.finish();
+}
+
 // qkv [B, T, C]; a, b [B, T, Hv]; z, out [B, T, Hv, Dv]: float32 or bf16 (a bf16 model's
 // activations: widened exactly, out rounded); the weights and states as `delta_args` takes
 // them. conv and S end as the state after the last token. qkv, a, b and z may be strided
@@ -721,6 +757,15 @@ NB_MODULE(_native, m) {
           "sigmoid output gate, q_proj giving each head's query then its gate); with in_norm [H], a decoder layer's "
           "first half: out = x + block(RMSNorm(x)); qkv_bias: the q/k/v projections' biases (Qwen2-MoE); qn [hq * D] "
           "and kn [kv heads * D]: q/k norms across all heads (OLMoE); window > 0: attend to the last window positions");
+    m.def("mla_block", &mla_block, nb::arg("x"), nb::arg("qaw"), nb::arg("qas"), nb::arg("qaf"), nb::arg("qbw"),
+          nb::arg("qbs"), nb::arg("qbf"), nb::arg("kvw"), nb::arg("kvs"), nb::arg("kvf"), nb::arg("ow"), nb::arg("os"),
+          nb::arg("of"), nb::arg("qa_bias"), nb::arg("kva_bias"), nb::arg("o_bias"), nb::arg("q_norm"),
+          nb::arg("q_eps"), nb::arg("kv_norm"), nb::arg("kv_eps"), nb::arg("wkb"), nb::arg("kvb"), nb::arg("cos"),
+          nb::arg("sin"), nb::arg("cache"), nb::arg("slots"), nb::arg("pos"), nb::arg("heads"), nb::arg("scale"),
+          nb::arg("interleaved"), nb::arg("out"), nb::arg("in_norm"), nb::arg("in_offset") = 0.f,
+          nb::arg("in_eps") = 1e-6f,
+          "DeepSeek-V3's attention half (MLA, W_kb and W_vb absorbed) for B rows of a few tokens over a cache of "
+          "joined [latent | rope key] rows; with in_norm [H], out = x + block(RMSNorm(x))");
     m.def("norm_rope_heads", &norm_rope_heads, nb::arg("x"), nb::arg("w"), nb::arg("cos"), nb::arg("sin"),
           nb::arg("out"), nb::arg("eps"), nb::arg("w_offset") = 0.f,
           "out[H, T, D] = rope(RMSNorm(x[T, H, D]) * (w + w_offset)) per head (w empty: no norm), rotate-half on "
@@ -757,6 +802,12 @@ NB_MODULE(_native, m) {
              nb::arg("of"), nb::arg("qn"), nb::arg("kn"), nb::arg("eps"), nb::arg("cos"), nb::arg("sin"), nb::arg("kc"),
              nb::arg("vc"), nb::arg("pos"), nb::arg("hq"), nb::arg("scale"), nb::arg("gated"), nb::arg("in_norm"),
              nb::arg("in_offset"), nb::arg("in_eps"), nb::arg("qkv_bias").none() = nb::none(), nb::arg("window") = 0)
+        .def("add_mla", &NativeStack::add_mla, nb::arg("qaw"), nb::arg("qas"), nb::arg("qaf"), nb::arg("qbw"),
+             nb::arg("qbs"), nb::arg("qbf"), nb::arg("kvw"), nb::arg("kvs"), nb::arg("kvf"), nb::arg("ow"),
+             nb::arg("os"), nb::arg("of"), nb::arg("qa_bias"), nb::arg("kva_bias"), nb::arg("o_bias"),
+             nb::arg("q_norm"), nb::arg("q_eps"), nb::arg("kv_norm"), nb::arg("kv_eps"), nb::arg("wkb"),
+             nb::arg("kvb"), nb::arg("cache"), nb::arg("heads"), nb::arg("scale"), nb::arg("interleaved"),
+             nb::arg("in_norm"), nb::arg("in_offset"), nb::arg("in_eps"))
         .def("add_deltanet", &NativeStack::add_deltanet)
         .def("add_moe", &NativeStack::add_moe, nb::arg("norm_w"), nb::arg("eps"), nb::arg("norm_offset"),
              nb::arg("router"), nb::arg("k"), nb::arg("renorm"), nb::arg("bias"), nb::arg("n_group"),

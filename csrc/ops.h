@@ -189,6 +189,49 @@ inline void attn_block_decode(const AttnBlockArgs& a, const float* x, float* out
                       a.row_off, a.row_pos, a.qkv_bias, a.norm_across, a.window);
 }
 
+// DeepSeek-V3's attention half (multi-head latent attention, MLA) for a few tokens, each its own
+// row of a cache of joined [R + Dr] rows (csrc/mla.cpp; the reference is
+// models/deepseek_v3.py, Attention._absorbed). Per token: q = q_b(RMSNorm(q_a x)) (Q > 0) or
+// q_proj x (Q == 0), [N, Dn + Dr]; kv = kv_a x -> latent = RMSNorm(kv[:R]), k_rot = kv[R:];
+// rope (rotate-half, after de-interleaving pairs (2i, 2i+1) when `interleaved`, as the module)
+// on each head's q_rot and on k_rot; [latent | k_rot] written at the token's position; W_kb
+// absorbed into the query: q_lat[n] = W_kb[n]^T q_nope[n] ([R]); attention of [q_lat | q_rot]
+// over the positions' [latent | k_rot] (one kv head of R + Dr, N query heads, values the
+// latent); out[n] = W_vb[n] out_lat[n] ([Dv]); o_proj. Float32 inside; with half.round_bf16
+// (a bf16 model) each tensor the module hands on in bf16 is rounded to bf16 (the projections,
+// the norms, the roped parts, q_lat, out_lat, out). With `has_half`: out = x + block(RMSNorm(x))
+// as attn_block_decode's `half`. Token i sits at position row_pos[i] of the cache row at
+// c + row_off[i] elements (position s's R + Dr values at + s * (R + Dr)); tokens are taken in
+// order, each written before its attention (a row's tokens see the ones before them). Tokens
+// before first_out only write the cache.
+struct MlaArgs {
+    int H, N, Q, R, Dr, Dn, Dv;
+    QWeight qa;   // Q > 0: q_a_proj [Q rows of H]; Q == 0: q_proj [N * (Dn + Dr) rows of H]
+    QWeight qb;   // Q > 0: q_b_proj [N * (Dn + Dr) rows of Q]
+    QWeight kva;  // kv_a_proj_with_mqa [R + Dr rows of H]
+    QWeight o;    // o_proj [H rows of N * Dv]
+    const float *qa_bias = nullptr, *kva_bias = nullptr, *o_bias = nullptr;  // or null
+    const float* q_norm = nullptr;  // [Q]
+    float q_eps = 1e-6f;
+    const float* kv_norm;  // [R]
+    float kv_eps;
+    int wfmt;             // FMT_F32 or FMT_BF16: wkb and kvb
+    const uint8_t* wkb;   // [N, R, Dn]: head n's W_kb transposed
+    const uint8_t* kvb;   // kv_b_proj [N * (Dn + Dv), R]: head n's W_vb its rows n * (Dn + Dv) + Dn ..
+    const float *cos, *sin;  // [T, Dr]
+    bool interleaved;
+    void* c;
+    int kv_type;  // KV_F32 or KV_BF16
+    float scale;
+    int T;
+    AttnHalf half;
+    bool has_half;
+    int first_out = 0;
+    const long* row_off;
+    const int* row_pos;
+};
+void mla_block_decode(const MlaArgs& a, const float* x, float* out);
+
 // The MoE half of a decoder layer for T tokens (decode-sized), in one call: y = x + moe(h)
 // with h = RMSNorm(x) (weight norm_w + norm_offset, eps); moe(h) routes h by softmax top-k
 // (route_softmax_topk: router [E, H] float32, renorm) or, with `sigmoid`, by grouped sigmoid

@@ -246,15 +246,20 @@ def test_bfloat16_runs_close_to_float32(tmp_path):
     assert len(llm.generate_ids([ids[0].tolist(), ids[1, :4].tolist()], max_tokens=4, temperature=0.0)[1]) == 4
 
 
-def test_the_decode_path_says_why_the_modules_run(tmp_path):
-    """DeepSeek-V3 has no native layer halves yet: a run's decode path counts its passes as the
-    modules' and says why (what `generate --verbose`, `bench --json` and `info` show)."""
+def test_the_decode_path_reports_the_native_stack(tmp_path):
+    """DeepSeek-V3's decode passes run as the native layer stack (its MLA half one native call,
+    `add_mla`): a run's decode path counts them (what `generate --verbose`, `bench --json` and
+    `info` show); with an int8 KV cache the MLA half is not native and the path says so."""
     llm = save_and_load(make_reference(), tmp_path)
     llm.generate_ids([[1, 2, 3]], max_tokens=4, temperature=0.0)
-    path = llm.last_stats.decode_path
-    # the three-token prompt (decode-sized, as every model counts it) and three steps
-    assert path["native_stack_passes"] == 0 and path["module_passes"] == 4
-    assert "DeepSeek-V3" in path["why"] and "MLA" in path["why"]
+    # the three-token prompt and the first step make the plans of their shapes (the modules);
+    # the other two steps run the stack
+    assert llm.last_stats.decode_path == {"native_stack_passes": 2, "module_passes": 2, "why": None}
+    int8 = moerun.load(tmp_path, dtype="float32", threads=1, kv_cache="int8")
+    assert int8.generate_ids([[1, 2, 3]], max_tokens=4, temperature=0.0) == llm.generate_ids([[1, 2, 3]], max_tokens=4,
+                                                                                            temperature=0.0)
+    path = int8.last_stats.decode_path
+    assert path["native_stack_passes"] == 0 and path["module_passes"] == 4 and "int8 KV cache" in path["why"], path
 
 
 def test_random_model_preset_has_deepseek_v3_shapes():

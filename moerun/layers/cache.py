@@ -28,6 +28,9 @@ class KVSpec:
     kv_heads: int
     k_dim: int
     v_dim: int
+    # one [k_dim + v_dim] row per head and position, `k` and `v` its two parts (DeepSeek-V3's
+    # MLA: the latent and the rope key, which its native attention reads as one key)
+    joined: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,15 @@ class KVCache:
     when the engine keeps the cache in another float format than the model computes in).
     """
 
+    joined = None  # a joined spec's [slots, kv_heads, max_len, k_dim + v_dim], of which k and v are views
+
     def __init__(self, spec: KVSpec, batch: int, max_len: int, dtype: torch.dtype):
-        self.k = torch.zeros(batch, spec.kv_heads, max_len, spec.k_dim, dtype=dtype)
-        self.v = torch.zeros(batch, spec.kv_heads, max_len, spec.v_dim, dtype=dtype)
+        if spec.joined:
+            self.joined = torch.zeros(batch, spec.kv_heads, max_len, spec.k_dim + spec.v_dim, dtype=dtype)
+            self.k, self.v = self.joined.split([spec.k_dim, spec.v_dim], dim=-1)
+        else:
+            self.k = torch.zeros(batch, spec.kv_heads, max_len, spec.k_dim, dtype=dtype)
+            self.v = torch.zeros(batch, spec.kv_heads, max_len, spec.v_dim, dtype=dtype)
         self.max_len = max_len
 
     @staticmethod

@@ -144,7 +144,7 @@ def _hooked(experts) -> bool:
     return kernels.has_hooks() or any(e is not None and e._forward_pre_hooks for e in experts)
 
 
-_ATTN, _DELTA = "attention", "deltanet"
+_ATTN, _DELTA, _MLA = "attention", "deltanet", "mla"
 
 
 def _build(layers, x: torch.Tensor, cache, plans: dict, rope: tuple, pos: int) -> tuple | None:
@@ -167,7 +167,10 @@ def _build(layers, x: torch.Tensor, cache, plans: dict, rope: tuple, pos: int) -
         if first is None:
             plans[_WHY_BUILD] = f"layer {i}'s attention half is not one native call (an int8 KV cache, or a part torch runs)"
             return None
-        if first[0] is _ATTN:
+        if first[0] is _MLA:  # DeepSeek-V3's attention half (`models.deepseek_v3.mla_residual`)
+            _, plan, half, joined = first
+            native.add_mla(*plan.weights, joined, *plan.settings, *half)
+        elif first[0] is _ATTN:
             _, (weights, heads_scale, gated, variants), half, kv_slot = first
             native.add_attention(*weights, *rope, *kv_slot, pos, *heads_scale, gated, *half, **variants)
         else:
@@ -188,6 +191,8 @@ def _attention(attn, x, kv, plans: dict) -> tuple | None:
     if plan is None or not plan[1]:
         return None
     attn_args, half = plan  # attn_args: `kernels.attn_plan`
+    if getattr(attn_args, "mla", False):  # an MLA half's plan (`models.deepseek_v3.MlaPlan`): its joined cache
+        return _MLA, attn_args, half, kernels._np(kv.joined)
     return _ATTN, attn_args, half, (kernels._np(kv.k), kernels._np(kv.v))
 
 

@@ -11,22 +11,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
-from ..layers.cache import KVSpec
+from ..layers.cache import KVCache, KVSpec
 from ..layers.linear import head_logits
+from ..layers.quantized import QuantizedLinear
 from ..errors import MoerunError
 from .. import kernels
 from ..layers.moe import Experts, GatedMLP, moe_residual, sigmoid_grouped_topk
 from ..layers.norm import RMSNorm, rms_norm_cat
 from ..kernels.reference import apply_rope
 from ..layers.rope import Rope
-from ..layers.stack import module_pass
+from ..layers.stack import model_pass, run_layers
 
 # B batch, T tokens, S cached tokens, H hidden, N heads, E experts, K experts per token,
 # R kv_lora_rank (the latent), Dn/Dr/Dv the no-rope, rope and value head dims
@@ -122,7 +123,11 @@ class Attention(nn.Module):
 
     Prefill expands the latent into per-head keys and values; decode (one token per row)
     absorbs kv_b_proj into the query and the output instead, so it reads only the latent.
+    The cache keeps both in one row per position (`KVSpec(joined=True)`), which a decode-sized
+    pass's native call (`mla_residual`, the native stack's `add_mla`) reads as one key.
     """
+
+    mla = True  # (the native stack takes its half as MLA: `layers.stack`)
 
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -186,6 +191,108 @@ class Attention(nn.Module):
         return torch.einsum("bntr,nvr->bntv", out_lat, w[:, self.dn :])  # [B, N, T, Dv]
 
 
+class MlaPlan(NamedTuple):
+    """The native MLA half's arguments (`mla_block`, `NativeStack.add_mla`): `weights` (q_a or
+    q_proj, q_b, kv_a, o as the linear ops take them, their biases, the q and kv norms with their
+    eps, W_kb transposed per head and kv_b_proj) and `settings` (heads, softmax scale,
+    interleaved rope)."""
+
+    weights: tuple
+    settings: tuple
+    mla = True  # (`layers.stack._attention` tells it from a fused attention's plan by this)
+
+
+def _proj(lin: nn.Module, dtype: torch.dtype):
+    """A projection as the native MLA half takes it: (w, s, code) and its float32 bias (or an empty
+    one); None unless it is a QuantizedLinear or a float nn.Linear of the model's dtype, without hooks."""
+    if kernels.has_hooks(lin):
+        return None
+    if type(lin) is QuantizedLinear:
+        v = lin.views()
+    elif type(lin) is nn.Linear and lin.weight.dtype == dtype and lin.weight.is_contiguous():
+        v = kernels.float_linear_views(lin)
+    else:
+        return None
+    bias = kernels._EMPTY_NP if lin.bias is None else kernels._np(lin.bias.detach().float().contiguous())
+    return (v.w, v.s, v.code), bias
+
+
+def _mla_weights(attn: "Attention", dtype: torch.dtype) -> tuple | None:
+    """`MlaPlan.weights` of an attention (None where a part is not what the native half reads)."""
+    direct = hasattr(attn, "q_proj")
+    q = [_proj(attn.q_proj if direct else attn.q_a_proj, dtype)] + ([] if direct else [_proj(attn.q_b_proj, dtype)])
+    kv, o = _proj(attn.kv_a_proj_with_mqa, dtype), _proj(attn.o_proj, dtype)
+    kvb = attn.kv_b_proj
+    if (any(p is None for p in (*q, kv, o)) or type(kvb) is not nn.Linear or kvb.bias is not None
+            or kvb.weight.dtype not in kernels.FLOAT_DTYPES or kernels.has_hooks(kvb)
+            or (not direct and q[1][1].size)):  # (q_b_proj has no bias)
+        return None
+    norms = [] if direct else [attn.q_a_layernorm]
+    if any(type(n) is not RMSNorm or n.zero_centered for n in (*norms, attn.kv_a_layernorm)):
+        return None
+    w = kvb.weight.detach().contiguous()
+    wkb = w.view(attn.n_heads, attn.dn + attn.dv, attn.rank)[:, : attn.dn].transpose(1, 2).contiguous()  # [N, R, Dn]
+    qb = (kernels._EMPTY_NP, kernels._EMPTY_NP, 32) if direct else q[1][0]
+    qn, q_eps = (kernels._EMPTY_NP, 1e-6) if direct else (kernels._np(kernels.float32_weight(norms[0])), norms[0].eps)
+    kvn = attn.kv_a_layernorm
+    return (*q[0][0], *qb, *kv[0], *o[0], q[0][1], kv[1], o[1], qn, float(q_eps),
+            kernels._np(kernels.float32_weight(kvn)), float(kvn.eps), kernels._np(wkb), kernels._np(w))
+
+
+def mla_plan(attn: "Attention", dtype: torch.dtype) -> MlaPlan | None:
+    """The attention's `MlaPlan` for a model of `dtype` (kept on it: `kernels.module_plan`), or None."""
+    mods = attn._modules
+    group = tuple(mods[n] for n in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+                                    "kv_a_layernorm", "kv_b_proj", "o_proj") if n in mods)
+
+    def make():
+        weights = _mla_weights(attn, dtype)
+        return None if weights is None else MlaPlan(weights, (attn.n_heads, float(attn.scale), bool(attn.interleaved)))
+
+    return kernels.module_plan(attn, group, ("mla", dtype), make)
+
+
+def mla_applies(x: torch.Tensor, kv) -> bool:
+    """Whether a pass takes the native MLA half: rows of at most FUSED_MAX_TOKENS tokens (one row,
+    or a batch of at most FUSED_MAX_ROWS tokens), float32 or bf16 activations, a joined float32 or
+    bf16 cache, the native extension, no autograd."""
+    B, T, _ = x.shape
+    return (T <= kernels.FUSED_MAX_TOKENS and (B == 1 or B * T <= kernels.FUSED_MAX_ROWS) and type(kv) is KVCache
+            and kv.joined is not None and kv.joined.dtype in kernels.FLOAT_DTYPES and x.dtype in kernels.FLOAT_DTYPES
+            and kernels._native() is not None and not torch.is_grad_enabled())
+
+
+def _half_plan(x, norm, attn, kv) -> tuple | None:
+    """(MlaPlan, the input norm's `half_norm_args`) where x + attn(norm(x)) runs as one native call."""
+    if not mla_applies(x, kv) or type(norm) is not RMSNorm or norm.weight.dtype != x.dtype or kernels.has_hooks(attn, norm):
+        return None
+    plan = mla_plan(attn, x.dtype)
+    return None if plan is None else (plan, kernels.half_norm_args(norm))
+
+
+def mla_residual(x, norm, attn, cos_sin, kv, slots, pos0, plans=None) -> torch.Tensor:
+    """x + attn(norm(x)): the layer's attention half; a decode-sized pass (`mla_applies`) as one
+    native call (`mla_block`: the projections, norms, rope, the cache rows' writes, the attention
+    with W_kb and W_vb absorbed, o_proj, the norm and the residual), the modules otherwise.
+    Within float rounding of the module's `_absorbed` (the native call keeps float32 where torch
+    rounds its einsums' and softmax's sums differently), and each tensor the bf16 module hands on
+    rounded to bf16 alike. `plans`: a run's (`kernels.run_plan`); the native stack runs the same
+    call (`NativeStack.add_mla`), so its passes are those of this path bit for bit."""
+    plan = kernels.run_plan(plans, attn, (x.shape, x.dtype, kv), lambda: _half_plan(x, norm, attn, kv))
+    if plan is None:
+        return x + attn(norm(x), cos_sin, kv, slots, pos0)
+    (weights, (heads, scale, interleaved)), half = plan
+    B, T, H = x.shape
+    out = kernels._out((B * T, H), x.dtype)
+    nat = kernels._native()
+    kernels._sync_threads(nat)
+    nat.mla_block(kernels._np(kernels._act(x.contiguous()).view(B * T, H)), *weights,
+                  *kernels._rope_rows(cos_sin, B * T), kernels._np(kv.joined),
+                  kernels._np(slots.to(torch.int64).contiguous()), kernels._np(pos0.to(torch.int64).contiguous()),
+                  heads, scale, interleaved, kernels._np(out), *half)
+    return out.view(B, T, H)
+
+
 class Router(nn.Module):
     """Sigmoid scores; the bias picks experts (groups first) but does not weigh them."""
 
@@ -237,7 +344,7 @@ class DecoderLayer(nn.Module):
         position's keys and values are cached by then, and an MTP catch-up wants no more.
         The MLP half (MoE, or a dense MLP) runs as one native call where it can (`moe_residual`);
         `plans`: a run's."""
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, slots, pos0)
+        x = mla_residual(x, self.input_layernorm, self.self_attn, cos_sin, kv, slots, pos0, plans)
         if last_only:
             x = x[:, -1:]
         return moe_residual(x, self.post_attention_layernorm, self.mlp, plans)
@@ -270,12 +377,6 @@ class DeepseekV3Model(nn.Module):
         )
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.rope = Rope(a.rope, a.qk_rope_head_dim, a.max_position_embeddings)
-
-
-# what `decode_path` says of a run's decode passes (`moerun info`, `bench --json`, `generate --verbose`)
-MODULES_WHY = ("DeepSeek-V3's attention half (MLA: the absorbed latent attention) has no native call yet, so its "
-               "layers run as modules and not as the native stack; each MLP half (MoE with grouped sigmoid routing, or "
-               "dense) is one native call")
 
 
 class Model(nn.Module):
@@ -311,11 +412,11 @@ class Model(nn.Module):
 
     def cache_spec(self) -> list:
         a = self.args
-        return [KVSpec(1, a.kv_lora_rank, a.qk_rope_head_dim)] * a.num_hidden_layers
+        return [KVSpec(1, a.kv_lora_rank, a.qk_rope_head_dim, joined=True)] * a.num_hidden_layers
 
     def mtp_cache_spec(self) -> list:
         """Decode state of one MTP depth: allocate `Cache(net.mtp_cache_spec(), ...)` per depth."""
-        return [KVSpec(1, self.args.kv_lora_rank, self.args.qk_rope_head_dim)]
+        return [KVSpec(1, self.args.kv_lora_rank, self.args.qk_rope_head_dim, joined=True)]
 
     def _positions(self, B, cache, slots):
         if cache is None:
@@ -325,15 +426,17 @@ class Model(nn.Module):
 
     def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False, plans=None):
         """input_ids [B, T] -> float32 logits [B, T or 1, vocab] (and the final normed hidden state [B, T, H]).
-        `plans`: a run's; its decode path says why the layers run as modules."""
+        `plans`: a run's; a decode pass runs as the native stack where it can (`layers.stack`), each
+        layer's MLA half, MoE or dense MLP half one native call."""
         B, T = input_ids.shape
-        module_pass(plans, T, MODULES_WHY)
+        fast = model_pass(self, input_ids, cache, slots, last_only, plans)  # a decode pass: all native calls
+        if fast is not None:
+            return fast if return_hidden else fast[0]
         slots, pos0 = self._positions(B, cache, slots)
         m = self.model
         x = m.embed_tokens(input_ids)
         cos_sin = m.rope.span(pos0, T, x.dtype)
-        for i, layer in enumerate(m.layers):
-            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0, plans=plans)
+        x = run_layers(m.layers, x, cos_sin, cache, slots, pos0, plans)
         if cache is not None:
             cache.advance(slots, T)
         hidden = m.norm(x)
