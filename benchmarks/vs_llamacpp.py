@@ -27,8 +27,7 @@ qwen35moe source's as moerun.load gives a GGUF file: float32); llama.cpp keeps i
 (f16 KV cache, its flash-attention choice, n_batch 2048, n_ubatch 512).
 
 On a shared machine, --lock FILE takes the lock for each heavy step (building a net,
-writing a GGUF), each engine's turn (with the read-bandwidth readings around it) and the
-logits check, and lets go between them: other jobs run between turns, never during one.
+writing a GGUF), each engine's turn (with the read-bandwidth readings around it), and lets go between them: other jobs run between turns, never during one.
 
 Models (--model, comma-separated, run one after the other) and rows (--rows):
 
@@ -63,7 +62,7 @@ GGUF's tensor sizes, the routed experts' by top-k/experts, one embedding row; mo
 tests add the KV cache read at their depth (each engine's KV dtype) and the recurrent states
 (float32 in both). Bandwidth share = bytes/token x tok/s over the read bandwidth (`torch.sum`
 over 1 GiB at the same thread count, best of 3) measured right before and right after each
-engine's turn (mean of the two). After the rounds a short check compares the two engines'
+engine's turn (mean of the two). Before the rounds a short check compares the two engines'
 per-position logits on 32 tokens (llama.cpp's through the sdist's ctypes binding on the
 native libllama): cosine near 1 for the equal-bytes rows says both read the same weights.
 
@@ -923,7 +922,7 @@ def run_row(src: ModelSource, row: Row, plan: Plan, a, work: Path, lock: Lock | 
     lock = lock or Lock(None)
     t0 = time.perf_counter()
     gguf_path = None
-    with lock(f"{row.name}: moerun's net and the GGUF"):
+    with lock(f"{row.name}: moerun's net, the GGUF, the warm-up, the logits check"):
         if row.source == "float":
             target = work / f"{src.name}-s{src.seed}-{row.name}.gguf"
             made = {}
@@ -944,17 +943,24 @@ def run_row(src: ModelSource, row: Row, plan: Plan, a, work: Path, lock: Lock | 
             f"{info['bytes_per_token'] / 1e6:.0f} MB read per decoded token; RSS {rss_now() / GiB:.2f} GiB")
         if gguf_path is None:
             gguf_path = src.gguf(row, llm, work, a.keep_gguf, max(plan.threads))
-    k, E = args.num_experts_per_tok, args.num_experts
-    lbytes = gguf_bytes_per_token(gguf_path, k, E)
-    kv_tok = {"moerun": kv_bytes_per_token(llm.net.cache_spec(), llm.kv_dtype),
-              "llamacpp": kv_bytes_per_token(llm.net.cache_spec(), torch.float16)}  # llama.cpp's f16 cache
-    state = state_bytes(llm)  # float32 in both engines
-    log(f"[{row.name}] llama.cpp {row.llama}: {lbytes['bytes_per_token'] / 1e6:.0f} MB per decoded token; "
-        f"tensor types {lbytes['tensor_types']}")
+        k, E = args.num_experts_per_tok, args.num_experts
+        lbytes = gguf_bytes_per_token(gguf_path, k, E)
+        kv_tok = {"moerun": kv_bytes_per_token(llm.net.cache_spec(), llm.kv_dtype or llm.dtype),  # None: the model's
+                  "llamacpp": kv_bytes_per_token(llm.net.cache_spec(), torch.float16)}  # llama.cpp's f16 cache
+        state = state_bytes(llm)  # float32 in both engines
+        log(f"[{row.name}] llama.cpp {row.llama}: {lbytes['bytes_per_token'] / 1e6:.0f} MB per decoded token; "
+            f"tensor types {lbytes['tensor_types']}")
 
-    rss0 = rss_now()
-    with lock(f"{row.name}: moerun's warm-up"):
+        rss0 = rss_now()
         runner = MoerunRunner(llm, plan)
+        logits = None
+        if a.logits:
+            try:
+                logits = logits_check(llm, gguf_path, a.logits, max(plan.threads))
+                log(f"[{row.name}] logits, {a.logits} positions: {logits}")
+            except Exception as e:  # a check, not a figure: say why and go on
+                logits = {"error": f"{type(e).__name__}: {e}"}
+                log(f"[{row.name}] logits check failed: {logits['error']}")
     res = {"row": row.name, "moerun_policy": row.policy, "llamacpp_weights": row.llama, "gguf": str(gguf_path),
            "bytes_per_token": {"moerun": info["bytes_per_token"], "llamacpp": lbytes["bytes_per_token"]},
            "bytes_per_token_by_component": {"moerun": info["bytes_per_token_by_component"],
@@ -1002,14 +1008,8 @@ def run_row(src: ModelSource, row: Row, plan: Plan, a, work: Path, lock: Lock | 
             for eng in ("moerun", "llamacpp"):
                 entry[f"{eng}_share"] = med_range([rd[eng]["bandwidth_share"][key] for rd in res["rounds"]])
         res["tests"][key] = entry
-    if a.logits:
-        try:
-            with lock(f"{row.name}: logits check"):
-                res["logits"] = logits_check(llm, gguf_path, a.logits, max(plan.threads))
-            log(f"[{row.name}] logits, {a.logits} positions: {res['logits']}")
-        except Exception as e:  # a check, not a figure: say why and go on
-            res["logits"] = {"error": f"{type(e).__name__}: {e}"}
-            log(f"[{row.name}] logits check failed: {res['logits']['error']}")
+    if logits is not None:
+        res["logits"] = logits
     del runner, llm
     gc.collect()
     if not a.keep_gguf and src.owns(gguf_path):
