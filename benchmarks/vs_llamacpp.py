@@ -27,7 +27,9 @@ qwen35moe source's as moerun.load gives a GGUF file: float32); llama.cpp keeps i
 (f16 KV cache, its flash-attention choice, n_batch 2048, n_ubatch 512).
 
 On a shared machine, --lock FILE takes the lock for each heavy step (building a net,
-writing a GGUF), each engine's turn (with the read-bandwidth readings around it), and lets go between them: other jobs run between turns, never during one.
+writing a GGUF), each engine's turn (with the read-bandwidth readings around it; with
+--lock-scope round, each round: both engines' turns), and lets go between them: other jobs
+run between turns, never during one.
 
 Models (--model, comma-separated, run one after the other) and rows (--rows):
 
@@ -969,10 +971,15 @@ def run_row(src: ModelSource, row: Row, plan: Plan, a, work: Path, lock: Lock | 
            "kv_bytes_per_token": kv_tok["moerun"], "kv_bytes_per_token_by_engine": kv_tok,
            "state_bytes": state, "rounds": []}
     facts = {}
+    import contextlib
+
+    per_round = getattr(a, "lock_scope", "turn") == "round"
     for r in range(a.rounds):
         rnd = {}
+        round_lock = lock(f"{row.name}: round {r + 1}") if per_round else contextlib.nullcontext()
+        round_lock.__enter__()
         for eng in ("moerun", "llamacpp"):
-            with lock(f"{row.name}: round {r + 1}, {eng}"):
+            with (contextlib.nullcontext() if per_round else lock(f"{row.name}: round {r + 1}, {eng}")):
                 bw0 = {t: read_bandwidth(t) for t in plan.threads}
                 ts = time.perf_counter()
                 if eng == "moerun":
@@ -992,6 +999,7 @@ def run_row(src: ModelSource, row: Row, plan: Plan, a, work: Path, lock: Lock | 
                         "seconds": took}
             log(f"[{row.name}] round {r + 1} {eng} ({took:.0f} s): " + ", ".join(f"{k} {v:.1f}" for k, v in tok.items())
                 + "; bandwidth GB/s " + ", ".join(f"t{t} {bw0[t] / 1e9:.1f}/{bw1[t] / 1e9:.1f}" for t in plan.threads))
+        round_lock.__exit__(None, None, None)
         res["rounds"].append(rnd)
     res["moerun_peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     res["moerun_rss_before_runs"] = rss0
@@ -1095,6 +1103,9 @@ def main(argv=None) -> int:
     p.add_argument("--lock", metavar="FILE",
                    help="flock FILE for each heavy step and each engine's turn, released between them "
                         "(a shared machine: /tmp/moerun-heavy.lock)")
+    p.add_argument("--lock-scope", default="turn", choices=["turn", "round"],
+                   help="with --lock: hold it for each engine's turn (default), or for a round (both engines' turns: "
+                        "half the waits where others' jobs queue for the lock)")
     p.add_argument("--q36-dir", default="/var/tmp/q36gguf",
                    help="qwen3.6-35b-a3b's GGUF files q36-{L}l-{q4_0,q8_0,q4_k_m}.gguf: reused when there, made there otherwise")
     p.add_argument("--same-file", action="append", default=[], metavar="ROW=FILE",
@@ -1144,9 +1155,10 @@ def main(argv=None) -> int:
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(work).free
-    if any(m == "qwen3-30b-a3b" and "default" in rows for m, _, rows in models) and free < 16e9:
-        layers = next(n for m, n, _ in models if m == "qwen3-30b-a3b")
-        log(f"warning: {free / 1e9:.0f} GB free in {work}; the default row's bf16 GGUF alone takes ~{1.4 * layers:.0f} GB")
+    for m, layers, rows in models:
+        made = work / f"{Qwen3MoeRandom(layers, a.seed).name}-s{a.seed}-default.gguf"  # reused when there
+        if m == "qwen3-30b-a3b" and "default" in rows and not made.is_file() and free < 16e9:
+            log(f"warning: {free / 1e9:.0f} GB free in {work}; the default row's bf16 GGUF alone takes ~{1.4 * layers:.0f} GB")
     lock = Lock(a.lock)
     out = {"command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
            "machine": machine(), "llamacpp_build": build,
@@ -1167,7 +1179,13 @@ def main(argv=None) -> int:
                                                                         f"{same[row].name})", "file")
                 else:
                     r_src, r = src, src.rows[row]
-                mo["rows"].append(run_row(r_src, r, plan, a, work, lock))
+                try:
+                    mo["rows"].append(run_row(r_src, r, plan, a, work, lock))
+                except SystemExit as e:  # one row's failure (a full disk, a tool's error): the others still run
+                    if not str(e).startswith("error: "):
+                        raise
+                    log(f"[{row}] {e}")
+                    mo.setdefault("failed", {})[row] = str(e)
                 if a.json:  # after each row: a long run killed halfway keeps what it measured
                     Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
         finally:
@@ -1178,7 +1196,10 @@ def main(argv=None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     print(table(out))
-    return 0
+    failed = [f"{mo['model']} {row}: {msg}" for mo in out["models"] for row, msg in mo.get("failed", {}).items()]
+    for f in failed:
+        print(f, file=sys.stderr)
+    return 1 if failed else 0
 
 
 def parse_selection(a) -> tuple[list, "Plan"]:
