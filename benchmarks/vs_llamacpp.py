@@ -28,8 +28,8 @@ qwen35moe source's as moerun.load gives a GGUF file: float32); llama.cpp keeps i
 
 On a shared machine, --lock FILE takes the lock for each heavy step (building a net,
 writing a GGUF), each engine's turn (with the read-bandwidth readings around it; with
---lock-scope round, each round: both engines' turns), and lets go between them: other jobs
-run between turns, never during one.
+--lock-scope round, each round: both engines' turns; with row, a row's set-up and rounds),
+and lets go between them: other jobs run between turns, never during one.
 
 Models (--model, comma-separated, run one after the other) and rows (--rows):
 
@@ -922,6 +922,9 @@ def state_bytes(llm) -> int:
 
 def run_row(src: ModelSource, row: Row, plan: Plan, a, work: Path, lock: Lock | None = None) -> dict:
     lock = lock or Lock(None)
+    if getattr(a, "lock_scope", "turn") == "row" and lock.path:
+        with lock(f"{row.name}: the whole row"):
+            return run_row(src, row, plan, a, work, Lock(None))
     t0 = time.perf_counter()
     gguf_path = None
     with lock(f"{row.name}: moerun's net, the GGUF, the warm-up, the logits check"):
@@ -1081,6 +1084,21 @@ def table(out: dict) -> str:
     return "\n".join(lines)
 
 
+def merge_runs(runs: list[dict]) -> dict:
+    """Several runs' JSON as one for `table`: each model's rows in the order met (a model
+    with the same name and layers joined), the first run's machine and plan, every command."""
+    out = dict(runs[0], models=[], commands=[r.get("command", "") for r in runs])
+    by = {}
+    for r in runs:
+        for mo in r.get("models") or [r]:
+            key = (mo["model"], mo.get("layers", r.get("plan", {}).get("layers")))
+            if key not in by:
+                by[key] = dict(mo, rows=[])
+                out["models"].append(by[key])
+            by[key]["rows"] += mo["rows"]
+    return out
+
+
 LAYERS = {"qwen3-30b-a3b": 8, "qwen3.6-35b-a3b": 4}  # --layers' defaults
 
 
@@ -1103,9 +1121,9 @@ def main(argv=None) -> int:
     p.add_argument("--lock", metavar="FILE",
                    help="flock FILE for each heavy step and each engine's turn, released between them "
                         "(a shared machine: /tmp/moerun-heavy.lock)")
-    p.add_argument("--lock-scope", default="turn", choices=["turn", "round"],
-                   help="with --lock: hold it for each engine's turn (default), or for a round (both engines' turns: "
-                        "half the waits where others' jobs queue for the lock)")
+    p.add_argument("--lock-scope", default="turn", choices=["turn", "round", "row"],
+                   help="with --lock: hold it for each engine's turn (default), for a round (both engines' turns), or "
+                        "for a row (its set-up and all its rounds): fewer waits where others' jobs queue for the lock")
     p.add_argument("--q36-dir", default="/var/tmp/q36gguf",
                    help="qwen3.6-35b-a3b's GGUF files q36-{L}l-{q4_0,q8_0,q4_k_m}.gguf: reused when there, made there otherwise")
     p.add_argument("--same-file", action="append", default=[], metavar="ROW=FILE",
@@ -1117,11 +1135,12 @@ def main(argv=None) -> int:
                                           f"{llamacpp.default_dir()})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="write every figure to OUT")
-    p.add_argument("--table", metavar="JSON", help="print the tables of an earlier run's --json file and stop")
+    p.add_argument("--table", metavar="JSON", nargs="+",
+                   help="print the tables of earlier runs' --json files (several: their rows together) and stop")
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
     a = p.parse_args(argv)
     if a.table:
-        print(table(json.loads(Path(a.table).read_text())))
+        print(table(merge_runs([json.loads(Path(f).read_text()) for f in a.table])))
         return 0
     if a.quick:
         if "--prompts" not in given:
