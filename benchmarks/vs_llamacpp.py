@@ -1,9 +1,10 @@
 """moerun vs llama.cpp built natively for this CPU, on the same random models, taking turns.
 
-    .venv/bin/python benchmarks/vs_llamacpp.py --lock /tmp/moerun-heavy.lock \
+    .venv/bin/python benchmarks/vs_llamacpp.py --lock /tmp/moerun-heavy.lock [--lock-scope turn|round|row] \
         [--model qwen3-30b-a3b,qwen3.6-35b-a3b] [--layers 8,4] [--rows int4,int8,default] \
         [--rounds 2] [--threads 2,1] [--prompts 512,2048] [--depths 0,4096] [--gen 128] \
-        [--quick] [--keep-gguf] [--q36-dir DIR] [--json OUT]
+        [--quick] [--keep-gguf] [--q36-dir DIR] [--same-file ROW=FILE] [--json OUT]
+    .venv/bin/python benchmarks/vs_llamacpp.py --table RUN.json [RUN2.json ...]
 
 llama.cpp is the one its users build: llama-cpp-python 0.3.36's vendored llama.cpp, compiled
 with -DGGML_NATIVE=ON by benchmarks/llamacpp.py (`python benchmarks/llamacpp.py build` first;
@@ -46,8 +47,8 @@ written from them:
 Routers and norms stay float in both; the embedding is read one row a token.
 
 qwen3.6-35b-a3b (qwen35moe; `Qwen36Gguf`), --layers of its 40 (default 4: 3 Gated DeltaNet,
-1 gated attention): random GGUF files (`moerun random-model qwen3.6-35b-a3b --quant q8_0` and llama-quantize's
-requantizations of it, reused from --q36-dir when there):
+1 gated attention): random GGUF files (`moerun random-model qwen3.6-35b-a3b --quant q8_0`
+and llama-quantize's requantizations of it, reused from --q36-dir when there):
   int4     equal bytes: the same Q4_0 file (`llama-quantize --pure` of the Q8_0 file) in
            both engines (moerun runs it as its int4)
   int8     equal bytes: the same Q8_0 file in both (moerun's int8)
@@ -66,7 +67,9 @@ tests add the KV cache read at their depth (each engine's KV dtype) and the recu
 over 1 GiB at the same thread count, best of 3) measured right before and right after each
 engine's turn (mean of the two). Before the rounds a short check compares the two engines'
 per-position logits on 32 tokens (llama.cpp's through the sdist's ctypes binding on the
-native libllama): cosine near 1 for the equal-bytes rows says both read the same weights.
+native libllama): cosine near 1 for the equal-bytes rows says both read the same weights
+(on the random Qwen3.6 net, which amplifies small differences, ~0.99 on the same file and
+~0.5 between two roundings of the same weights: docs/benchmarks.md).
 
 Weights are random: routing is near uniform, outputs meaningless, speed figures real.
 """
