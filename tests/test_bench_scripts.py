@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).parents[1] / "benchmarks"
 
@@ -108,6 +109,88 @@ def test_vs_llamacpp_small_model_bytes_and_moerun_turn(tmp_path):
     tok = bench.MoerunRunner(llm, plan).turn()
     assert set(tok) == {"pp16/t2", "tg3@d0/t2", "tg3@d8/t2", "pp16/t1", "tg3@d0/t1", "tg3@d8/t1"}
     assert all(v > 0 for v in tok.values())
+
+
+# a qwen35moe model small enough to write and run here: 3 Gated DeltaNet layers, 1 gated attention
+# layer, an MTP layer; hidden 256 so that a Q6_K head (rows of 256) fits
+SMALL_Q36 = dict(model_type="qwen3_5_moe_text", vocab_size=512, hidden_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_key_head_dim=32,
+                 linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                 moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=8,
+                 num_experts_per_tok=2, mtp_num_hidden_layers=1,
+                 layer_types=["linear_attention"] * 3 + ["full_attention"])
+
+
+def test_vs_llamacpp_qwen35moe_bytes_requantize_and_depth(tmp_path):
+    # the Qwen3.6 rows run one GGUF file in both engines: the file's bytes per decoded token
+    # (by tensor type, MTP block left out) match moerun's component by component
+    from moerun.loaders.gguf_write import write_random
+
+    bench = _load("vs_llamacpp")
+    path = tmp_path / "q8.gguf"
+    write_random(path, SMALL_Q36, "q8_0", progress=False)
+    llm, args = bench.load_gguf(path)
+    ours = bench.describe(llm.net, args)["bytes_per_token_by_component"]
+    theirs = bench.gguf_bytes_per_token(path, args.num_experts_per_tok, args.num_experts)
+    for comp in ("routed experts", "shared expert", "deltanet", "attention", "head", "router"):
+        assert ours[comp] == theirs["by_component"][comp], comp
+    assert "mtp" not in theirs["by_component"] and theirs["tensor_types"]["Q8_0"] > 0
+    # with the MTP block counted the totals would differ: it is skipped, not absent
+    assert any(t.name.startswith("blk.4.") for t in __import__("gguf").GGUFReader(str(path)).tensors)
+
+    # the default row: the Q8_0 weights requantized to the default policy's formats (4 layers + MTP: 5 experts)
+    from moerun.kernels import formats
+
+    def weights(net):  # float32 values of a few quantized tensors
+        head, ex = net.lm_head, net.model.layers[0].mlp.experts
+        dn = net.model.layers[0].linear_attn.out_proj
+        return {"head": formats.dequantize(head.qweight, head.scales, head.fmt, head.in_features),
+                "experts down": formats.dequantize(ex.down_q, ex.down_scales, ex.down_fmt, ex.intermediate_size),
+                "deltanet out": formats.dequantize(dn.qweight, dn.scales, dn.fmt, dn.in_features)}
+
+    before = weights(llm.net)
+    counts = bench.requantize(llm.net, bench.DEFAULT_POLICY)
+    fmts = {type(m).__name__ + ":" + m.formats for n, m in llm.net.named_modules() if hasattr(m, "fmt")
+            and not n.startswith("mtp")}
+    assert counts["experts"] == 5 and counts["lm_head"] == 1 and counts["attention"] > 0
+    assert "QuantizedLinear:q6_k" in fmts and "QuantizedExperts:int4" in fmts and "QuantizedLinear:int8" in fmts
+    assert llm.net.lm_head.fmt == "q6_k" and llm.net.model.layers[0].mlp.experts.fmt == "int4"
+    after = weights(llm.net)
+    for k in before:  # the same weights, rounded anew
+        cos = torch.nn.functional.cosine_similarity(before[k].flatten(), after[k].flatten(), dim=0)
+        assert 0.99 < cos < 1.0, k
+    assert torch.isfinite(llm.forward(torch.arange(12)[None])).all()
+
+    # decode at a depth: the DeltaNet states are restored, not just the lengths rewound
+    plan = bench.Plan(threads=[1], prompts=[8], gen=3, depths=[0, 6], warm=4)
+    runner = bench.MoerunRunner(llm, plan)
+    cache = runner.deep[6]
+    runner.fill(cache, 6)
+    states = [{n: t.clone() for n, t in layer.tensors.items()} for layer in cache.layers
+              if isinstance(layer, bench.RecurrentState)]
+    assert len(states) == 3 and any(t.abs().sum() > 0 for st in states for t in st.values())
+    runner.decode(cache, 6, 3)  # moves the states on
+    moved = [layer for layer in cache.layers if isinstance(layer, bench.RecurrentState)]
+    assert not all(torch.equal(layer.tensors[n], states[i][n]) for i, layer in enumerate(moved) for n in states[i])
+    runner.rewind(cache, 6)
+    assert int(cache.lengths[0]) == 6
+    assert all(torch.equal(layer.tensors[n], states[i][n]) for i, layer in enumerate(moved) for n in states[i])
+    runner.rewind(cache, 0)
+    assert all(not layer.tensors[n].any() for layer in moved for n in layer.tensors)
+    tok = runner.turn()
+    assert set(tok) == {"pp8/t1", "tg3@d0/t1", "tg3@d6/t1"} and all(v > 0 for v in tok.values())
+
+
+def test_vs_llamacpp_refuses_bad_selections_in_one_line():
+    for argv, msg in ((["--model", "qwen9"], "error: --model 'qwen9': not one of"),
+                      (["--rows", "int4,int3"], "error: --rows 'int3': not one of"),
+                      (["--model", "qwen3-30b-a3b,qwen3.6-35b-a3b", "--layers", "8,4,2"], "error: --layers '8,4,2'"),
+                      (["--threads", "0"], "error: --threads '0': each at least 1"),
+                      (["--same-file", "int8=/no/such.gguf"], "error: --same-file 'int8=/no/such.gguf': /no/such.gguf")):
+        r = subprocess.run([sys.executable, str(BENCH / "vs_llamacpp.py"), *argv], capture_output=True, text=True,
+                           cwd=BENCH)
+        assert r.returncode == 2, argv
+        assert r.stderr.startswith(msg) and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
 
 
 def test_same_file_benchmark_names_a_missing_file_in_one_line(tmp_path):
