@@ -52,8 +52,8 @@ namespace dc_avx512 {
 namespace {
 #define MOERUN_TARGET __attribute__((target("avx2,fma,avx512f")))
 #define DC_VBYTES 64
-#define DC_ROWS 6
-#define DC_NV 4
+#define DC_ROWS 8
+#define DC_NV 2
 #include "delta_chunk.inc"
 #undef MOERUN_TARGET
 #undef DC_VBYTES
