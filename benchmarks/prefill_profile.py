@@ -3,7 +3,12 @@ time, layer by layer: each Gated DeltaNet half cut into its projections, the nat
 between them (conv, gates, delta rule, gated norm: `kernels.deltanet_decode`) and the rest
 (input norm, out_proj, residual), each attention half and each MoE half.
 
-    .venv/bin/python benchmarks/prefill_profile.py -m FILE.gguf [--threads 2] [--prompt 512] [--rounds 3]
+    .venv/bin/python benchmarks/prefill_profile.py -m FILE.gguf [--threads 2] [--prompt 512] [--rounds 3] \
+        [--torch-deltanet]
+
+--torch-deltanet runs the DeltaNet halves as before the native prefill: the modules, with
+torch's conv, chunked delta rule and gated norm (`deltanet.NATIVE_PASSES` off and
+`chunk_gated_delta_rule` in place of the native op).
 
 Wall time of wrapped calls (no module hooks: those would send the layers down the modules'
 path), the pass as `moerun bench` runs it (one row, a fresh cache, last_only); the fastest of
@@ -31,7 +36,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--torch-deltanet", action="store_true", help="the DeltaNet halves' modules in torch (as before)")
     a = p.parse_args(argv)
+    if a.torch_deltanet:
+        from moerun.layers import deltanet
+
+        deltanet.NATIVE_PASSES = False
+        q35.gated_delta_rule = deltanet.chunk_gated_delta_rule
     llm = moerun.load(a.model, threads=a.threads)
     net = llm.net
     if not isinstance(net.model.layers[0], q35.DecoderLayer):
@@ -75,7 +86,8 @@ def main(argv=None) -> int:
             if r and (best is None or total < best):
                 best, best_parts = total, dict(spent)
     print(f"{a.model}: {a.prompt}-token prompt pass {best * 1e3:.0f} ms ({a.prompt / best:.1f} tok/s), "
-          f"{a.threads} threads, kernels {kernels.isa()}, best of {a.rounds}")
+          f"{a.threads} threads, kernels {kernels.isa()}, best of {a.rounds}"
+          + (", DeltaNet halves in torch" if a.torch_deltanet else ""))
     print("| layer | part | ms | share |\n|---|---|---|---|")
     for (layer, name), v in sorted(best_parts.items(), key=lambda kv: (kv[0][0], kv[0][1].startswith(" "), kv[0][1])):
         print(f"| {layer} | {name} | {v * 1e3:.1f} | {100 * v / best:.0f}% |")
