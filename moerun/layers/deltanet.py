@@ -11,7 +11,7 @@ speculative verification) runs that update token by token and keeps every token'
 All compute in fp32 and match transformers' `torch_chunk_gated_delta_rule` /
 `torch_recurrent_gated_delta_rule`.
 
-Natively (docs/design/decode-path.md, "Gated DeltaNet prefill"): a pass with a cache runs
+Natively (docs/design/deltanet-prefill.md): a pass with a cache runs
 between its projections as one call (`kernels.deltanet_decode`), whose delta rule is the
 chunked form for a pass of 16 tokens or more that keeps no per-token states, token by token
 otherwise; a pass without a cache runs `gated_delta_rule`, the chunked form as one native
