@@ -40,6 +40,9 @@ void deltanet_decode(const DeltaArgs& a) {
     DeltaWork* work = &delta_work();
     const int B = a.B, T = a.T, C = a.C, K = a.K, Km = a.K - 1;
     const int kd = a.Hk * a.Dk;
+    // a prompt (a long pass that keeps no per-token states, of a large enough state): the
+    // chunked delta rule (delta_chunk_head), and the conv and q/k norms on the pool
+    const bool chunked = delta_chunked(T, a.Hv, a.Dk, a.Dv, a.S_every != nullptr);
     std::vector<float>& y = work->y;
     y.resize((size_t)B * T * C);
 
@@ -74,7 +77,7 @@ void deltanet_decode(const DeltaArgs& a) {
                     for (int j = 0; j < Km; ++j) ev[(size_t)c * Km + j] = ext[(size_t)(t + 1 + j) * C + c];
             }
         };
-        if (T < kDeltaChunkMinTokens) {
+        if (!chunked) {
             for (int t = 0; t < T; ++t) token(t);
         } else {  // a prompt's tokens: blocks of 16 on the pool (each token's sums as above)
             pool().parallel_for((T + 15) / 16, [&](int blk) {
@@ -98,7 +101,7 @@ void deltanet_decode(const DeltaArgs& a) {
             for (int i = 0; i < a.Dk; ++i) v[i] *= r;
         }
     };
-    if (B * T < kDeltaChunkMinTokens) {
+    if (!chunked) {
         for (int bt = 0; bt < B * T; ++bt) l2_heads(bt);
     } else {
         pool().parallel_for((B * T + 15) / 16, [&](int blk) {
@@ -110,9 +113,7 @@ void deltanet_decode(const DeltaArgs& a) {
     // (the kernel table's delta_head); decay and beta of every (row, token, head) first
     const int Hv = a.Hv, per_k = a.Hv / a.Hk;
     const size_t SS = (size_t)a.Dk * a.Dv;
-    // the chunked form (a long pass that keeps no per-token states: delta_chunk_head) takes the
-    // log decay, token by token its exp
-    const bool chunked = !a.S_every && T >= kDeltaChunkMinTokens;
+    // the chunked form (`chunked`) takes the log decay, token by token its exp
     std::vector<float>& gates = work->gates;  // [B, Hv, T] decay (or its log), then [B, Hv, T] beta
     gates.resize((size_t)2 * B * Hv * T);
     for (int b = 0; b < B; ++b)

@@ -294,8 +294,14 @@ void deltanet_decode(const DeltaArgs& a);
 // each output then gets the gated RMSNorm (o * rsqrt(mean o^2 + eps) * norm_w * silu(z)).
 constexpr int kDeltaChunk = 64;
 // deltanet_decode runs a pass of at least this many tokens per row (that keeps no per-token
-// states) in the chunked form; fewer, token by token
+// states) in the chunked form where its tokens times a row's state elements (Hv x Dk x Dv)
+// exceed kDeltaChunkMinWork; fewer, or a small model's short prompt (the demo's 4 x 32 x 32
+// state up to 256 tokens: what the token-by-token step served before), token by token
 constexpr int kDeltaChunkMinTokens = 16;
+constexpr long kDeltaChunkMinWork = 1L << 20;
+inline bool delta_chunked(int T, int Hv, int Dk, int Dv, bool every) {
+    return !every && T >= kDeltaChunkMinTokens && (long)T * Hv * Dk * Dv > kDeltaChunkMinWork;
+}
 struct DeltaChunkArgs {
     int T, Dk, Dv;
     const float *q, *k, *v;  // token t's q and k at + t * x_st, its v at v + t * v_st

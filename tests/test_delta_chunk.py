@@ -116,12 +116,15 @@ def _layer_inputs(B, T, Hk, Hv, Dk, Dv, K, seed, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("isa", NATIVE)
-@pytest.mark.parametrize("shape", [(1, 16, 2, 4, 16, 16, 4), (2, 100, 2, 4, 8, 12, 4), (1, 140, 2, 4, 128, 128, 4)])
+@pytest.mark.parametrize("shape", [(1, 16, 2, 8, 128, 128, 4), (2, 70, 2, 4, 64, 72, 4), (1, 140, 2, 4, 128, 128, 4),
+                                   (2, 100, 2, 4, 8, 12, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_deltanet_decode_long_pass_is_chunked(isa, shape, dtype):
-    """deltanet_decode over a prompt (16 tokens or more, no per-token states kept): conv, q/k
-    norms on the pool and the chunked rule, against the torch reference of the whole layer
-    between its projections (token by token): outputs and both states, updated in place."""
+    """deltanet_decode over a prompt (16 tokens or more, no per-token states kept, tokens times
+    a row's state elements over 2^20; the last shape is under it and stays token by token):
+    conv, q/k norms on the pool and the chunked rule, against the torch reference of the
+    whole layer between its projections (token by token): outputs and both states, updated
+    in place."""
     inp = _layer_inputs(*shape, seed=sum(shape), dtype=dtype)
     Hk = shape[2]
     want = reference.few_tokens_ref(**{k: v.float().clone() for k, v in inp.items()}, eps=1e-6, key_heads=Hk)

@@ -13,8 +13,8 @@ All compute in fp32 and match transformers' `torch_chunk_gated_delta_rule` /
 
 Natively (docs/design/deltanet-prefill.md): a pass with a cache runs
 between its projections as one call (`kernels.deltanet_decode`), whose delta rule is the
-chunked form for a pass of 16 tokens or more that keeps no per-token states, token by token
-otherwise; a pass without a cache runs `gated_delta_rule`, the chunked form as one native
+chunked form for a pass of 16 tokens or more that keeps no per-token states (and of a
+large enough state: csrc/ops.h `delta_chunked`), token by token otherwise; a pass without a cache runs `gated_delta_rule`, the chunked form as one native
 call (`kernels.delta_rule_chunked`) with `chunk_gated_delta_rule` here as its reference.
 """
 
