@@ -604,6 +604,30 @@ void deltanet_decode(Strided qkv, Array conv_w, Array conv, std::optional<Array>
     o.finish();
 }
 
+// The chunked gated delta rule on its own (moerun::delta_rule_chunked): q, k [B, T, Hk, Dk],
+// v [B, T, Hv, Dv], g, beta [B, T, Hv], S [B, Hv, Dk, Dv] (in place), out [B, T, Hv, Dv]; float32
+void delta_rule_chunked(Array q, Array k, Array v, Array g, Array beta, Array S, Array out) {
+    for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}, {&S, "S"},
+                           {&out, "out"}})
+        check_dtype(*t, dtype_code::Float, 32, name);
+    MOERUN_CHECK(q.ndim() == 4, "q must be [B, T, Hk, Dk]");
+    const size_t B = q.shape(0), T = q.shape(1), Hk = q.shape(2), Dk = q.shape(3);
+    MOERUN_CHECK(v.ndim() == 4 && v.shape(0) == B && v.shape(1) == T, "v must be [B, T, Hv, Dv]");
+    const size_t Hv = v.shape(2), Dv = v.shape(3);
+    MOERUN_CHECK(Hk >= 1 && Hv % Hk == 0, "the value heads must be a multiple of the key heads");
+    MOERUN_CHECK(T >= 1 && Dk >= 1 && Dv >= 1, "empty q or v");
+    check_shape(k, {B, T, Hk, Dk}, "k");
+    check_shape(g, {B, T, Hv}, "g");
+    check_shape(beta, {B, T, Hv}, "beta");
+    check_shape(S, {B, Hv, Dk, Dv}, "S");
+    check_shape(out, {B, T, Hv, Dv}, "out");
+    nb::gil_scoped_release release;
+    OpLock lk;
+    moerun::delta_rule_chunked((int)B, (int)T, (int)Hk, (int)Hv, (int)Dk, (int)Dv, (const float*)q.data(),
+                               (const float*)k.data(), (const float*)v.data(), (const float*)g.data(),
+                               (const float*)beta.data(), (float*)S.data(), (float*)out.data());
+}
+
 // The linear-attention half of a Qwen3.5 decoder layer (moerun::deltanet_block_decode):
 // out = x + out_proj(DeltaNet(projections of RMSNorm(x))). x, out [B, T, H], both float32 or
 // both bf16; norm_w [H] float32; proj: in_proj_qkv, in_proj_z, in_proj_a, in_proj_b (weights,
@@ -776,6 +800,9 @@ NB_MODULE(_native, m) {
           nb::arg("conv_every").none(), nb::arg("a"), nb::arg("b"), nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("S"),
           nb::arg("S_every").none(), nb::arg("z"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("out"), nb::arg("hk"),
           "a few tokens per row through a Gated DeltaNet layer's conv, delta rule and gated norm (float32)");
+    m.def("delta_rule_chunked", &delta_rule_chunked, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"),
+          nb::arg("beta"), nb::arg("S"), nb::arg("out"),
+          "the chunked gated delta rule over whole sequences (q, k L2-normalised here; S updated in place; float32)");
     m.def("moe_block", &moe_block, nb::arg("x"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("norm_offset"),
           nb::arg("router"), nb::arg("k"), nb::arg("renorm"), nb::arg("bias"), nb::arg("n_group"),
           nb::arg("topk_group"), nb::arg("route_scale"), nb::arg("efmt"), nb::arg("gate"), nb::arg("gate_scales"),

@@ -40,6 +40,9 @@ void deltanet_decode(const DeltaArgs& a) {
     DeltaWork* work = &delta_work();
     const int B = a.B, T = a.T, C = a.C, K = a.K, Km = a.K - 1;
     const int kd = a.Hk * a.Dk;
+    // a prompt (a long pass that keeps no per-token states, of a large enough state): the
+    // chunked delta rule (delta_chunk_head), and the conv and q/k norms on the pool
+    const bool chunked = delta_chunked(T, a.Hv, a.Dk, a.Dv, a.S_every != nullptr);
     std::vector<float>& y = work->y;
     y.resize((size_t)B * T * C);
 
@@ -59,7 +62,7 @@ void deltanet_decode(const DeltaArgs& a) {
         for (int t = 0; t < T; ++t)
             std::copy(a.qkv + b * a.qkv_sb + t * a.qkv_st, a.qkv + b * a.qkv_sb + t * a.qkv_st + C,
                       ext.data() + (size_t)(Km + t) * C);
-        for (int t = 0; t < T; ++t) {
+        auto token = [&](int t) {
             float* yt = y.data() + ((size_t)b * T + t) * C;
             for (int c = 0; c < C; ++c) yt[c] = 0.f;
             for (int j = 0; j < K; ++j) {
@@ -73,6 +76,13 @@ void deltanet_decode(const DeltaArgs& a) {
                 for (int c = 0; c < C; ++c)
                     for (int j = 0; j < Km; ++j) ev[(size_t)c * Km + j] = ext[(size_t)(t + 1 + j) * C + c];
             }
+        };
+        if (!chunked) {
+            for (int t = 0; t < T; ++t) token(t);
+        } else {  // a prompt's tokens: blocks of 16 on the pool (each token's sums as above)
+            pool().parallel_for((T + 15) / 16, [&](int blk) {
+                for (int t = blk * 16; t < std::min(T, blk * 16 + 16); ++t) token(t);
+            });
         }
         for (int c = 0; c < C; ++c)
             for (int j = 0; j < Km; ++j) st[(size_t)c * Km + j] = ext[(size_t)(T + j) * C + c];
@@ -80,7 +90,7 @@ void deltanet_decode(const DeltaArgs& a) {
 
     // (2) q and k heads: x * rsqrt(sum x^2 + 1e-6); q also times Dk^-0.5
     const float qscale = 1.f / std::sqrt((float)a.Dk);
-    for (int bt = 0; bt < B * T; ++bt) {
+    auto l2_heads = [&](int bt) {
         float* row = y.data() + (size_t)bt * C;
         for (int h = 0; h < 2 * a.Hk; ++h) {
             float* v = row + (size_t)h * a.Dk;
@@ -90,23 +100,59 @@ void deltanet_decode(const DeltaArgs& a) {
             if (h < a.Hk) r *= qscale;
             for (int i = 0; i < a.Dk; ++i) v[i] *= r;
         }
+    };
+    if (!chunked) {
+        for (int bt = 0; bt < B * T; ++bt) l2_heads(bt);
+    } else {
+        pool().parallel_for((B * T + 15) / 16, [&](int blk) {
+            for (int bt = blk * 16; bt < std::min(B * T, blk * 16 + 16); ++bt) l2_heads(bt);
+        });
     }
 
     // (3) per (row, value head): the delta rule over the tokens, then the gated RMSNorm
     // (the kernel table's delta_head); decay and beta of every (row, token, head) first
     const int Hv = a.Hv, per_k = a.Hv / a.Hk;
     const size_t SS = (size_t)a.Dk * a.Dv;
-    std::vector<float>& gates = work->gates;  // [B, Hv, T] decay, then [B, Hv, T] beta
+    // the chunked form (`chunked`) takes the log decay, token by token its exp
+    std::vector<float>& gates = work->gates;  // [B, Hv, T] decay (or its log), then [B, Hv, T] beta
     gates.resize((size_t)2 * B * Hv * T);
     for (int b = 0; b < B; ++b)
         for (int h = 0; h < Hv; ++h)
             for (int t = 0; t < T; ++t) {
                 const size_t i = ((size_t)b * Hv + h) * T + t;
                 const float av = a.a[b * a.a_sb + t * a.a_st + h], bv = a.b[b * a.b_sb + t * a.b_st + h];
-                gates[i] = std::exp(-std::exp(a.A_log[h]) * softplus(av + a.dt_bias[h]));
+                const float g = -std::exp(a.A_log[h]) * softplus(av + a.dt_bias[h]);  // log decay
+                gates[i] = chunked ? g : std::exp(g);
                 gates[(size_t)B * Hv * T + i] = sigmoid(bv);
             }
     const KernelTable& kt = kern();
+    if (chunked) {  // a long pass keeping no per-token states: chunked
+        pool().parallel_for(B * Hv, [&](int task) {
+            const int b = task / Hv, h = task % Hv, hk = h / per_k;
+            std::vector<float> scratch(delta_chunk_scratch(a.Dk, a.Dv));
+            const float* row = y.data() + (size_t)b * T * C;
+            DeltaChunkArgs d;
+            d.T = T;
+            d.Dk = a.Dk;
+            d.Dv = a.Dv;
+            d.q = row + (size_t)hk * a.Dk;
+            d.k = row + kd + (size_t)hk * a.Dk;
+            d.v = row + 2 * kd + (size_t)h * a.Dv;
+            d.x_st = d.v_st = C;
+            d.g = gates.data() + (size_t)task * T;
+            d.beta = gates.data() + (size_t)B * Hv * T + (size_t)task * T;
+            d.S = d.S_out = a.S + ((a.row_slot ? (size_t)a.row_slot[b] : (size_t)b) * Hv + h) * SS;
+            d.o = a.out + ((size_t)b * T * Hv + h) * a.Dv;
+            d.o_st = (long)Hv * a.Dv;
+            d.z = a.z + b * a.z_sb + (size_t)h * a.Dv;
+            d.z_st = a.z_st;
+            d.norm_w = a.norm_w;
+            d.eps = a.eps;
+            d.scratch = scratch.data();
+            delta_chunk_head(d);
+        });
+        return;
+    }
     pool().parallel_for(B * Hv, [&](int task) {
         const int b = task / Hv, h = task % Hv, hk = h / per_k;
         std::vector<float> scratch(2 * (size_t)a.Dv);

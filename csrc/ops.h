@@ -330,6 +330,45 @@ struct DeltaArgs {
 };
 void deltanet_decode(const DeltaArgs& a);
 
+// The chunked gated delta rule (csrc/delta_chunk.cpp, csrc/delta_chunk.inc): one (row, value
+// head) over T tokens in chunks of kDeltaChunk, the same results as the token-by-token
+// recurrence (DeltaHeadArgs) up to float32 rounding: o_t = q_t S_t and the final state. q and k
+// are already L2-normalised (q scaled by Dk^-0.5); g is the log decay (<= 0). With norm_w,
+// each output then gets the gated RMSNorm (o * rsqrt(mean o^2 + eps) * norm_w * silu(z)).
+constexpr int kDeltaChunk = 64;
+// deltanet_decode runs a pass of at least this many tokens per row (that keeps no per-token
+// states) in the chunked form where its tokens times a row's state elements (Hv x Dk x Dv)
+// exceed kDeltaChunkMinWork; fewer, or a small model's short prompt (the demo's 4 x 32 x 32
+// state up to 256 tokens: what the token-by-token step served before), token by token
+constexpr int kDeltaChunkMinTokens = 16;
+constexpr long kDeltaChunkMinWork = 1L << 20;
+inline bool delta_chunked(int T, int Hv, int Dk, int Dv, bool every) {
+    return !every && T >= kDeltaChunkMinTokens && (long)T * Hv * Dk * Dv > kDeltaChunkMinWork;
+}
+struct DeltaChunkArgs {
+    int T, Dk, Dv;
+    const float *q, *k, *v;  // token t's q and k at + t * x_st, its v at v + t * v_st
+    long x_st, v_st;
+    const float *g, *beta;   // [T]: log decay, beta
+    const float* S;          // [Dk, Dv]: the state before the first token
+    float* S_out;            // the state after the last (may be S)
+    float* o;                // token t's output at o + t * o_st
+    long o_st;
+    const float* z = nullptr;       // with norm_w: token t's output gate at z + t * z_st
+    long z_st = 0;
+    const float* norm_w = nullptr;  // [Dv] or null (no norm)
+    float eps = 0.f;
+    float* scratch;          // delta_chunk_scratch(Dk, Dv) floats
+};
+size_t delta_chunk_scratch(int Dk, int Dv);
+void delta_chunk_head(const DeltaChunkArgs& a);  // the copy for the kernel table in use (kern())
+// The whole op over q, k [B, T, Hk, Dk], v and out [B, T, Hv, Dv], g and beta [B, T, Hv] (all
+// float32, contiguous; q and k as they come out of the conv: L2-normalised here, q scaled) and
+// S [B, Hv, Dk, Dv] (updated in place to the state after the last token). Value head h reads
+// key head h / (Hv / Hk). Threaded over (row, value head).
+void delta_rule_chunked(int B, int T, int Hk, int Hv, int Dk, int Dv, const float* q, const float* k, const float* v,
+                        const float* g, const float* beta, float* S, float* out);
+
 // The linear-attention half of a Qwen3.5 decoder layer for a few tokens per row, in one call:
 // y = x + out_proj(deltanet(proj(RMSNorm(x)))), x and y [B, T, H]. proj: in_proj_qkv, in_proj_z,
 // in_proj_a, in_proj_b of RMSNorm(x) (weight norm_w + norm_offset, eps norm_eps) as one

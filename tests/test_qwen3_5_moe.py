@@ -13,6 +13,7 @@ import moerun
 from conftest import check_against_reference, hf_greedy, rel_err, save_and_load
 from moerun.layers.cache import Cache
 from moerun.errors import MoerunError
+from moerun import kernels
 from moerun.kernels import reference
 from moerun.layers import deltanet
 
@@ -123,14 +124,15 @@ def test_matches_transformers(tmp_path, overrides):
 
 
 def test_prompt_through_the_chunked_form_with_a_cache(tmp_path, monkeypatch):
-    """A small model's prompt runs the DeltaNet recurrence token by token
-    (`deltanet.token_by_token`); with that off, the chunked form carries the cache's states
-    from one pass to the next and matches transformers too."""
+    """Natively, a prompt with a cache runs between the projections as one call
+    (`deltanet.native_pass`: the chunked form inside); with that off, the modules' chunked
+    form (`gated_delta_rule`) carries the cache's states from one pass to the next and
+    matches transformers too."""
     ref = make_reference()
     llm = load(ref, tmp_path)
     layer = llm.net.model.layers[llm.net.args.layer_types.index("linear_attention")].linear_attn
-    assert layer._token_by_token(140)
-    monkeypatch.setattr(deltanet, "RECURRENT_PREFILL_ELEMENTS", 0)
+    assert layer._token_by_token(140) == kernels.native()
+    monkeypatch.setattr(deltanet, "NATIVE_PASSES", False)
     assert not layer._token_by_token(140) and layer._token_by_token(reference.FEW)
     check_against_reference(ref, llm, ref.config.vocab_size, seq=140)
 

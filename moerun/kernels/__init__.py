@@ -972,6 +972,23 @@ def deltanet_decode(qkv, conv_w, conv, a, b, A_log, dt_bias, S, z, norm_w, eps: 
     return (out, conv_every, S_every) if every else (out, conv, S)
 
 
+def delta_rule_chunked(q, k, v, g, beta, state=None):
+    """The chunked gated delta rule as one native call (csrc/delta_chunk.cpp): the arguments
+    and results of `layers.deltanet.chunk_gated_delta_rule`, its torch reference (q, k [B, T,
+    Hk, Dk] as the conv gives them, L2-normalised inside; v [B, T, Hv, Dv]; g, beta [B, T, Hv];
+    state [B, Hv, Dk, Dv] or None). float32 or bf16 inputs (widened exactly), float32 sums.
+    Returns (o [B, T, Hv, Dv] in q's dtype, the final state, a new float32 tensor)."""
+    nat = _native()
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    f32 = [t.detach().float().contiguous() for t in (q, k, v, g, beta)]
+    S = torch.zeros(B, Hv, Dk, Dv) if state is None else state.detach().float().clone(memory_format=torch.contiguous_format)
+    out = torch.empty(B, T, Hv, Dv)
+    _sync_threads(nat)
+    nat.delta_rule_chunked(*(_np(t) for t in f32), _np(S), _np(out))
+    return out.to(q.dtype), S
+
+
 def _every_states(B: int, T: int, conv, S, every: bool, every_out: tuple | None) -> tuple:
     """The buffers for each token's states ([B, T, C, K-1] and [B, T, Hv, Dk, Dv]) of a pass
     that keeps them: `every_out`, or new ones; (None, None) for a pass that does not."""
@@ -1147,7 +1164,7 @@ __all__ = [
     "greedy_picks", "sample_row",
     "route_softmax_topk", "route_softmax_topk_ref", "route_sigmoid_grouped", "route_sigmoid_grouped_ref",
     "SigmoidRouting", "moe_experts", "moe_experts_ref", "attn_decode", "attn_decode_ref",
-    "deltanet_decode", "deltanet_decode_is_native", "deltanet_block", "moe_block_args", "moe_block_run", "mlp_block_args",
+    "deltanet_decode", "deltanet_decode_is_native", "delta_rule_chunked", "deltanet_block", "moe_block_args", "moe_block_run", "mlp_block_args",
     "mlp_block_run", "mlp_block_ref", "MtpStep",
     "ExpertViews", "norm_args", "rms_norm", "rms_norm_ref", "norm_rope_heads", "norm_rope_heads_ref",
     "attn_decode_is_native", "fuse_decode_attention", "fused_attention_applies",

@@ -10,6 +10,12 @@ as batched matmuls over every batch row and head at once; a pass of a few tokens
 speculative verification) runs that update token by token and keeps every token's state.
 All compute in fp32 and match transformers' `torch_chunk_gated_delta_rule` /
 `torch_recurrent_gated_delta_rule`.
+
+Natively (docs/design/deltanet-prefill.md): a pass with a cache runs
+between its projections as one call (`kernels.deltanet_decode`), whose delta rule is the
+chunked form for a pass of 16 tokens or more that keeps no per-token states (and of a
+large enough state: csrc/ops.h `delta_chunked`), token by token otherwise; a pass without a cache runs `gated_delta_rule`, the chunked form as one native
+call (`kernels.delta_rule_chunked`) with `chunk_gated_delta_rule` here as its reference.
 """
 
 from __future__ import annotations
@@ -17,28 +23,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.reference import FEW, _prepare
+from .. import kernels
+from ..kernels.reference import _prepare
 
 # B batch, T tokens, C conv channels, K conv kernel, Hk key heads, Hv value heads,
 # Dk key head dim, Dv value head dim, L chunk length, N chunks
 
 CHUNK = 64
-SEGMENT = 64 * CHUNK  # tokens per pass of the chunked form (a multiple of CHUNK)
-# ... and a prompt of more, where its tokens times one row's state elements (heads x Dk x Dv)
-# stay within this: a small model's chunked form is dozens of tiny torch ops per layer (~2 ms
-# a layer for 12 tokens of the demo model, whose 4 x 32 x 32 state takes ~1 us a token in the
-# native recurrence); a Qwen3.6-sized state (32 x 128 x 128) keeps the chunked form above FEW
-RECURRENT_PREFILL_ELEMENTS = 1 << 20
+SEGMENT = 64 * CHUNK  # tokens per pass of the chunked form (a multiple of CHUNK); natively, per call
+# Whether a pass with a cache (prefill, a verification pass, decode) runs natively between its
+# projections (`kernels.deltanet_decode`, the chunked form inside for long passes) where the
+# extension is loaded; off, a prefill runs the modules with `gated_delta_rule` (tests use it)
+NATIVE_PASSES = True
 
 
-def token_by_token(T: int, heads: int, dk: int, dv: int) -> bool:
-    """Whether a pass of T tokens runs the recurrence token by token (the native decode step)
-    rather than the chunked form: a few tokens, or a small state (RECURRENT_PREFILL_ELEMENTS)."""
-    return T <= FEW or T * heads * dk * dv <= RECURRENT_PREFILL_ELEMENTS
+def native_pass() -> bool:
+    """Whether a pass with a cache runs as the native call between the projections
+    (`kernels.deltanet_decode`) rather than the modules."""
+    return NATIVE_PASSES and kernels.native()
+
+
+def gated_delta_rule(q, k, v, g, beta, state=None):
+    """The chunked gated delta rule over whole sequences: one native call
+    (`kernels.delta_rule_chunked`) where the extension is loaded and autograd is off,
+    `chunk_gated_delta_rule` otherwise. Same arguments and results."""
+    if kernels.native() and not torch.is_grad_enabled():
+        return kernels.delta_rule_chunked(q, k, v, g, beta, state)
+    return chunk_gated_delta_rule(q, k, v, g, beta, state)
+
+
 # the weights of a Gated DeltaNet module that its native step reads (`kernels.deltanet_decode`),
 # by their names on the module: the key of their views in a run's plans
 DELTA_WEIGHTS = ("conv1d.weight", "A_log", "dt_bias", "norm.weight")
-
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state=None, chunk_size: int = CHUNK):

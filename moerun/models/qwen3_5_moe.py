@@ -35,7 +35,7 @@ from ..config import BaseModelArgs, rope_parameters
 from ..layers.cache import KVSpec, StateSpec
 from ..layers.attention import FusedAttention, attend, attn_residual
 from ..kernels.reference import FEW, causal_conv1d, gated_rms_norm, split_heads
-from ..layers.deltanet import DELTA_WEIGHTS, chunk_gated_delta_rule, token_by_token
+from ..layers.deltanet import DELTA_WEIGHTS, SEGMENT, gated_delta_rule, native_pass
 from ..layers.linear import native_call_views, packed_views, project
 from ..layers.moe import Experts, GatedMLP, moe_residual, softmax_topk
 from ..layers.mtp import MtpParts, native_step, prepare as prepare_drafter
@@ -185,14 +185,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, state, slots):
         B, T, _ = x.shape
-        if state is not None and self._token_by_token(T):  # decode, a verification pass, a small model's prompt
+        if state is not None and self._token_by_token(T):  # decode, a verification pass, natively a prompt
             return self._few_tokens(x, state, slots)
         conv_state = state.get("conv", slots) if state is not None else None
         qkv, conv_state = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight, conv_state)  # [B, T, C]
         q, k, v, beta, g = split_heads(qkv, self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias, self.n_k,
                                        self.dk, self.n_v, self.dv)
         rec = state.get("recurrent", slots) if state is not None else None
-        o, rec = chunk_gated_delta_rule(q, k, v, g, beta, rec)  # [B, T, Hv, Dv]
+        o, rec = gated_delta_rule(q, k, v, g, beta, rec)  # [B, T, Hv, Dv]
         if state is not None:
             state.set("conv", slots, conv_state)
             state.set("recurrent", slots, rec)
@@ -209,15 +209,21 @@ class GatedDeltaNet(nn.Module):
         return x + self(norm(x), state, slots)
 
     def _token_by_token(self, T: int) -> bool:
-        """A few tokens, or a small model's prompt where the native step runs it."""
-        return T <= FEW or (kernels.native() and token_by_token(T, self.n_v, self.dk, self.dv))
+        """A pass with a cache that runs between the projections as `_few_tokens`: a few
+        tokens, or any pass where the native call runs it (`deltanet.native_pass`)."""
+        return T <= FEW or native_pass()
 
     def _few_tokens(self, x, state, slots, norm=None, plans=None):
-        """Token after token (kernels.deltanet_decode); a pass of 2..FEW tokens keeps every
-        token's state, so that a rejected speculative draft can be rolled back (a longer one,
-        a small model's prompt, keeps the last only). With `norm` (`residual`): x + the
-        layer's output on norm(x)."""
+        """Between the projections as one call (kernels.deltanet_decode): token after token
+        for a few tokens, the chunked form natively for a prompt (csrc/delta_chunk.cpp); a
+        pass of 2..FEW tokens keeps every token's state, so that a rejected speculative draft
+        can be rolled back (a longer one, a prompt, keeps the last only). A prompt of more
+        than `SEGMENT` tokens runs in passes of SEGMENT (bounding the native call's buffers).
+        With `norm` (`residual`): x + the layer's output on norm(x)."""
         B, T, _ = x.shape
+        if T > SEGMENT:
+            return torch.cat([self._few_tokens(x[:, t : t + SEGMENT], state, slots, norm, plans)
+                              for t in range(0, T, SEGMENT)], dim=1)
         every = 1 < T <= FEW
         conv, rec = state.get("conv", slots), state.get("recurrent", slots)
         bufs = None
