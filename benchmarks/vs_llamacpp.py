@@ -22,7 +22,7 @@ way: per thread count a 32-token warm-up prefill, prefills of 512 and 2048 fresh
 fresh caches, then 128 decode steps from an empty cache and 128 from a cache holding 4096
 tokens (filled once a round, untimed, at the first thread count; one warm-up step before each,
 as llama-bench's). moerun runs as `moerun.load` sets a model up (kernels.split_threads,
-fuse_decode_attention, float32 activations, bf16 embedding and KV cache); llama.cpp keeps
+the fused attention block, float32 activations, bf16 embedding and KV cache); llama.cpp keeps
 its defaults (f16 KV cache, its flash-attention choice, n_batch 2048, n_ubatch 512).
 
 Rows (--rows):

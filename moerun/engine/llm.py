@@ -11,7 +11,6 @@ import torch
 
 from .. import kernels
 from ..errors import MoerunError
-from ..layers.attention import fuse_decode_attention
 from ..layers.linear import native_float_linears
 from .generate import GenerationStats, Sequence, run
 from .sampling import SamplingParams
@@ -95,8 +94,7 @@ class LLM:
         self.generation_config = generation_config
         self.last_stats = GenerationStats()
         kernels.split_threads(net)  # torch's small decode ops on one thread while native kernels run
-        fuse_decode_attention(net)  # ... and each attention block's decode step one native call
-        native_float_linears(net)  # ... and each other float linear's
+        native_float_linears(net)  # ... and each plain float linear's few-row calls one native call
 
     @classmethod
     def load(cls, path=None, dtype="auto", threads: int | None = None, quant: str | None = None,
@@ -243,9 +241,9 @@ class LLM:
 
     def probe_decode_path(self, rows: int = 1) -> dict:
         """How this model's decode steps run (`layers.stack.decode_path`), found by running
-        them: `rows` one-token prompts, then three greedy steps (the first pass of a shape
-        makes the run's plans, the next ones take the native stack where it applies). For
-        `moerun info`; costs a few tokens' compute."""
+        them: `rows` one-token prompts, then three greedy steps (the run's decode program is
+        built before them: each takes the native stack where it applies). For `moerun info`;
+        costs a few tokens' compute."""
         stats = GenerationStats()
         seqs = [Sequence([0], self.sampling_params(max_tokens=4, temperature=0.0)) for _ in range(rows)]
         for _ in run(self.net, seqs, set(), self.dtype, stats, kv_dtype=self.kv_dtype):

@@ -232,15 +232,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, cos_sin, kv, slots, pos0, last_only=False, plans=None):
+    def forward(self, x, cos_sin, kv, slots, pos0, last_only=False):
         """last_only: only the last position goes on through the MLP ([B, 1, H] out): every
         position's keys and values are cached by then, and an MTP catch-up wants no more.
-        The MLP half (MoE, or a dense MLP) runs as one native call where it can (`moe_residual`);
-        `plans`: a run's."""
+        The MLP half (MoE, or a dense MLP) runs as one native call where it can (`moe_residual`)."""
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, slots, pos0)
         if last_only:
             x = x[:, -1:]
-        return moe_residual(x, self.post_attention_layernorm, self.mlp, plans)
+        return moe_residual(x, self.post_attention_layernorm, self.mlp)
 
 
 class SharedHead(nn.Module):
@@ -333,7 +332,7 @@ class Model(nn.Module):
         x = m.embed_tokens(input_ids)
         cos_sin = m.rope.span(pos0, T, x.dtype)
         for i, layer in enumerate(m.layers):
-            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0, plans=plans)
+            x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
         if cache is not None:
             cache.advance(slots, T)
         hidden = m.norm(x)

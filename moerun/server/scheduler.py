@@ -118,9 +118,9 @@ class Scheduler:
         # the speculative loop keeps its own caches, sized per request
         self.cache = (None if speculative is not None
                       else Cache(self.net.cache_spec(), max_concurrency, self.max_len, llm.dtype, llm.kv_dtype))
-        # the layers' checks, made once per pass shape for the server's life (`generate.run_plans`):
-        # nothing adds hooks to a served model or replaces its weights
-        self.plans = run_plans(self.net)
+        # the decode program, built once for the server's life for every batch width it will run
+        # (`generate.run_plans`): nothing adds hooks to a served model or replaces its weights
+        self.plans = run_plans(self.net, self.cache, range(1, max_concurrency + 1))
         self.free = list(range(max_concurrency - 1, -1, -1))  # pop() hands out slot 0 first
         self.live: list[Request] = []  # decoding
         self.prefilling: collections.deque[Request] = collections.deque()  # holding a slot, prompt partly in
