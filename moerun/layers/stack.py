@@ -111,8 +111,11 @@ def prepare(model, cache, plans: dict, widths=(1,), T: int = 1) -> None:
     reads. `model` is a causal LM as `model_pass` takes it. Where a half does not run
     natively, the run's `decode_path` says which and why from then on."""
     m = model.model
-    dtype = m.embed_tokens.weight.dtype
-    H = m.embed_tokens.weight.shape[1]
+    embed = m.embed_tokens
+    # the activations' dtype: the embedding's (one kept in GGUF blocks says it by its final
+    # norm's, as every half's norm must for the stack to take it)
+    dtype = embed.weight.dtype if type(embed) is torch.nn.Embedding else m.norm.weight.dtype
+    H = embed.embedding_dim
     if T > kernels.FUSED_MAX_TOKENS or kernels._native() is None or dtype not in kernels.FLOAT_DTYPES:
         return
     rope = m.rope.float_rows(0, T, dtype)
