@@ -14,6 +14,15 @@ from ..errors import MoerunError
 from ..layers.linear import native_float_linears
 from .generate import GenerationStats, Sequence, run
 from .sampling import SamplingParams
+from ..config import read_generation_config, regular_file
+from ..layers.cache import kv_cache_dtype
+from ..loaders import build
+from ..loaders.gguf import GGUFFile, UnsupportedTokenizer, generation_config, is_gguf, tokenizer_from_gguf
+from ..loaders.hub import resolve
+from ..loaders.quantized import quantize_at_load
+from ..quant import compute_in_float32
+from ..tokenizer import IncrementalDecoder, Tokenizer
+from .speculative import SpeculativeStats, check_speculative, new_draft_length, run_speculative
 
 log = logging.getLogger("moerun")
 
@@ -37,15 +46,12 @@ def set_threads(threads: int | None) -> int:
 
 def load_tokenizer(path: Path):
     """The model directory's tokenizer, None without a tokenizer.json."""
-    from ..config import regular_file
-    from ..tokenizer import Tokenizer
 
     return Tokenizer(path) if regular_file(path / "tokenizer.json") else None
 
 
 def gguf_extras(path: Path):
     """(tokenizer, generation settings, why there is no tokenizer) of a GGUF file (loaders/gguf.py)."""
-    from ..loaders.gguf import GGUFFile, UnsupportedTokenizer, generation_config, tokenizer_from_gguf
 
     f = GGUFFile(path)
     try:
@@ -73,7 +79,6 @@ def compute_dtype(net, asked, dtype: torch.dtype,
     """(compute dtype, KV cache dtype) of a loaded net: with dtype "auto" a quantized net
     computes in float32, the native kernels' dtype (`quant.compute_in_float32`), and its KV
     cache stays in the checkpoint's dtype unless --kv-cache says otherwise."""
-    from ..quant import compute_in_float32
 
     if asked == "auto" and dtype != torch.float32 and compute_in_float32(net):
         return torch.float32, kv_dtype or dtype
@@ -108,14 +113,9 @@ class LLM:
         kv_cache: "auto" (the checkpoint's dtype), "int8" (per-token, per-head scales) or a
         float dtype name. check_weights: first scan every float tensor for NaN and Inf (reads
         the whole checkpoint; `loaders.hf.check_finite`)."""
-        from ..config import read_generation_config
-        from ..loaders.gguf import is_gguf
-        from ..loaders import build
-        from ..layers.cache import kv_cache_dtype
 
         kv_dtype = kv_cache_dtype(kv_cache)
 
-        from ..loaders.hub import resolve
 
         path = default_model_path() if path is None else resolve(path)  # org/name: the Hugging Face cache
         set_threads(threads)
@@ -130,7 +130,6 @@ class LLM:
         arch, args, net, dtype = build(path, dtype, prepare=lambda net: check_vocab(tokenizer, net.args.vocab_size),
                                        check_weights=check_weights)
         if quant not in (None, "none"):
-            from ..loaders.quantized import quantize_at_load
 
             quantize_at_load(net, path, quant)
         dtype, kv_dtype = compute_dtype(net, asked, dtype, kv_dtype)
@@ -218,7 +217,6 @@ class LLM:
             self.last_stats = GenerationStats()
             return run(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats, after_sample=self._mtp_prefetch(),
                        kv_dtype=self.kv_dtype)
-        from .speculative import SpeculativeStats, check_speculative, new_draft_length, run_speculative
 
         check_speculative(self.net, speculative)
         self.last_stats = SpeculativeStats()
@@ -252,7 +250,6 @@ class LLM:
 
     # -- text ----------------------------------------------------------------
     def _sequences(self, prompts, sampling) -> list[Sequence]:
-        from ..tokenizer import IncrementalDecoder
 
         seqs = []
         for p in prompts:
