@@ -56,7 +56,7 @@ V = llm.args.vocab_size
 out = {{}}
 for B in {batches!r}:
     prompts = [torch.randint(0, V, (16 + 5 * b,), generator=g).tolist() for b in range(B)]
-    llm.generate_ids(prompts, max_tokens=4, temperature=0.0)  # warm-up: this width's plans
+    llm.generate_ids(prompts, max_tokens=4, temperature=0.0)  # warm-up: first use of this width's buffers
     llm.generate_ids(prompts, max_tokens={a.gen_tokens}, temperature=0.0)
     out[B] = llm.last_stats.decode_tok_s
 print(json.dumps(out))

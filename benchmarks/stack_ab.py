@@ -58,7 +58,6 @@ def demo(a) -> None:
 
 def random_30b(a) -> None:
     from moerun import kernels
-    from moerun.layers.attention import fuse_decode_attention
     from moerun.layers.cache import Cache
     from vs_llamacpp import build_model
 
@@ -66,7 +65,6 @@ def random_30b(a) -> None:
     torch.set_num_threads(a.threads)
     kernels.set_threads(None)
     kernels.split_threads(net, a.threads)
-    fuse_decode_attention(net)
     prompt = torch.randint(300, args.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
     cache = Cache(net.cache_spec(), 1, 512 + 16, torch.bfloat16)
     plans, times = {}, {"stack": [], "modules": []}
@@ -79,7 +77,7 @@ def random_30b(a) -> None:
                     cache.lengths[0] = 512
                     t = time.perf_counter()
                     net(prompt[:, i : i + 1], cache, last_only=True, plans=plans)
-                    if i >= 2:  # a block's first steps make or find its plans
+                    if i >= 2:  # a run's first steps warm its buffers up
                         times[mode].append(time.perf_counter() - t)
     stack.stack_run = STACK
     med = {k: statistics.median(v) for k, v in times.items()}

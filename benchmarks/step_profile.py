@@ -5,8 +5,8 @@ of benchmarks/vs_llamacpp.py (random weights, quantized by a policy, built in me
         [--context 512] [--steps 30] [--dtype float32|bfloat16] [--no-fuse]
 
 Wall time per part, measured with forward hooks around each module while the model runs as
-moerun.load sets it up (kernels.split_threads; fuse_decode_attention unless
---no-fuse): attention blocks (everything from the normed input to o_proj), routed experts,
+moerun.load sets it up (kernels.split_threads; the fused attention block,
+`layers.attention.attention_fuses`, unless --no-fuse): attention blocks (everything from the normed input to o_proj), routed experts,
 the router and the rest of each MoE block, the LM head, and what is left (embedding, norms,
 residual adds, Python). Weight-streaming parts also show GB/s: the bytes they read per token
 over their time. Medians over --steps decode steps at --context tokens of context.
@@ -24,7 +24,7 @@ import torch
 
 from moerun import kernels
 from moerun.layers.cache import Cache
-from moerun.layers.attention import fuse_decode_attention
+from moerun.layers import attention
 from moerun.layers.quantized import QuantizedExperts, QuantizedLinear
 from vs_llamacpp import build_model
 
@@ -76,7 +76,9 @@ def main(argv=None) -> int:
         prm.data = prm.data.to(dtype)
     torch.set_num_threads(a.threads)
     kernels.split_threads(net, a.threads)
-    fused = 0 if a.no_fuse else fuse_decode_attention(net)
+    if a.no_fuse:
+        attention.attention_fuses = lambda m: False
+    fused = sum(attention.attention_fuses(m) for m in net.modules())
     print(f"{a.layers} layers, policy {a.row}, {a.dtype}, {a.threads} threads, kernels {kernels.isa()}, "
           f"{fused} attention blocks fused", file=sys.stderr)
     prompt = torch.randint(300, args.vocab_size, (1, a.context), generator=torch.Generator().manual_seed(0))

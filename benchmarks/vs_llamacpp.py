@@ -22,7 +22,7 @@ timed in this process the same way: per thread count a 32-token warm-up prefill,
 128 from a cache holding 4096 tokens (filled once a round, untimed, at the first thread count;
 one warm-up step before each, as llama-bench's; before each, the KV cache is rewound by its
 length and recurrent DeltaNet states are restored from the copy saved after the fill).
-moerun runs as `moerun.load` sets a model up (kernels.split_threads, fuse_decode_attention,
+moerun runs as `moerun.load` sets a model up (kernels.split_threads, the fused attention block,
 float32 activations; the qwen3moe source's KV cache bf16 as a bf16 checkpoint's, the
 qwen35moe source's as moerun.load gives a GGUF file: float32); llama.cpp keeps its defaults
 (f16 KV cache, its flash-attention choice, n_batch 2048, n_ubatch 512).

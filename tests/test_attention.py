@@ -6,7 +6,6 @@ import torch.nn.functional as F
 
 from moerun.layers.cache import Cache, KVSpec
 from moerun.layers.attention import attend, decode_attention
-from moerun.layers.attention import fuse_decode_attention
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -136,23 +135,19 @@ def test_recurrent_state_scratch_is_one_buffer_per_name_grown_when_needed():
 # Mixtral: a sliding window), on every kernel path this CPU has
 
 from moerun import kernels  # noqa: E402
+from test_kernels import fused_attentions, torch_attention  # noqa: E402
 
 NATIVE = [i for i in kernels.available_isas() if i != "torch"]
 
 
 def _variant_net(arch: str, tmp_path, dtype: str, quant):
-    """A tiny random model of `arch` (test_stack_archs.ARCHS) loaded with its attention modules'
-    own forward (the torch reference); fused again by `fuse_decode_attention`."""
+    """A tiny random model of `arch` (test_stack_archs.ARCHS)."""
     import moerun
     from test_stack_archs import ARCHS
 
     torch.manual_seed(0)
     ARCHS[arch]().eval().save_pretrained(tmp_path)
-    net = moerun.load(tmp_path, dtype=dtype, threads=1, quant=quant).net
-    for m in net.modules():
-        if hasattr(m, "_unfused_forward"):
-            del m.forward, m._unfused_forward
-    return net
+    return moerun.load(tmp_path, dtype=dtype, threads=1, quant=quant).net
 
 
 def _variant_run(net, dtype):
@@ -187,8 +182,9 @@ def test_fused_attention_variants_match_the_module(isa, arch, dtype, quant, tol,
     kv = net.model.embed_tokens.weight.dtype
     attn = net.model.layers[0].self_attn
     with torch.inference_mode(), kernels.use_isa(isa):
-        want, want_cache = _variant_run(net, kv)
-        assert fuse_decode_attention(net) == len(net.model.layers)
+        with torch_attention():  # the module's own forward: the torch reference
+            want, want_cache = _variant_run(net, kv)
+        assert fused_attentions(net) == len(net.model.layers)
         variants = kernels.attn_plan(attn)[3]
         assert set(variants) == {"qwen2_moe": {"qkv_bias"}, "qwen2_moe-window": {"qkv_bias", "window"},
                                  "olmoe": set(), "mixtral-window": {"window"}}[arch]

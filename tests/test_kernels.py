@@ -18,16 +18,36 @@ Tolerances (errors relative to the reference's largest magnitude):
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from moerun import kernels
 from moerun.kernels.reference import expert_mlp
 from moerun.layers.moe import Experts
-from moerun.layers.attention import fuse_decode_attention
+from moerun.layers import attention
 from moerun.layers.linear import native_float_linears
 from moerun.kernels import formats
 from moerun.layers.quantized import QuantizedExperts, QuantizedLinear
+
+
+@contextlib.contextmanager
+def torch_attention():
+    """The attention modules' own forward, the torch reference the fused block is checked
+    against: `layers.attention.attention_fuses` says no to every module meanwhile."""
+    real = attention.attention_fuses
+    attention.attention_fuses = lambda m: False
+    try:
+        yield
+    finally:
+        attention.attention_fuses = real
+
+
+def fused_attentions(net) -> int:
+    """How many of net's attention modules the fused block takes (`attention_fuses`)."""
+    return sum(attention.attention_fuses(m) for m in net.modules())
+
 
 NATIVE = [i for i in kernels.available_isas() if i != "torch"]
 FMTS = ["int4", "int8"]
@@ -485,7 +505,7 @@ def test_attn_decode_bad_shapes_and_fallbacks():
                                                              (16, torch.bfloat16, 6e-2, 0.1)])
 @pytest.mark.parametrize("quant", ["int4", "none"])
 def test_fused_decode_attention_matches_the_module(isa, head_dim, dtype, tol, cache_tol, quant):
-    """fuse_decode_attention: decode steps and a few-token pass through the native
+    """The fused attention block: decode steps and a few-token pass through the native
     attention block give the module's own logits and leave the same keys and values in the
     cache (bf16: within
     bf16 rounding: the block keeps q and k in float32 where the module rounds them after
@@ -515,9 +535,9 @@ def test_fused_decode_attention_matches_the_module(isa, head_dim, dtype, tol, ca
 
     keys = list(net.state_dict())
     with torch.inference_mode(), kernels.use_isa(isa):
-        want, want_cache = run()
-        assert fuse_decode_attention(net) == 2
-        assert fuse_decode_attention(net) == 0  # already wrapped
+        with torch_attention():
+            want, want_cache = run()
+        assert fused_attentions(net) == 2
         got, got_cache = run()
         batch = net(ids[:, :3].repeat(2, 1))  # uncached batch of two: the module's forward
     assert got.dtype == want.dtype == torch.float32  # logits (`layers.linear.head_logits`), whatever the model dtype
@@ -537,14 +557,14 @@ def test_fused_decode_attention_skips_mixed_and_biased_modules():
     attn = net.model.layers[0].self_attn
     attn.o_proj = QuantizedLinear.from_linear(attn.o_proj, "int8")  # one packed projection among float ones
     attn.q_proj.register_forward_hook(lambda *a: None)  # and a hooked float projection
-    assert fuse_decode_attention(net) == (1 if kernels.isa() != "torch" else 0)  # only layer 1
+    assert fused_attentions(net) == (1 if kernels.isa() != "torch" else 0)  # only layer 1
     net = tiny_model()
     quantize_model(net, "int4")
     # a biased q/k/v projection fuses (the block adds the bias: Qwen2-MoE); a biased o_proj does not
     net.model.layers[0].self_attn.o_proj.bias = torch.zeros(net.model.layers[0].self_attn.o_proj.out_features)
     net.model.layers[1].self_attn.q_proj.bias = torch.zeros(net.model.layers[1].self_attn.q_proj.out_features)
-    assert fuse_decode_attention(net) == (1 if kernels.isa() != "torch" else 0)
-    assert "_unfused_forward" in net.model.layers[1].self_attn.__dict__ or kernels.isa() == "torch"
+    assert fused_attentions(net) == (1 if kernels.isa() != "torch" else 0)
+    assert attention.attention_fuses(net.model.layers[1].self_attn) or kernels.isa() == "torch"
 
 
 @pytest.mark.parametrize("isa", NATIVE)
@@ -645,11 +665,7 @@ def _qwen3_5_net(tmp_path):
     from conftest import save_and_load
     from test_qwen3_5_moe import make_reference
 
-    net = save_and_load(make_reference(), tmp_path).net
-    for m in net.modules():  # loading fused the float attention blocks: back to the modules' own forward
-        if hasattr(m, "_unfused_forward"):
-            del m.forward, m._unfused_forward
-    return net
+    return save_and_load(make_reference(), tmp_path).net
 
 
 @pytest.mark.parametrize("isa", NATIVE)
@@ -671,8 +687,9 @@ def test_fused_decode_attention_gated(isa, tmp_path):
         return torch.stack([o.reshape(-1) for o in out]), cache
 
     with torch.inference_mode(), kernels.use_isa(isa):
-        want, want_cache = run()
-        assert fuse_decode_attention(net) == sum(t == "full_attention" for t in net.args.layer_types)
+        with torch_attention():
+            want, want_cache = run()
+        assert fused_attentions(net) == sum(t == "full_attention" for t in net.args.layer_types)
         got, got_cache = run()
     assert max_rel(got, want) < 1e-4
     for a, b in zip(got_cache.layers, want_cache.layers):

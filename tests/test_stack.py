@@ -1,7 +1,8 @@
 """A decode pass through the whole layer stack as its native calls in one loop
 (`layers.stack.stack_run`), for one row or a batch's decode step: bit-identical to the
-modules, and out of the way wherever they must run (the first pass of each shape in a run,
-hooks, a layer without both fused halves)."""
+modules, and out of the way wherever they must run (a prompt, hooks, a layer without both
+fused halves). A run's stack of each shape is built before its first pass of that shape:
+no pass runs the modules to make it."""
 
 from __future__ import annotations
 
@@ -81,11 +82,10 @@ def test_stack_is_bit_identical_to_the_modules(qwen3_path, dtype, quant, monkeyp
         assert not any(ran) and not whole  # no plans: the modules
         ran.clear()
         got = passes(net, kv, {})
-    # the prefill (a long pass: no fused halves) and the first pass of each decode shape run
-    # the modules; the other one-token steps and the later passes of three the stack, through
-    # `model_pass` (embedding, final norm and LM head native too)
-    assert ran == [False, False, True, True, False, True, True, True, True]
-    assert whole == [1, 1, 1, 3]  # (the pass that builds a stack runs it from `run_layers`)
+    # the prefill (a long pass) runs the modules; every decode-sized pass the stack, the first
+    # of each shape included, through `model_pass` (embedding, final norm and LM head native too)
+    assert ran == [False] + [True] * 8
+    assert whole == [1, 1, 1, 3, 1, 3, 1, 3]
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
@@ -116,7 +116,7 @@ def test_hooks_run_the_modules(qwen3_path, monkeypatch):
         want = steps(None)
         ran.clear()
         got = steps({}, hook_at=(7, 8))
-        assert ran == [False, False, True, True, False, False, True, True, True]
+        assert ran == [True, True, True, True, False, False, True, True, True]  # (a 4-token prompt: the stack)
         assert len(seen) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
         # a forward hook on a layer: the stack is not built
         h = net.model.layers[0].register_forward_hook(lambda *a: seen.append("layer"))
@@ -151,7 +151,7 @@ def batch_steps(net, plans, dtype, seed: int = 11) -> list:
 @pytest.mark.parametrize("quant", [None, "int4"])
 def test_a_batch_step_takes_the_stack_bit_identical_to_the_modules(qwen3_path, dtype, quant, monkeypatch):
     """A batch's one-token steps, rows at scattered slots and positions, go through the stack
-    (after the first step of each width makes the plans), giving the modules' bits."""
+    (each width's first step too), giving the modules' bits."""
     import moerun
 
     net = moerun.load(qwen3_path(), dtype=dtype, threads=1, quant=quant).net
@@ -163,9 +163,10 @@ def test_a_batch_step_takes_the_stack_bit_identical_to_the_modules(qwen3_path, d
         ran.clear()
         plans = {}
         got = batch_steps(net, plans, kv)
-    # three prefills (modules), then per width: the first step the modules, the next the stack
-    assert ran == [False] * 3 + [False, True, True, True] + [False, True, True] + [False, True]
-    assert stack.decode_path(plans)["native_stack_passes"] == 6
+    # three prefills (the 9-token one the modules, the 5- and 2-token ones a pass the stack
+    # takes), then every step of every width the stack
+    assert ran == [True, False, True] + [True] * 9
+    assert stack.decode_path(plans)["native_stack_passes"] == 11
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
@@ -184,12 +185,12 @@ def test_a_dense_layer_takes_the_stack(qwen3_path, dtype, quant, monkeypatch):
         want = passes(net, kv, None)
         ran.clear()
         got = passes(net, kv, {})
-        assert ran == [False, False, True, True, False, True, True, True, True]
+        assert ran == [False] + [True] * 8
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
         want = batch_steps(net, None, kv)
         plans = {}
         got = batch_steps(net, plans, kv)
-    assert stack.decode_path(plans)["native_stack_passes"] == 6
+    assert stack.decode_path(plans)["native_stack_passes"] == 11
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
@@ -264,7 +265,7 @@ def test_qwen3_5_stack_keeps_logits_and_states(qwen3_5_path, dtype, quant, slot,
         want = run(None)
         ran.clear()
         got = run({})
-    assert ran == [False, False, False, True, True, True, True, True]
+    assert ran == [False] + [True] * 7
     for a, b in zip(got, want):
         assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -280,7 +281,7 @@ def test_a_bad_token_id_is_an_error_in_the_native_pass_too(qwen3_path):
     cache, s, plans = Cache(net.cache_spec(), 1, 16, torch.bfloat16), torch.tensor([0]), {}
     with torch.inference_mode():
         net(torch.tensor([[1, 2, 3]]), cache, s, plans=plans)
-        for t in (4, 5, 6):  # the modules, the stack built, then the whole pass native
+        for t in (4, 5, 6):  # each pass native end to end (the stack built before the first)
             net(torch.tensor([[t]]), cache, s, plans=plans)
         for bad in (-1, CFG["vocab_size"]):
             with pytest.raises(IndexError):
@@ -300,9 +301,10 @@ def test_native_stack_refuses_bad_arguments(qwen3_path):
     cache, s, plans = Cache(net.cache_spec(), 1, 16, torch.float32), torch.tensor([0]), {}
     with torch.inference_mode():
         net(torch.tensor([[1, 2, 3]]), cache, s, plans=plans)
-        for t in range(2):  # the first one-token pass makes the plans, the second the stack
+        for t in range(2):  # one-token passes: the stack, built before the first
             net(torch.tensor([[4 + t]]), cache, s, plans=plans)
-    native, experts, *_ = next(v for k, v in plans.items() if isinstance(k, tuple) and k[0] == "stack" and type(v) is tuple)
+    native, experts, *_ = next(v for k, v in plans.items() if isinstance(k, tuple) and k[0] == "stack"
+                               and tuple(k[1][:2]) == (1, 1))
     H = CFG["hidden_size"]
     x, a, b = (np.zeros((1, 1, H), dtype=np.float32) for _ in range(3))
     rope = net.model.rope.float_rows(6, 1, torch.float32)
@@ -388,7 +390,7 @@ def test_a_qwen3_5_batch_step_takes_the_stack_bit_identical_to_the_modules(qwen3
         want = run(None)
         ran.clear()
         got = run({})
-    assert ran == [False] * 3 + [False, True, True, True] + [False, True, True] + [False, True]
+    assert ran == [True, False, True] + [True] * 9
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert len(states[0]) > 0 and all(torch.equal(a, b) for a, b in zip(*states, strict=True))
 
@@ -417,8 +419,8 @@ def verify_passes(net, plans, dtype, rows=((2, 5), (0, 9)), T: int = 3, n: int =
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_batch_verification_pass_takes_the_stack_and_gives_each_row_its_own_bits(qwen3_path, dtype, monkeypatch):
-    """Rows of three tokens each (a batch's verification pass): through the stack after the
-    first pass of the shape, the modules' bits, and each row's logits those it gets alone."""
+    """Rows of three tokens each (a batch's verification pass): through the stack, the first
+    pass of the shape too, the modules' bits, and each row's logits those it gets alone."""
     import moerun
 
     net = moerun.load(qwen3_path(), dtype=dtype, threads=1, quant="int4").net
@@ -428,7 +430,7 @@ def test_a_batch_verification_pass_takes_the_stack_and_gives_each_row_its_own_bi
         want = verify_passes(net, None, kv)
         ran.clear()
         got = verify_passes(net, {}, kv)
-        assert ran == [False, False, False, True, True]
+        assert ran == [True, False, True, True, True]  # (the 5-token prompt fits a pass: the stack)
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
         for r, row in enumerate(((2, 5), (0, 9))):
             alone = verify_passes(net, {}, kv, rows=(row,))

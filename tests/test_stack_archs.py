@@ -13,6 +13,7 @@ import torch
 
 from moerun import kernels
 from moerun.layers import stack
+from moerun.layers.attention import attention_fuses
 from test_stack import passes
 
 pytestmark = pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
@@ -91,16 +92,16 @@ def test_stack_is_bit_identical_to_the_modules(arch_path, arch, dtype, quant):
     import moerun
 
     net = moerun.load(arch_path(arch), dtype=dtype, threads=1, quant=quant).net
-    assert all("_unfused_forward" in layer.self_attn.__dict__ for layer in net.model.layers)  # fused at load
+    assert all(attention_fuses(layer.self_attn) for layer in net.model.layers)  # the fused block takes them
     kv = net.model.embed_tokens.weight.dtype
     with torch.inference_mode():
         want, want_cache = passes(net, kv, None, keep_cache=True)  # (positions reach 22: past the windows)
         plans = {}
         got, got_cache = passes(net, kv, plans, keep_cache=True)
     path = stack.decode_path(plans)
-    # the prefill runs the modules; so does the first pass of each decode shape (it makes the
-    # plans); the other six through the stack
-    assert path == {"native_stack_passes": 6, "module_passes": 2, "why": None}, path
+    # the prefill runs the modules; every decode pass the stack (its first of each shape too:
+    # the stack is built before it runs)
+    assert path == {"native_stack_passes": 8, "module_passes": 0, "why": None}, path
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
     for a, b in zip(got_cache.layers, want_cache.layers):  # the keys and values written, too
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
@@ -128,8 +129,8 @@ def batch_steps(net, dtype, plans, rows, steps=5):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_batch_row_has_the_bits_of_the_row_alone(arch_path, arch, dtype, monkeypatch):
     """A batch's decode steps against each row decoded alone, both through the native stack
-    after their first step (whose modules run the batch's attention half as the fused block
-    over the rows, `attn_block_rows`): the same logits, bit for bit."""
+    (the first step too: no step runs the modules' fused block over the rows,
+    `attn_block_rows`): the same logits, bit for bit."""
     import moerun
 
     net = moerun.load(arch_path(arch), dtype=dtype, threads=1, quant="int4").net
@@ -140,13 +141,13 @@ def test_a_batch_row_has_the_bits_of_the_row_alone(arch_path, arch, dtype, monke
     with torch.inference_mode():
         plans = {}
         batch = batch_steps(net, kv, plans, (2, 0))
-        assert len(rows_calls) == len(net.model.layers)  # the first step's modules
-        assert stack.decode_path(plans)["native_stack_passes"] == 4
+        assert not rows_calls  # every step the stack
+        assert stack.decode_path(plans)["native_stack_passes"] == 6  # 5 steps and the 4-token prompt
         alone = {}
         for r, s in enumerate((2, 0)):
             plans = {}
             alone[r] = batch_steps(net, kv, plans, (s,))
-            assert stack.decode_path(plans)["native_stack_passes"] == 4  # all but the first step
+            assert stack.decode_path(plans)["native_stack_passes"] == 5 + (s == 0)  # (slot 0's prompt: 4 tokens)
     for i, step in enumerate(batch):
         for r in (0, 1):
             assert torch.equal(step[r], alone[r][i][0]), (i, r)
@@ -186,7 +187,7 @@ def test_clip_qkv_keeps_olmoe_on_the_modules(arch_path, tmp_path):
     torch.manual_seed(0)
     make_olmoe(clip_qkv=1.5).eval().save_pretrained(tmp_path)
     llm = moerun.load(tmp_path, dtype="float32", threads=1)
-    assert not any("_unfused_forward" in layer.self_attn.__dict__ for layer in llm.net.model.layers)
+    assert not any(attention_fuses(layer.self_attn) for layer in llm.net.model.layers)
     llm.generate_ids([[1, 2, 3, 4]], max_tokens=4, temperature=0.0)
     path = llm.last_stats.decode_path
     assert path["native_stack_passes"] == 0 and "attention half" in path["why"], path

@@ -25,13 +25,13 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, sp
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (1, prompt_tokens), generator=g)
     with torch.inference_mode():
-        # warm-up on the cache and plans the timed run then takes: first calls allocate and pick
-        # kernels, a run's first decode passes make its plans and native stack
+        # warm-up on the cache and decode program the timed run then takes (built before the
+        # first pass: `run_plans`): first calls allocate and pick kernels
         def step(ids, cache, plans):
             return net(ids, cache, last_only=True, **plans)[:, -1].argmax(-1, keepdim=True)
 
         cache = Cache(net.cache_spec(), 1, max(prompt_tokens + gen_tokens, 7), llm.dtype, llm.kv_dtype)  # (warm-up: 7)
-        plans = run_plans(net)
+        plans = run_plans(net, cache, (1,))
         tok = step(torch.randint(0, vocab, (1, 4), generator=g), cache, plans)
         for _ in range(3):
             tok = step(tok, cache, plans)
@@ -67,8 +67,8 @@ def bench(llm, prompt_tokens: int = 128, gen_tokens: int = 32, seed: int = 0, sp
 def bench_speculative(llm, prompt_tokens: int, gen_tokens: int, seed: int, speculative: str, draft_tokens,
                       draft_vocab: int | None = None) -> dict:
     """Greedy generation through the speculative loop; stops early at EOS like a user would.
-    A short run first warms it up (kernels, allocations); the timed run makes its own plans
-    and native stacks in its first passes, as a user's run does."""
+    A short run first warms it up (kernels, allocations); the timed run builds its own decode
+    program when it starts, as a user's run does."""
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, llm.net.args.vocab_size, (prompt_tokens,), generator=g).tolist()
     kw = dict(temperature=0.0, speculative=speculative, draft_tokens=draft_tokens, draft_vocab=draft_vocab)

@@ -48,6 +48,10 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from ..errors import MoerunError
+from ..experts.emulated import parse_link
+from ..experts.policy import LRU, PinnedHotSet, PredictionAware
+from ..experts.predict import PREFETCHERS, evaluate
+from ..experts.profile import Trace, record_trace
 
 GB = 1e9
 
@@ -276,7 +280,6 @@ def run_policy(name: str, trace, hw: Hardware, geo: Geometry, share: float, *, p
                pinned_share: float = 0.1, counts=None, warmup: float = 0.2, budget: int | None = None) -> dict:
     """Replay `trace` (the evaluation part) under one policy; returns
     {decode_tok_s, compute_s, transfer_s, stall_s, ...} over the counted tokens."""
-    from ..experts.policy import LRU, PinnedHotSet, PredictionAware
 
     N, Lt, K = trace.num_tokens, trace.num_layers, trace.top_k
     Et = trace.num_experts
@@ -380,8 +383,6 @@ def simulate(trace, hardware_name: str = "pcie4+rtx4090", geometry_name: str = "
 
     Returns {policy: {"decode_tok_s", "compute_s", "transfer_s", "stall_s", ...}} (plus
     "_setup" describing the run); prints JSON with as_json, else a table."""
-    from ..experts.predict import PREFETCHERS, evaluate
-    from ..experts.profile import Trace
 
     tr = trace if isinstance(trace, Trace) else Trace.load(trace)
     hw = hardware(hardware_name, vram_gb=vram_gb, link_gbps=link_gbps, link_latency_us=link_latency_us,
@@ -460,8 +461,6 @@ def validate_store(model: str, prompt_ids: list[int], *, link: str = "0.5,500", 
     from moerun.experts import StoreOptions
     from moerun.experts import load as store_load
 
-    from ..experts.emulated import parse_link
-    from ..experts.profile import record_trace
 
     def run(share):
         opts = StoreOptions(vram_budget=f"{100 * share:g}%", emulate_link=link, cache_policy="lru")

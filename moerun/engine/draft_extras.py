@@ -111,6 +111,8 @@ class DraftPrefetch:
     """
 
     def __init__(self, net, store):
+        # (here, not at the top: importing moerun.experts runs its package, whose attach builds an
+        # LLM from this engine; a run with a store has imported it already)
         from ..experts.predict import Token
         from ..experts.profile import moe_blocks
 

@@ -9,8 +9,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from .. import kernels
 from ..layers.stack import decode_path
 from ..layers.cache import Cache
+from ..models.driver import CausalLM
 from .sampling import History, SamplingParams, Uniforms, sample
 
 
@@ -22,8 +24,8 @@ class GenerationStats:
     decode_s: float = 0.0
     decode_steps: int = 0
     decode_rows_started: int = 0  # rows whose first token came out of prefill
-    # the run's first decode pass is its warm-up (first use of the cache, the thread pool and
-    # the plans: several times a later pass); decode_s includes it, decode_tok_s does not
+    # the run's first decode pass is its warm-up (first use of the cache and the thread pool:
+    # several times a later pass); decode_s includes it, decode_tok_s does not
     warmup_s: float = 0.0
     warmup_tokens: int = 0  # tokens that came out of the warm-up pass (one per row in it)
     decode_path: dict | None = None  # how the run's decode passes ran (`layers.stack.decode_path`)
@@ -138,11 +140,18 @@ def long_ids(rows: list[list[int]]) -> torch.Tensor:
     return torch.from_numpy(np.array(rows, dtype=np.int64))
 
 
-def run_plans(net) -> dict:
-    """Keyword arguments for the forwards of one generation run: a new `plans` dict (its layer
-    halves' checks made once a run, `kernels.run_plan`; how its decode passes ran,
-    `layers.stack.decode_path`). Every model's forward takes one."""
-    return {"plans": {}}
+def run_plans(net, cache=None, widths=(), tokens=(1,)) -> dict:
+    """Keyword arguments for the forwards of one generation run: its decode program, `plans`
+    (a dict: the native stack of each pass shape, and how its decode passes ran,
+    `layers.stack.decode_path`). Every model's forward takes one. Given the run's `cache`, the
+    program is built now, before the run's first pass, for passes of each of `widths` rows of
+    each of `tokens` tokens (`CausalLM.prepare`; a model without the driver's stack, such as
+    DeepSeek-V3, builds none); a pass of another shape builds its own before it runs."""
+    plans: dict = {}
+    if cache is not None and isinstance(net, CausalLM):
+        for T in tokens:
+            net.prepare(cache, plans, [B for B in widths if B * T <= kernels.FUSED_MAX_ROWS or B == 1], T)
+    return {"plans": plans}
 
 
 def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats: GenerationStats | None = None,
@@ -157,7 +166,7 @@ def run(net, seqs: list[Sequence], eos_ids: set[int], dtype: torch.dtype, stats:
     B = len(seqs)
     max_len = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs)
     cache = Cache(net.cache_spec(), B, max_len, dtype, kv_dtype)
-    plans = run_plans(net)
+    plans = run_plans(net, cache, range(1, B + 1))  # a batch's width falls as its rows finish
     try:
         yield from _decode(net, seqs, eos_ids, stats, after_sample, cache, plans)
     finally:

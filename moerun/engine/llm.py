@@ -11,10 +11,18 @@ import torch
 
 from .. import kernels
 from ..errors import MoerunError
-from ..layers.attention import fuse_decode_attention
 from ..layers.linear import native_float_linears
 from .generate import GenerationStats, Sequence, run
 from .sampling import SamplingParams
+from ..config import read_generation_config, regular_file
+from ..layers.cache import kv_cache_dtype
+from ..loaders import build
+from ..loaders.gguf import GGUFFile, UnsupportedTokenizer, generation_config, is_gguf, tokenizer_from_gguf
+from ..loaders.hub import resolve
+from ..loaders.quantized import quantize_at_load
+from ..quant import compute_in_float32
+from ..tokenizer import IncrementalDecoder, Tokenizer
+from .speculative import SpeculativeStats, check_speculative, new_draft_length, run_speculative
 
 log = logging.getLogger("moerun")
 
@@ -38,15 +46,12 @@ def set_threads(threads: int | None) -> int:
 
 def load_tokenizer(path: Path):
     """The model directory's tokenizer, None without a tokenizer.json."""
-    from ..config import regular_file
-    from ..tokenizer import Tokenizer
 
     return Tokenizer(path) if regular_file(path / "tokenizer.json") else None
 
 
 def gguf_extras(path: Path):
     """(tokenizer, generation settings, why there is no tokenizer) of a GGUF file (loaders/gguf.py)."""
-    from ..loaders.gguf import GGUFFile, UnsupportedTokenizer, generation_config, tokenizer_from_gguf
 
     f = GGUFFile(path)
     try:
@@ -74,7 +79,6 @@ def compute_dtype(net, asked, dtype: torch.dtype,
     """(compute dtype, KV cache dtype) of a loaded net: with dtype "auto" a quantized net
     computes in float32, the native kernels' dtype (`quant.compute_in_float32`), and its KV
     cache stays in the checkpoint's dtype unless --kv-cache says otherwise."""
-    from ..quant import compute_in_float32
 
     if asked == "auto" and dtype != torch.float32 and compute_in_float32(net):
         return torch.float32, kv_dtype or dtype
@@ -95,8 +99,7 @@ class LLM:
         self.generation_config = generation_config
         self.last_stats = GenerationStats()
         kernels.split_threads(net)  # torch's small decode ops on one thread while native kernels run
-        fuse_decode_attention(net)  # ... and each attention block's decode step one native call
-        native_float_linears(net)  # ... and each other float linear's
+        native_float_linears(net)  # ... and each plain float linear's few-row calls one native call
 
     @classmethod
     def load(cls, path=None, dtype="auto", threads: int | None = None, quant: str | None = None,
@@ -110,14 +113,9 @@ class LLM:
         kv_cache: "auto" (the checkpoint's dtype), "int8" (per-token, per-head scales) or a
         float dtype name. check_weights: first scan every float tensor for NaN and Inf (reads
         the whole checkpoint; `loaders.hf.check_finite`)."""
-        from ..config import read_generation_config
-        from ..loaders.gguf import is_gguf
-        from ..loaders import build
-        from ..layers.cache import kv_cache_dtype
 
         kv_dtype = kv_cache_dtype(kv_cache)
 
-        from ..loaders.hub import resolve
 
         path = default_model_path() if path is None else resolve(path)  # org/name: the Hugging Face cache
         set_threads(threads)
@@ -132,7 +130,6 @@ class LLM:
         arch, args, net, dtype = build(path, dtype, prepare=lambda net: check_vocab(tokenizer, net.args.vocab_size),
                                        check_weights=check_weights)
         if quant not in (None, "none"):
-            from ..loaders.quantized import quantize_at_load
 
             quantize_at_load(net, path, quant)
         dtype, kv_dtype = compute_dtype(net, asked, dtype, kv_dtype)
@@ -224,7 +221,6 @@ class LLM:
             self.last_stats = GenerationStats()
             return run(self.net, seqs, self.eos_ids(), self.dtype, self.last_stats, after_sample=self._mtp_prefetch(),
                        kv_dtype=self.kv_dtype)
-        from .speculative import SpeculativeStats, check_speculative, new_draft_length, run_speculative
 
         check_speculative(self.net, speculative)
         self.last_stats = SpeculativeStats()
@@ -247,9 +243,9 @@ class LLM:
 
     def probe_decode_path(self, rows: int = 1) -> dict:
         """How this model's decode steps run (`layers.stack.decode_path`), found by running
-        them: `rows` one-token prompts, then three greedy steps (the first pass of a shape
-        makes the run's plans, the next ones take the native stack where it applies). For
-        `moerun info`; costs a few tokens' compute."""
+        them: `rows` one-token prompts, then three greedy steps (the run's decode program is
+        built before them: each takes the native stack where it applies). For `moerun info`;
+        costs a few tokens' compute."""
         stats = GenerationStats()
         seqs = [Sequence([0], self.sampling_params(max_tokens=4, temperature=0.0)) for _ in range(rows)]
         for _ in run(self.net, seqs, set(), self.dtype, stats, kv_dtype=self.kv_dtype):
@@ -258,7 +254,6 @@ class LLM:
 
     # -- text ----------------------------------------------------------------
     def _sequences(self, prompts, sampling) -> list[Sequence]:
-        from ..tokenizer import IncrementalDecoder
 
         seqs = []
         for p in prompts:

@@ -49,6 +49,7 @@ from typing import Iterator
 
 import torch
 
+from .. import kernels
 from ..errors import MoerunError
 from ..layers.mtp import MAX_TOKENS as MTP_CALL_TOKENS
 from ..layers.stack import decode_path
@@ -271,7 +272,7 @@ class SpeculativeDecoder:
         max_len = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs) + n_max + 2
         self.cache = cache = Cache(net.cache_spec(), B, max_len, self.dtype, self.kv_dtype)
         self.mtp_cache = Cache(net.mtp_cache_spec(), B, max_len, self.dtype, self.kv_dtype)
-        self.plans = run_plans(net)
+        self.plans = run_plans(net, cache, range(1, B + 1), range(1, min(n_max, kernels.FUSED_MAX_TOKENS - 1) + 2))
         recurrent = [layer for layer in cache.layers if isinstance(layer, RecurrentState)]
         for layer in recurrent:  # verification passes leave every token's state here (keep_every)
             layer.positions = {}
@@ -280,7 +281,7 @@ class SpeculativeDecoder:
         # (the last of them: the sampled token the trunk has not run yet)
         self.pend_h = pend_h = [None] * B
         self.pend_t = pend_t = [[] for _ in range(B)]
-        self._passes = collections.Counter()  # trunk passes per width (the first ones make plans)
+        self._passes = collections.Counter()  # trunk passes per width (the first ones warm caches up)
         try:
             with torch.inference_mode():
                 mtp_drafter = getattr(net, "mtp_drafter", None)
@@ -462,7 +463,7 @@ class SpeculativeDecoder:
             for state in recurrent:
                 state.roll_back(active[i], i, keep)
         self._passes[n] += 1
-        if chooser is not None and self._passes[n] > 2:  # (a width's first passes make its plans and stack)
+        if chooser is not None and self._passes[n] > 2:  # (a width's first passes: first use of its buffers)
             chooser.observe_time(n, busy + time.perf_counter() - t1)
 
     @staticmethod

@@ -29,6 +29,14 @@ from ..kernels.formats import expert_code
 from ..layers.quantized import QuantizedExperts
 from .store import (ExpertStore, LayerExperts, StoreOptions, _stacked_pieces, auto_budget, expert_pieces, is_auto,
                     mem_available, parse_budget, quantized_expert_pieces)
+from ..config import read_generation_config
+from ..engine.llm import LLM, check_vocab, compute_dtype, default_model_path, gguf_extras, load_tokenizer, set_threads
+from ..loaders.gguf import GGUFFile, RAW_FORMATS, TYPE_FORMATS, arch_of, gguf_names, is_gguf, transform_of
+from ..loaders.hf import _renamed
+from ..loaders.hub import resolve
+from ..loaders.quantized import quantize_at_load, stored_policy
+from ..loaders.safetensors import Checkpoint, TensorRef
+from ..models import build_on_meta, module_for
 
 # N tokens, H hidden, I expert width, E experts, K experts per token
 
@@ -250,9 +258,6 @@ def _make_store(net, swapped, model_dir: Path, dtype, options: StoreOptions | No
     if non_expert_bytes is None:
         non_expert_bytes = resident_bytes(net)
     if pieces is None and names is None:
-        from ..loaders.hf import _renamed
-        from ..loaders.safetensors import Checkpoint
-        from ..loaders.quantized import stored_policy
 
         # a checkpoint written by `moerun quantize` holds our names
         renames = () if stored_policy(model_dir) is not None else getattr(net, "checkpoint_renames", ())
@@ -284,9 +289,6 @@ def _gguf_expert_refs(path: Path, net: nn.Module) -> dict:
     file: float experts as `X.gate_proj` [E, I, H], raw-format ones as `X.gate_q` [E, I, row
     bytes] with empty `X.gate_scales` (their scales are in the rows), so the store reads an
     expert's projections straight from the file's byte ranges."""
-    from ..loaders.gguf import TYPE_FORMATS, GGUFFile, RAW_FORMATS, arch_of, gguf_names
-    from ..loaders.safetensors import TensorRef
-    from ..models import build_on_meta, module_for
 
     f = GGUFFile(path)
     try:
@@ -325,7 +327,6 @@ EXPERT_TENSOR = re.compile(r"\.ffn_(gate|up|down)_exps\.")
 def gguf_resident_bytes(path) -> int:
     """Bytes of a GGUF file's tensors other than the routed experts' stacks: the weights a
     store-backed model keeps resident (Q8_0/Q4_0 repacked at the same size)."""
-    from ..loaders.gguf import GGUFFile
 
     f = GGUFFile(path)
     try:
@@ -352,8 +353,6 @@ def _gguf_block_experts(path: Path, net: nn.Module) -> dict:
     """{module name: ((fmt, down_fmt), per expert (gate, up, down) Pieces)} for the routed
     experts of a (meta-device, float) net whose GGUF stacks are Q8_0/Q4_0 blocks, read as rows
     of blocks and repacked by the store; {} when they are not."""
-    from ..loaders.gguf import TYPE_FORMATS, GGUFFile, arch_of, gguf_names, transform_of
-    from ..loaders.safetensors import TensorRef
 
     f = GGUFFile(path)
     try:
@@ -393,7 +392,6 @@ def attach_store(net: nn.Module, model_dir, options: StoreOptions | None = None)
     """Put an `ExpertStore` behind an already loaded net (its expert tensors are dropped);
     quantized experts only from a checkpoint written by `moerun quantize` (the store reads
     their blocks from its files)."""
-    from ..loaders.quantized import stored_policy
 
     if stored_policy(model_dir) is None and any(isinstance(m, QuantizedExperts) for m in net.modules()):
         raise MoerunError("the expert store reads quantized experts from a checkpoint written by `moerun quantize`, "
@@ -427,12 +425,7 @@ def load(path=None, dtype="auto", threads: int | None = None, options: StoreOpti
     """`moerun.load` with an expert store: returns an `LLM` whose `.store` is the ExpertStore.
     A checkpoint written by `moerun quantize` keeps its experts packed in the store; `quant`
     may name its policy (a no-op) but cannot quantize a float checkpoint's experts here."""
-    from ..config import read_generation_config
-    from ..engine.llm import LLM, check_vocab, compute_dtype, default_model_path, load_tokenizer, set_threads
-    from ..loaders.quantized import quantize_at_load, stored_policy
 
-    from ..loaders.gguf import is_gguf
-    from ..loaders.hub import resolve
 
     path = default_model_path() if path is None else resolve(path)
 
@@ -462,7 +455,6 @@ def _load_gguf(path: Path, dtype, threads, options, quant, check_weights):
     """`load` for a GGUF file: the net is loaded with its experts as views of the file's memory
     map (no page read), then each routed experts module makes way for a store module that reads
     its experts' byte ranges from the same file."""
-    from ..engine.llm import LLM, check_vocab, compute_dtype, gguf_extras, set_threads
     from ..loaders.gguf import build as build_gguf
 
     import os

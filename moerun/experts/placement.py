@@ -27,6 +27,9 @@ import time
 from dataclasses import dataclass
 
 import torch
+from .. import kernels
+from ..kernels.reference import swiglu
+from ..layers.quantized import QuantizedExperts
 
 DEVICE, CPU = "device", "cpu"
 MODES = ("auto", DEVICE, CPU)
@@ -92,13 +95,10 @@ def _one_expert(hidden: int, inter: int, dtype: torch.dtype, fmt: str | None, do
     """(x [n, H] -> y, weight bytes) for one zero-weight expert: float, or packed in `fmt`
     (down in `down_fmt`, default `fmt`)."""
     if fmt is None:
-        from ..kernels.reference import swiglu
 
         w = (torch.zeros(inter, hidden, dtype=dtype), torch.zeros(inter, hidden, dtype=dtype),
              torch.zeros(hidden, inter, dtype=dtype))
         return (lambda x: swiglu(x, *w)), sum(t.numel() * t.element_size() for t in w)
-    from .. import kernels
-    from ..layers.quantized import QuantizedExperts
 
     q = QuantizedExperts(1, hidden, inter, fmt, down_fmt)
     bufs = [t for _, t in q.named_buffers()]

@@ -63,6 +63,7 @@ import numpy as np
 
 from ..errors import MoerunError
 from ..layers.routes import observe_routes
+from .profile import Trace, moe_blocks, mtp_route_scores
 
 # N tokens, L MoE layers, K experts per token, E experts, H hidden
 
@@ -507,7 +508,6 @@ def predict_eval(trace: str, as_json: bool = False, predictors: str | None = Non
     the JSON object, or a table; returns the dict."""
     import json
 
-    from .profile import Trace
 
     tr = Trace.load(trace)
     names = tuple(n.strip() for n in predictors.split(",")) if predictors else NAMES
@@ -555,7 +555,6 @@ class PrefetchDriver:
     def __init__(self, net, store, predictor: Predictor, factor: float = 1.5):
         import torch
 
-        from .profile import moe_blocks
 
         self.net, self.store, self.pred = net, store, predictor
         self.blocks = moe_blocks(net)
@@ -607,7 +606,6 @@ class PrefetchDriver:
         hidden state (hidden [B, T, H]) and the token just sampled (next_ids [B, T]), turn its
         top-`candidates` into `mtp_route` (profile.mtp_route_scores) and call `on_mtp`. Without
         the head's own `cache` its attention sees only this position (an approximation)."""
-        from .profile import mtp_route_scores
 
         torch = self._torch
         captured = {}
@@ -718,7 +716,6 @@ class PrefetchDriver:
                 self._hint(l, step=self.store.step + 1)
 
     def _embed_hook(self, mod, args, out):
-        from .profile import mtp_route_scores
 
         if self._in_mtp:
             return
@@ -820,7 +817,6 @@ def attach_predictor(net, store, name: str, trace=None, factor: float = 1.5) -> 
     temporal, layer_ahead1/2, token and token_ahead run from the routing alone (frequency
     needs a trace for its prior); mtp, mtp_learned and combined also need the engine to call
     `driver.mtp_step(hidden, next_ids)` after each sampled token (or `on_mtp(info)`)."""
-    from .profile import Trace, moe_blocks
 
     check_name(name)
     L = len(moe_blocks(net))

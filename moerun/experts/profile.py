@@ -45,6 +45,7 @@ import torch
 
 from ..errors import MoerunError
 from ..layers.routes import observe_routes
+from .policy import LFU, LRU, PinnedHotSet
 
 # N tokens, L MoE layers, K experts per token, E experts, C MTP candidates, H hidden
 
@@ -511,7 +512,6 @@ def replay_cache(trace: Trace, capacity: int, policy: str = "lru", pinned_fracti
     most used experts, never changed: a pure hot set), lru_pinned (LRU whose
     `pinned_fraction` of the capacity holds the most used experts). The hot set is taken
     from `counts` (default: the trace's own counts, an optimistic oracle)."""
-    from .policy import LFU, LRU, PinnedHotSet
 
     counts = trace.counts() if counts is None else counts
     L = trace.num_layers

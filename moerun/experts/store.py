@@ -53,6 +53,9 @@ from .emulated import CudaLink, EmulatedLink, parse_link
 from .placement import CPU, DEVICE, MODES, CostModel, CpuSpeed, Miss
 from .policy import make_policy
 from .prefetch import Job, Mover
+from ..kernels.formats import packed_shape
+from ..loaders.safetensors import DTYPE_NAMES
+from .profile import Trace
 
 NONE, LOADING, READY = 0, 1, 2
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -103,7 +106,6 @@ def _stacked_pieces(ref, num_experts: int, shape: tuple) -> list[Piece]:
 def quantized_shapes(hidden: int, inter: int, fmt: str, down_fmt: str | None = None) -> dict[str, tuple[tuple, torch.dtype]]:
     """Shape and dtype of one expert's packed tensors, by their names in a quantized checkpoint
     (raw GGUF formats: uint8 rows of their blocks and empty [rows, 0] scales)."""
-    from ..kernels.formats import packed_shape
 
     out = {}
     for proj, rows, cols, f in (("gate", inter, hidden, fmt), ("up", inter, hidden, fmt),
@@ -166,7 +168,6 @@ def expert_pieces(names: dict, prefix: str, num_experts: int, hidden: int, inter
             raise MoerunError(f"checkpoint is missing tensor {missing!r} (an expert of layer {prefix})")
     bad = next((p for pieces in out for p in pieces if not p.dtype.is_floating_point), None)
     if bad is not None:  # the store casts float experts; integers are no weights of a float model
-        from ..loaders.safetensors import DTYPE_NAMES
 
         raise MoerunError(f"tensor {bad.name!r} has dtype {DTYPE_NAMES[bad.dtype]}, but the experts of {prefix} "
                           "need a floating-point dtype")
@@ -1436,7 +1437,6 @@ def load_profile(profile) -> dict[int, list[int]]:
     import json
 
     if hasattr(profile, "counts") or str(profile).endswith(".npz"):  # a routing trace (profile.py)
-        from .profile import Trace
 
         trace = profile if hasattr(profile, "counts") else Trace.load(profile)
         layers = trace.meta.get("moe_layers") or list(range(trace.num_layers))

@@ -15,7 +15,7 @@ is not built).
 Ops: quantized linears (`qlinear`, and `qlinear_multi` for several weights of one input),
 the fused routed experts of a layer (`moe_experts`), decode attention over a cache
 (`attn_decode`) and a whole attention block for a few tokens of one row
-(`fuse_decode_attention`), Gated DeltaNet's conv + delta rule + gated norm for a few tokens
+(`attn_block_decode`, `layers.attention.attention_fuses`), Gated DeltaNet's conv + delta rule + gated norm for a few tokens
 (`deltanet_decode`) and RMSNorm of a few rows (`rms_norm`). The linear ops and the experts
 also take float32 and bf16 weights as they are (`float_packed`, `moe_experts_float`,
 `native_float_linears`), so a float model's decode steps run natively too; prefill keeps
@@ -333,25 +333,6 @@ def module_plan(owner: torch.nn.Module, modules: tuple, key, make):
     value = make()
     owner.__dict__["_module_plan"] = (stamp, value, modules, tensors)
     return value
-
-
-_UNSET = object()
-
-
-def run_plan(plans: dict | None, owner: torch.nn.Module, key, make):
-    """`make()`; with a run's `plans` (a dict a decode loop keeps for one generation run and
-    hands each forward: `Model.forward(..., plans=)`), its first result for (owner, key),
-    kept there. What a layer half checks and gathers before its native call (hooks, dtypes,
-    `module_plan`'s stamps, views) then costs a dict lookup from the second step of a run on,
-    where it cost ~30% of a demo model decode step. A run must not add hooks to its modules
-    or replace their weights while it runs; the next run, with a new dict, sees them."""
-    if plans is None:
-        return make()
-    k = (owner, key)
-    got = plans.get(k, _UNSET)
-    if got is _UNSET:
-        got = plans[k] = make()
-    return got
 
 
 _module_mod = torch.nn.modules.module  # where torch keeps the global forward hooks
@@ -1056,7 +1037,7 @@ def attn_plan(attn) -> tuple:
     m = attn._modules
     group = tuple(m[n] for n in _FUSED_MODULES if n in m)  # the projections, then the norms if any
     # settings: plain attributes
-    key = (attn.n_heads, attn.scale, attn._fused_eps, attn._fused_gate, getattr(attn, "window", None))
+    key = (attn.n_heads, attn.scale, _fused_eps(attn), bool(attn.output_gate), getattr(attn, "window", None))
     return module_plan(attn, group, key, lambda: _fused_args(attn))
 
 
@@ -1117,8 +1098,13 @@ def _fused_args(attn) -> tuple:
                                               for p in projs[:3]]))
     if getattr(attn, "window", None):
         variants["window"] = int(attn.window)
-    return ((q.w, q.s, q.code, k.w, k.s, k.code, v.w, v.s, v.code, o.w, o.s, o.code, qn, kn, attn._fused_eps),
-            (attn.n_heads, float(attn.scale)), attn._fused_gate, variants)
+    return ((q.w, q.s, q.code, k.w, k.s, k.code, v.w, v.s, v.code, o.w, o.s, o.code, qn, kn, _fused_eps(attn)),
+            (attn.n_heads, float(attn.scale)), bool(attn.output_gate), variants)
+
+
+def _fused_eps(attn) -> float:
+    """The q/k norms' eps as the fused attention takes it (1e-6 where it has none)."""
+    return float(getattr(getattr(attn, "q_norm", None), "eps", 1e-6))
 
 
 def _norm_weight(norm):
@@ -1167,5 +1153,5 @@ __all__ = [
     "deltanet_decode", "deltanet_decode_is_native", "delta_rule_chunked", "deltanet_block", "moe_block_args", "moe_block_run", "mlp_block_args",
     "mlp_block_run", "mlp_block_ref", "MtpStep",
     "ExpertViews", "norm_args", "rms_norm", "rms_norm_ref", "norm_rope_heads", "norm_rope_heads_ref",
-    "attn_decode_is_native", "fuse_decode_attention", "fused_attention_applies",
+    "attn_decode_is_native",
 ]

@@ -1,6 +1,6 @@
-"""Scaled dot-product attention over a preallocated cache, for any batch of slots; and, at load,
-the fused native decode call in place of an attention module's few-token forward
-(`fuse_decode_attention`)."""
+"""Scaled dot-product attention over a preallocated cache, for any batch of slots; and a
+decoder layer's attention half as the fused native block's one call (`attn_residual`,
+`attention_fuses`)."""
 
 from __future__ import annotations
 
@@ -84,38 +84,36 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.reshape(1, Hq, 1, v.shape[-1]).to(q.dtype)
 
 
-def attn_residual(x, norm, attn, cos_sin, kv, slots, pos0, plans=None) -> torch.Tensor:
+def attn_residual(x, norm, attn, cos_sin, kv, slots, pos0) -> torch.Tensor:
     """x + attn(norm(x), cos_sin, kv, slots, pos0): a decoder layer's first half. Where the
-    attention's decode passes are fused (`fuse_decode_attention`) and this pass is
-    one of them (`fused_attention_applies`), the norm and the residual add join the
-    same native call: bit-identical to the modules one by one, which run otherwise (and
-    whenever the norm or the attention has hooks). `plans`: a run's (`kernels.run_plan`)."""
-    plan = kernels.run_plan(plans, attn, (x.shape, x.dtype, kv), lambda: _half_plan(x, norm, attn, kv))
+    half runs as one native call (`attn_half_plan`), the norm, the attention and the residual
+    add are that call (`fused_attention`): bit-identical to the modules one by one, which run
+    otherwise (and whenever the norm or the attention has hooks)."""
+    plan = attn_half_plan(x, norm, attn, kv)
     if plan is not None:
-        return attn.forward(x, cos_sin, kv, slots, pos0, norm=norm, plan=plan)
+        return fused_attention(attn, x, cos_sin, kv, slots, pos0, plan)
     return x + attn(norm(x), cos_sin, kv, slots, pos0)
 
 
-def _half_plan(x, norm, attn, kv) -> tuple | None:
-    """The fused call's `kernels.fused_call_plan` where the half fuses, else None."""
-    return kernels.fused_call_plan(attn, norm) if attn_half_fuses(x, norm, attn, kv) else None
+def attn_half_plan(x, norm, attn, kv) -> tuple | None:
+    """What the fused call takes for x + attn(norm(x)) (`kernels.fused_call_plan`: the
+    attention's `attn_plan` and the norm's `half_norm_args`) where the half runs as one native
+    call: an attention the block takes (`attention_fuses`) and this pass one it serves
+    (`fused_attention_applies`), an RMSNorm of x's dtype, no hooks on either; None otherwise.
+    The decode program (`layers.stack`) builds its attention halves from it once a run."""
+    if not (type(norm) is RMSNorm and norm.weight.dtype == x.dtype and fused_attention_applies(x, kv)
+            and attention_fuses(attn) and not kernels.has_hooks(attn, norm)):
+        return None
+    return kernels.fused_call_plan(attn, norm)
 
-
-def attn_half_fuses(x, norm, attn, kv) -> bool:
-    """Whether x + attn(norm(x)) runs as one native call (`attn_residual`): a fused attention
-    that takes this pass, an RMSNorm of x's dtype, no hooks on either."""
-    return (type(norm) is RMSNorm and norm.weight.dtype == x.dtype and "_unfused_forward" in attn.__dict__
-            and fused_attention_applies(x, kv) and not kernels.has_hooks(attn, norm))
-
-
-# -- at load: the fused decode call in place of an attention module's few-token forward ----
 
 class FusedAttention(nn.Module):
-    """An attention module whose few-token forward the fused native block computes
-    (`fuse_decode_attention`): it holds q_proj, k_proj, v_proj, o_proj, optionally q_norm and
+    """An attention module whose few-token pass the fused native block computes
+    (`attention_fuses`): it holds q_proj, k_proj, v_proj, o_proj, optionally q_norm and
     k_norm, and n_heads, head_dim, scale (and n_kv for norms across heads). `output_gate`: q_proj
     gives each head's query then its sigmoid output gate (Qwen3.5); `window`: a sliding window
-    or None. `fusable()` says whether this instance's settings are all the block's."""
+    or None. `fusable()` says whether this instance's settings are all the block's. Its own
+    `forward` is the torch reference the fused block is tested against."""
 
     output_gate = False
     window = None
@@ -124,49 +122,36 @@ class FusedAttention(nn.Module):
         return True
 
 
-def fuse_decode_attention(net: torch.nn.Module) -> int:
-    """Run the few-token passes (a decode step, a speculative verification pass of up to
-    kernels.FUSED_MAX_TOKENS a row; one row or a batch) of each `FusedAttention` whose settings it takes as
-    one native call (`attn_block_decode`: q/k/v projections on one pool job, per-head q/k
-    norms, rope, the cache writes, each token's attention, the output gate where the module
-    says `output_gate = True`, o projection), instead of ~40 small torch ops and five native
-    calls. float32 or bf16 models and caches; between the projections it computes in float32
-    (a bf16 model's own forward rounds q and k to bf16 on the way). The module keeps its own
-    forward for everything else (prefill, int8 caches) and its
-    weights and state_dict are untouched: only the instance's forward is wrapped. Applies
-    where q/k/v/o are all QuantizedLinear or all float linears (float32 or bf16 weights read
-    as they are, `plain_float_linear` but for q/k/v's biases; without autograd), o_proj
-    without bias, and q_norm/k_norm (if any) are per-head RMSNorms ([head_dim]) or RMSNorms
-    across all heads (OLMoE: [heads * head_dim] and [kv heads * head_dim]); returns how many
-    modules it wrapped. The variants the native block takes, each from the module: q/k/v
-    biases (Qwen2-MoE), norms across heads (OLMoE) and a sliding window (`window`: Mixtral,
-    Qwen2-MoE's windowed layers). The native layer stack needs it
-    (its attention half is this call): 4 Qwen3-30B-A3B-shaped int4 layers, 2 threads on the
-    Zen 4 EPYC (family 25 model 17), decode 54.5 tok/s with it against 46.6 without (median of 3 interleaved
-    rounds, 2026-12-03, docs/benchmarks.md)."""
-    if kernels._native() is None:
-        return 0
-    n = 0
-    for m in net.modules():
-        if not isinstance(m, FusedAttention) or not m.fusable() or hasattr(m, "_unfused_forward"):
-            continue
-        projs = [getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        if not (all(isinstance(p, QuantizedLinear) for p in projs) and projs[3].bias is None
-                or plain_float_linear(projs[3]) and all(plain_float_linear(p) or _biased_float_linear(p)
-                                                        for p in projs[:3])):
-            continue
-        norms = [getattr(m, name, None) for name in ("q_norm", "k_norm")]
-        per_head = all(nm is None or nm.weight.numel() == m.head_dim for nm in norms)
-        across = all(nm is not None for nm in norms) and norms[0].weight.numel() == m.n_heads * m.head_dim \
-            and norms[1].weight.numel() == getattr(m, "n_kv", -1) * m.head_dim
-        if not (per_head or across):
-            continue
-        m._unfused_forward = m.forward
-        m._fused_eps = float(getattr(getattr(m, "q_norm", None), "eps", 1e-6))
-        m._fused_gate = bool(m.output_gate)
-        m.forward = _fused_forward.__get__(m)
-        n += 1
-    return n
+def attention_fuses(m: nn.Module) -> bool:
+    """Whether the fused native block (`attn_block_decode`: q/k/v projections on one pool
+    job, per-head q/k norms, rope, the cache writes, each token's attention, the output gate
+    where the module says `output_gate = True`, o projection) computes this attention's
+    few-token passes (a decode step, a speculative verification pass of up to
+    kernels.FUSED_MAX_TOKENS a row; one row or a batch), in place of ~40 small torch ops and
+    five native calls: a `FusedAttention` whose settings it takes (`fusable()`), q/k/v/o all
+    QuantizedLinear or all float linears (float32 or bf16 weights read as they are,
+    `plain_float_linear` but for q/k/v's biases), o_proj without bias, and q_norm/k_norm (if
+    any) per-head RMSNorms ([head_dim]) or RMSNorms across all heads (OLMoE: [heads *
+    head_dim] and [kv heads * head_dim]). Between the projections it computes in float32 (a
+    bf16 model's own forward rounds q and k to bf16 on the way). The variants the block takes,
+    each from the module: q/k/v biases (Qwen2-MoE), norms across heads (OLMoE) and a sliding
+    window (`window`: Mixtral, Qwen2-MoE's windowed layers). The decode program's attention
+    half is this block: 4 Qwen3-30B-A3B-shaped int4 layers, 2 threads on the Zen 4 EPYC
+    (family 25 model 17), decode 54.5 tok/s with it against 46.6 without (median of 3
+    interleaved rounds, 2026-12-03, docs/benchmarks.md). The module itself is untouched: its
+    forward stays the torch reference, which prefill and int8 caches run."""
+    if kernels._native() is None or not isinstance(m, FusedAttention) or not m.fusable():
+        return False
+    projs = [getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if not (all(isinstance(p, QuantizedLinear) for p in projs) and projs[3].bias is None
+            or plain_float_linear(projs[3]) and all(plain_float_linear(p) or _biased_float_linear(p)
+                                                    for p in projs[:3])):
+        return False
+    norms = [getattr(m, name, None) for name in ("q_norm", "k_norm")]
+    per_head = all(nm is None or nm.weight.numel() == m.head_dim for nm in norms)
+    across = all(nm is not None for nm in norms) and norms[0].weight.numel() == m.n_heads * m.head_dim \
+        and norms[1].weight.numel() == getattr(m, "n_kv", -1) * m.head_dim
+    return per_head or across
 
 
 def _biased_float_linear(lin: torch.nn.Module) -> bool:
@@ -180,8 +165,8 @@ def _biased_float_linear(lin: torch.nn.Module) -> bool:
 
 
 def fused_attention_applies(x: torch.Tensor, kv) -> bool:
-    """Whether a fused attention (`fuse_decode_attention`) takes this pass natively: rows of at
-    most FUSED_MAX_TOKENS tokens (a decode step or a verification pass; a batch's rows each
+    """Whether the fused attention block takes this pass natively: rows of at most
+    FUSED_MAX_TOKENS tokens (a decode step or a verification pass; a batch's rows each
     computed as they would be alone: `attn_block_rows`), a float32 or bf16 KV cache, no autograd."""
     B, T, _ = x.shape
     return (T <= kernels.FUSED_MAX_TOKENS and (B == 1 or B * T <= kernels.FUSED_MAX_ROWS) and type(kv) is KVCache
@@ -189,15 +174,9 @@ def fused_attention_applies(x: torch.Tensor, kv) -> bool:
             and not torch.is_grad_enabled())
 
 
-def _fused_forward(self, x, cos_sin, kv, slots, pos0, norm=None, plan=None):
-    """The fused attention's forward; with `norm` (`layers.attention.attn_residual`, which
-    checks that it may), x + this attention of norm(x) in the same call. `plan`: the call's
-    (`attn_plan`, `half_norm_args` of norm or ()) where the caller has them (a run's, with
-    the checks made: `run_plan`)."""
-    if plan is None:
-        if not fused_attention_applies(x, kv):
-            return self._unfused_forward(x, cos_sin, kv, slots, pos0)
-        plan = kernels.fused_call_plan(self, norm)
+def fused_attention(attn, x, cos_sin, kv, slots, pos0, plan) -> torch.Tensor:
+    """The fused block's call for x through `attn` (`plan`: `kernels.fused_call_plan`; with
+    the norm's arguments, x + this attention of norm(x))."""
     B, T, H = x.shape
     if B > 1:  # a batch: row b's tokens at its own slot and positions pos0[b], pos0[b] + 1, ...
         if T > 1:

@@ -99,7 +99,13 @@ def native_float_linears(net: torch.nn.Module) -> int:
     the routers, inside the native MoE call) decode was 54.5 tok/s with it against 52.3
     without (median of 3 interleaved rounds, per-round ratios 0.79 / 0.96 / 1.00: within
     this shared machine's noise, 2026-12-03); what it is for is a bf16 model's one-row
-    products, where torch's bf16 GEMM is slow."""
+    products, where torch's bf16 GEMM is slow. It replaces a module's `forward` at load, which
+    issue 34 allows only with a 3% gain on the Qwen3-30B- or Qwen3.6-shaped model: not shown
+    (the int4 figure above is within noise, and this Zen 4 has bf16 hardware, so torch's bf16
+    GEMM is not the slow one here). Kept, not measured against the rule, because on a CPU
+    without it (AVX2) a bf16 model's prefill products run through it (`kernels.float_native_rows`:
+    98 against 817 ms for 512 tokens of a 2048 -> 4096 product), and `native_call_views`
+    reads a float head or out_proj natively only where it wrapped them."""
     if kernels._native() is None:
         return 0
     n = 0

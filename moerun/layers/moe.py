@@ -97,7 +97,7 @@ def sigmoid_native(router: nn.Module, h: torch.Tensor) -> bool:
             and not torch.is_grad_enabled() and kernels.native())
 
 
-def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module, plans: dict | None = None) -> torch.Tensor:
+def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> torch.Tensor:
     """x + block(norm(x)): a decoder layer's MLP half. For a decode-sized x through a softmax
     top-k MoE block (`gate`: the router, `top_k`, `norm_topk_prob`, `experts`, and maybe a
     shared expert with its gate, `shared_expert` and `shared_expert_gate`) whose parts all
@@ -107,10 +107,10 @@ def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module, plans: dict
     native op once the router has picked. Forward pre-hooks on the experts are called after
     it with the arguments the experts would have had; one that returns new arguments cannot
     be honoured there and raises. A route mask on the experts is marked natively.
-    `plans`: a run's (`kernels.run_plan`). A dense `GatedMLP` block is `mlp_residual`'s."""
+    A dense `GatedMLP` block is `mlp_residual`'s."""
     if type(block) is GatedMLP:
-        return mlp_residual(x, norm, block, plans)
-    plan = kernels.run_plan(plans, block, (x.shape, x.dtype), lambda: moe_fusable(x, norm, block))
+        return mlp_residual(x, norm, block)
+    plan = moe_fusable(x, norm, block)
     if plan is None:
         return x + block(norm(x))
     experts, args = plan
@@ -123,16 +123,24 @@ def moe_residual(x: torch.Tensor, norm: nn.Module, block: nn.Module, plans: dict
     return r[0].view(x.shape)
 
 
-def mlp_residual(x: torch.Tensor, norm: nn.Module, mlp: "GatedMLP", plans: dict | None = None) -> torch.Tensor:
+def mlp_residual(x: torch.Tensor, norm: nn.Module, mlp: "GatedMLP") -> torch.Tensor:
     """x + mlp(norm(x)): a decoder layer's dense MLP half (DeepSeek-V3's first layers, Qwen3-MoE's
     `mlp_only_layers`). For a decode-sized x whose parts all run natively, one native call
     (`kernels.mlp_block_run`) in place of the norm, the MLP and a torch add: bit-identical to
     them, which run otherwise (`mlp_fusable`). Its plan, (None, the op's arguments), is what the
     layer stack takes as the layer's MLP half (`layers.stack`)."""
-    plan = kernels.run_plan(plans, mlp, (x.shape, x.dtype), lambda: mlp_fusable(x, norm, mlp))
+    plan = mlp_fusable(x, norm, mlp)
     if plan is None:
         return x + mlp(norm(x))
     return kernels.mlp_block_run(x.reshape(-1, x.shape[-1]), plan[1]).view(x.shape)
+
+
+def mlp_half_plan(x: torch.Tensor, norm: nn.Module, block: nn.Module) -> tuple | None:
+    """A layer's MLP half as one native call (the experts module or None for a dense MLP, and
+    the op's arguments): `moe_fusable`'s or `mlp_fusable`'s, as `moe_residual` runs it; None
+    where it is not one native call. The decode program (`layers.stack`) builds its MLP
+    halves from it once a run."""
+    return mlp_fusable(x, norm, block) if type(block) is GatedMLP else moe_fusable(x, norm, block)
 
 
 def mlp_fusable(x: torch.Tensor, norm: nn.Module, mlp: "GatedMLP") -> tuple | None:

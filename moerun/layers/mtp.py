@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from .attention import attn_half_fuses
+from .attention import attn_half_plan
 from .linear import native_call_views
 from .moe import call_observers, moe_fusable, routes_seen
 from .routes import route_observers
@@ -92,7 +92,7 @@ def prepare(owner: nn.Module, parts: MtpParts, kv, slot: int, rope) -> Drafter |
     H = embed.weight.shape[1]
     x = torch.empty(1, 1, H, dtype=dtype)  # what the checks look at: a one-token call's shape and dtype
     if (dtype not in kernels.FLOAT_DTYPES
-            or not attn_half_fuses(x, parts.attn_norm, parts.attn, kv)
+            or attn_half_plan(x, parts.attn_norm, parts.attn, kv) is None
             or kernels.has_hooks(embed, *parts.pre_norms, parts.fc, parts.layer, parts.norm)):
         return None
     moe = moe_fusable(x, parts.moe_norm, parts.moe)

@@ -1,22 +1,20 @@
-"""A decode pass through a whole stack of decoder layers as their native calls back to back.
+"""A run's decode program: each pass shape's whole stack of decoder layers as one native call.
 
-Where every layer's first half (fused attention, or Qwen3.5's Gated DeltaNet) and its MoE
-half each run as one native call (a run's plans, `kernels.run_plan`, made by the
-module-by-module pass of the run's first step of that shape), a decode step still walked the
-modules: each layer's `__call__`, its `attn_residual` / `GatedDeltaNet.residual` and
-`moe_residual`, their plan lookups, the recurrent states' get and set, two output tensors
-and the numpy views of its activations. On 8 Qwen3-30B-shaped layers that glue took ~4 ms
-of a ~39 ms step (its Python runs with caches that the weights' streaming has just emptied);
-on the demo model about half of a step. `stack_run` runs the same halves with the same
-arguments as one native call (`NativeStack`, csrc/bindings.cpp: the halves' arguments
-checked once a run, where a call per half converted a dozen or more arrays each time; a
-demo-model pass ~0.2 ms faster at every T in one process taking turns, ad hoc):
-bit-identical to the module path, which runs whenever the stack does not apply (no plans,
-a layer without both plans, hooks).
+A stack (`NativeStack`, csrc/executors.inc) holds, per layer, its first half's (fused
+attention, or Qwen3.5's Gated DeltaNet) and its MLP half's (routed MoE or dense MLP) native
+arguments, checked once. It is built from the modules (`_build`: each half's plan,
+`attention.attn_half_plan`, the DeltaNet layer's `half_plan`, `moe.mlp_half_plan`) when a run
+starts (`prepare`, for the widths the run will use: `engine.generate.run_plans`), or, for a
+pass shape the run did not name beforehand (a speculative verification pass, a test's pass),
+by that pass before it runs: no pass runs the modules to make it. Nothing is decided again
+per pass but the hooks (a forward hook added since sends the pass to the modules) and route
+observers (a stack is built again when they came or went: their calls are bound in).
 
 A stack serves one pass shape: B rows of T tokens (a decode step, a verification pass, one
 row or a batch). It holds each layer's whole cache; each pass names its rows' slots and
-positions, so one stack serves every slot and every batch of that shape.
+positions, so one stack serves every slot and every batch of that shape. Bit-identical to
+the layers' modules one by one (each half still its one native call), which run where the
+stack does not apply (a half that is not one native call, hooks, autograd, a prompt).
 """
 
 from __future__ import annotations
@@ -25,23 +23,25 @@ import numpy as np
 import torch
 
 from .. import kernels
-from .deltanet import DELTA_WEIGHTS
+from .attention import attn_half_plan
+from .linear import native_call_views
+from .moe import mlp_half_plan
+from .norm import RMSNorm
 from .routes import native_observer, observers_epoch, routes_seen
 
-_UNSET, _SEEN = object(), object()
+_UNSET = object()
 
 
 def run_layers(layers, x: torch.Tensor, cos_sin: tuple, cache, slots, pos0, plans: dict | None) -> torch.Tensor:
     """x through every decoder layer (called as layer(x, cos_sin, its cache entry, slots,
-    pos0, plans=plans)): the stack's one loop where it applies (`stack_run`), else the
-    modules one by one."""
+    pos0)): the stack's one loop where it applies (`stack_run`), else the modules one by one."""
     y = stack_run(layers, x, cos_sin, cache, slots, pos0, plans)
     if y is not None:
         return y
     if plans is not None and x.shape[1] <= kernels.FUSED_MAX_TOKENS:
         _path(plans)["module_passes"] += 1
     for i, layer in enumerate(layers):
-        x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0, plans=plans)
+        x = layer(x, cos_sin, cache.layers[i] if cache is not None else None, slots, pos0)
     return x
 
 
@@ -50,25 +50,16 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
     """x [B, T, H] (the embeddings) through `layers`, row b at
     positions pos0[b].. of cache slot slots[b] -> [B, T, H]; None where the stack does not
     apply, and the caller runs the modules. A layer is input_layernorm, self_attn or
-    linear_attn, post_attention_layernorm and mlp. The first pass of each shape in a run
-    returns None: its modules make the plans that the next one reads. `rope` and `pos`
-    (`model_pass`): the rope rows as the native calls take them and the rows' first positions
-    (int64 numpy [B]), in place of cos_sin and pos0."""
+    linear_attn, post_attention_layernorm and mlp. `rope` and `pos` (`model_pass`): the rope
+    rows as the native calls take them and the rows' first positions (int64 numpy [B]), in
+    place of cos_sin and pos0."""
     B, T, H = x.shape
-    if plans is None or cache is None or T > kernels.FUSED_MAX_TOKENS:  # (a prompt: the modules)
-        return None
-    key = _stack_key(x.shape, x.dtype, cache)
-    stack = plans.get(key, _UNSET)
-    if stack is _UNSET:
-        plans[key] = _SEEN
-        return None
+    if plans is None or cache is None or T > kernels.FUSED_MAX_TOKENS or torch.is_grad_enabled():
+        return None  # (a prompt, or autograd: the modules)
     nat = kernels._native()
     rope = kernels._rope_rows(cos_sin, B * T) if rope is None else rope
     p = np.asarray(pos0.numpy() if pos is None else pos, dtype=np.int64)
-    if stack is _SEEN or (type(stack) is tuple and plans.get(("observers", key)) != observers_epoch()):
-        # built now, or again: route observers came or went since (their calls are bound in)
-        stack = plans[key] = _build(layers, x, cache, plans, rope, int(p[0]))
-        plans[("observers", key)] = observers_epoch()
+    stack = program(layers, x.shape, x.dtype, cache, plans, rope)
     if stack is None:
         return _why(plans, plans.get(_WHY_BUILD, "a layer half does not run natively"))
     native, experts, deltanets = stack
@@ -95,6 +86,42 @@ def stack_run(layers, x: torch.Tensor, cos_sin: tuple | None, cache, slots: torc
     for state, conv_all, S_all in kept:
         state.keep_every(conv=conv_all, recurrent=S_all)
     return b
+
+
+def program(layers, shape, dtype: torch.dtype, cache, plans: dict, rope: tuple) -> tuple | None:
+    """The run's stack for passes of `shape` (B, T, H) in `dtype` over `cache`: (the
+    `NativeStack`, each layer's experts module or None, the DeltaNet layers' states), built
+    the first time a run asks for it (`prepare` asks when the run starts) and again when route
+    observers came or went; None where a layer half does not run natively (why: the run's
+    `decode_path`). `rope`: rows of the rope tables as the native calls take them (their
+    shape is what the build checks)."""
+    key = _stack_key(torch.Size(shape), dtype, cache)
+    stack = plans.get(key, _UNSET)
+    if stack is _UNSET or (stack is not None and plans.get(("observers", key)) != observers_epoch()):
+        # built now, or again: route observers came or went since (their calls are bound in)
+        with torch.inference_mode():
+            stack = plans[key] = _build(layers, torch.empty(shape, dtype=dtype), cache, plans, rope)
+        plans[("observers", key)] = observers_epoch()
+    return stack
+
+
+def prepare(model, cache, plans: dict, widths=(1,), T: int = 1) -> None:
+    """Build the run's decode program before its first pass: the stack of each width in
+    `widths` for passes of T tokens a row (a decode step: T = 1), and the head `model_pass`
+    reads. `model` is a causal LM as `model_pass` takes it. Where a half does not run
+    natively, the run's `decode_path` says which and why from then on."""
+    m = model.model
+    embed = m.embed_tokens
+    # the activations' dtype: the embedding's (one kept in GGUF blocks says it by its final
+    # norm's, as every half's norm must for the stack to take it)
+    dtype = embed.weight.dtype if type(embed) is torch.nn.Embedding else m.norm.weight.dtype
+    H = embed.embedding_dim
+    if T > kernels.FUSED_MAX_TOKENS or kernels._native() is None or dtype not in kernels.FLOAT_DTYPES:
+        return
+    rope = m.rope.float_rows(0, T, dtype)
+    for B in widths:
+        _head_of(model, B, T, cache, plans)
+        program(m.layers, (B, T, H), dtype, cache, plans, rope)
 
 
 _PATH, _WHY_BUILD = "decode_path", "decode_path_build"
@@ -147,23 +174,25 @@ def _hooked(experts) -> bool:
 _ATTN, _DELTA, _MLA = "attention", "deltanet", "mla"
 
 
-def _build(layers, x: torch.Tensor, cache, plans: dict, rope: tuple, pos: int) -> tuple | None:
-    """The native stack (`NativeStack`: per layer its first half's and its MoE half's
-    arguments, from the run's plans, checked once), the layers' experts modules and the
-    DeltaNet layers' states; None unless every layer has both plans and no hooks."""
+def _build(layers, x: torch.Tensor, cache, plans: dict, rope: tuple) -> tuple | None:
+    """The native stack for passes of x's shape and dtype (`NativeStack`: per layer its first
+    half's and its MLP half's arguments, checked once), the layers' experts modules and the
+    DeltaNet layers' states; None unless every layer's halves are each one native call and
+    no layer has hooks (why: plans[_WHY_BUILD])."""
     B, T, H = x.shape
     native = kernels._native().NativeStack(B, T, H, x.dtype == torch.bfloat16)
     experts, deltanets = [], []
     for i, layer in enumerate(layers):
         mods = layer._modules
-        block = mods.get("mlp")
-        moe_plan = plans.get((block, (x.shape, x.dtype)))
-        if moe_plan is None or kernels.has_hooks(layer):
-            plans[_WHY_BUILD] = (f"layer {i} has hooks" if kernels.has_hooks(layer) else
-                                 f"layer {i}'s MLP half is not one native call (a part torch runs)")
+        if kernels.has_hooks(layer):
+            plans[_WHY_BUILD] = f"layer {i} has hooks"
             return None
-        first = _attention(mods.get("self_attn"), x, cache.layers[i], plans) if "self_attn" in mods else \
-            _deltanet(mods.get("linear_attn"), x, cache.layers[i], plans)
+        moe_plan = mlp_half_plan(x, mods["post_attention_layernorm"], mods["mlp"])
+        if moe_plan is None:
+            plans[_WHY_BUILD] = f"layer {i}'s MLP half is not one native call (a part torch runs)"
+            return None
+        first = _attention(mods["self_attn"], mods["input_layernorm"], x, cache.layers[i]) if "self_attn" in mods else \
+            _deltanet(mods.get("linear_attn"), mods["input_layernorm"], x, cache.layers[i])
         if first is None:
             plans[_WHY_BUILD] = f"layer {i}'s attention half is not one native call (an int8 KV cache, or a part torch runs)"
             return None
@@ -172,7 +201,7 @@ def _build(layers, x: torch.Tensor, cache, plans: dict, rope: tuple, pos: int) -
             native.add_mla(*plan.weights, joined, *plan.settings, *half)
         elif first[0] is _ATTN:
             _, (weights, heads_scale, gated, variants), half, kv_slot = first
-            native.add_attention(*weights, *rope, *kv_slot, pos, *heads_scale, gated, *half, **variants)
+            native.add_attention(*weights, *rope, *kv_slot, 0, *heads_scale, gated, *half, **variants)
         else:
             _, state, head, conv, S, tail = first
             native.add_deltanet(*head, conv, *tail[:2], S, *tail[2:])
@@ -186,9 +215,10 @@ def _build(layers, x: torch.Tensor, cache, plans: dict, rope: tuple, pos: int) -
     return native, experts, deltanets
 
 
-def _attention(attn, x, kv, plans: dict) -> tuple | None:
-    plan = plans.get((attn, (x.shape, x.dtype, kv)))  # attn_residual's: (attn_plan, half_norm_args)
-    if plan is None or not plan[1]:
+def _attention(attn, norm, x, kv) -> tuple | None:
+    own = getattr(attn, "half_plan", None)  # an attention half of its own (DeepSeek-V3's MLA)
+    plan = own(x, norm, kv) if own is not None else attn_half_plan(x, norm, attn, kv)  # (plan, half_norm_args)
+    if plan is None:
         return None
     attn_args, half = plan  # attn_args: `kernels.attn_plan`
     if getattr(attn_args, "mla", False):  # an MLA half's plan (`models.deepseek_v3.MlaPlan`): its joined cache
@@ -196,19 +226,17 @@ def _attention(attn, x, kv, plans: dict) -> tuple | None:
     return _ATTN, attn_args, half, (kernels._np(kv.k), kernels._np(kv.v))
 
 
-def _deltanet(dn, x, state, plans: dict) -> tuple | None:
-    """GatedDeltaNet.residual's native call: its plans (the weights' views, and the fused
-    call's projections, out_proj and norm), and its whole states as views, each row's slot
-    updated in place."""
-    views = plans.get((dn, DELTA_WEIGHTS))
-    fused = plans.get((dn, (x.shape, x.dtype)))
-    if dn is None or views is None or fused is None or kernels.has_hooks(dn):
+def _deltanet(dn, norm, x, state) -> tuple | None:
+    """GatedDeltaNet.residual's native call: its plan (the weights' views, and the fused
+    call's projections, out_proj and norm: `half_plan`), and its whole states as views, each
+    row's slot updated in place."""
+    if dn is None or state is None:
         return None
-    proj, out_proj, (norm_weight, norm_eps, norm_offset) = fused
-    cw, al, dt, nw = views
     conv, S = state.tensors["conv"], state.tensors["recurrent"]
-    if not kernels.deltanet_decode_is_native(x, conv, S):
+    plan = dn.half_plan(x, norm, conv, S)
+    if plan is None or not kernels.deltanet_decode_is_native(x, conv, S):
         return None
+    (cw, al, dt, nw), (proj, out_proj, (norm_weight, norm_eps, norm_offset)) = plan
     head = (kernels._np(norm_weight), norm_offset, norm_eps, [q.w for q in proj], [q.s for q in proj],
             [q.code for q in proj], out_proj.w, out_proj.s, out_proj.code, cw)
     return _DELTA, state, head, kernels._np(conv), kernels._np(S), (al, dt, nw, float(dn.norm.eps), dn.n_k)
@@ -219,36 +247,31 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     """(logits, the final normed hidden state) of one decode pass of `model` (rows of a few
     tokens each: a decode step or a verification pass), a causal LM whose `model` holds
     embed_tokens, rope, layers and norm and whose lm_head gives the logits, with the embedding
-    rows, the stack (`stack_run`), the final norm and the LM head as native calls and nothing
-    else: what its forward returns, bit for bit. Around the stack's loop, a demo-model decode
-    pass spent ~0.5 of ~1.8 ms in the modules' own calls (embedding, rope rows, cache
-    positions, norm, LM head). None (nothing run, the cache untouched) until the run's modules
-    have made the stack for this shape, or where a part would not run natively: the caller
-    runs the modules."""
-    if plans is None or cache is None:
-        return None
+    rows, the run's stack for this shape (`program`), the final norm and the LM head as native
+    calls and nothing else: what its forward returns, bit for bit. None (nothing run, the
+    cache untouched) where a part would not run natively: the caller runs the modules."""
     B, T = input_ids.shape
+    if plans is None or cache is None or T > kernels.FUSED_MAX_TOKENS:
+        return None
     m = model.model
-    head = plans.get(("head", B, T, cache), _UNSET)
-    if head is _UNSET:
-        head = plans[("head", B, T, cache)] = _head(model, B, T, cache)
-    if head is None or kernels.has_hooks(m.embed_tokens, m.norm, model.lm_head):
+    head = _head_of(model, B, T, cache, plans)
+    if head is None or kernels.has_hooks(m.embed_tokens, m.norm, model.lm_head) or torch.is_grad_enabled():
         return None
     emb, dtype, lengths, (norm_w, eps, offset), lm = head
     H = emb.shape[1]
-    stack = plans.get(_stack_key((B, T, H), dtype, cache))
-    if type(stack) is not tuple or _hooked(stack[1]):  # the modules make it first, and serve hooks
-        return None
     ids = input_ids.numpy().reshape(B * T)
     if int(ids.min()) < 0:  # (numpy would wrap it round; nn.Embedding says what is wrong)
         return None
     slots = torch.arange(B) if slots is None else slots
     s = slots.numpy()
     pos = lengths[s]  # (a copy: the rows' first positions)
-    rows = emb[ids]  # the embedding's rows, as nn.Embedding copies them (an id past the end raises)
-    x = torch.from_numpy(rows).view(dtype).view(B, T, H)
     rope = m.rope.float_rows(int(pos[0]), T, dtype) if B == 1 else \
         m.rope.float_rows_at((pos[:, None] + np.arange(T)).reshape(B * T), dtype)
+    stack = program(m.layers, (B, T, H), dtype, cache, plans, rope)
+    if stack is None or _hooked(stack[1]):  # (the modules serve hooks)
+        return None
+    rows = emb[ids]  # the embedding's rows, as nn.Embedding copies them (an id past the end raises)
+    x = torch.from_numpy(rows).view(dtype).view(B, T, H)
     y = stack_run(m.layers, x, None, cache, slots, None, plans, rope=rope, pos=pos)
     if y is None:
         return None
@@ -263,14 +286,20 @@ def model_pass(model, input_ids: torch.Tensor, cache, slots: torch.Tensor | None
     return logits, hidden
 
 
+def _head_of(model, B: int, T: int, cache, plans: dict) -> tuple | None:
+    """`_head` for passes of B rows of T tokens, made once a run."""
+    key = ("head", B, T, cache)
+    head = plans.get(key, _UNSET)
+    if head is _UNSET:
+        head = plans[key] = _head(model, B, T, cache)
+    return head
+
+
 def _head(model, B: int, T: int, cache) -> tuple | None:
     """What `model_pass` reads besides the stack: the embedding as a numpy array (bf16 as its
     bits), the dtype, the cache's lengths as a numpy view, the final norm's native arguments
     and the LM head's `kernels.Packed`; None where the modules' calls would not be exactly
     these native ops (another module type, a norm over RMS_NORM_MAX, no native head)."""
-    from .linear import native_call_views
-    from .norm import RMSNorm
-
     m = model.model
     embed, norm = m.embed_tokens, m.norm
     if type(embed) is not torch.nn.Embedding or type(norm) is not RMSNorm or not kernels.native():
@@ -286,4 +315,3 @@ def _head(model, B: int, T: int, cache) -> tuple | None:
         return None
     nw, eps, offset = kernels.norm_args(norm)
     return kernels._np(w), dtype, cache.lengths.numpy(), (kernels._np(nw), eps, offset), lm
-

@@ -34,6 +34,16 @@ from torch import nn
 from tqdm import tqdm
 
 from ..errors import MoerunError, one_line, short
+from ..config import open_regular
+from ..kernels.formats import _interleave
+from ..layers.moe import Experts
+from ..layers.quantized import QuantizedExperts, QuantizedLinear
+from ..models import build_on_meta, module_for
+from ..models.qwen3_next import fused_rows
+from ..quant import KEEP_FLOAT, replace_module
+from ..tokenizer import Tokenizer
+from .gguf_tokenizer import spm_tokenizer
+from .hf import PROGRESS_BYTES, named_dtype, target_dtype
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -145,7 +155,6 @@ class _Array(list):
 
 def _parse(path: Path) -> tuple[dict[str, tuple[int, Any]], list[GGUFTensor]]:
     """One GGUF file's metadata {key: (type, value)} and tensors, every size checked."""
-    from ..config import open_regular
 
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
@@ -260,7 +269,6 @@ class GGUFFile:
     def _map(self, path: Path) -> mmap.mmap:
         mm = self._maps.get(path)
         if mm is None:
-            from ..config import open_regular
 
             with open_regular(path) as f:
                 try:
@@ -672,7 +680,6 @@ def _qwen3next_transforms() -> dict[str, Callable[[Any], Transform]]:
     (per key head: its value heads' b, then their a), as in the HF checkpoint."""
     def rows_of(part: str) -> Callable[[Any], Transform]:
         def make(a):
-            from ..models.qwen3_next import fused_rows
 
             return Transform(gather=fused_rows(a)[part])
         return make
@@ -873,7 +880,6 @@ def is_gguf(path) -> bool:
 
 
 def _resolve_dtype(dtype, f: GGUFFile) -> torch.dtype:
-    from .hf import named_dtype
 
     if named_dtype(dtype) is not None:
         return named_dtype(dtype)
@@ -882,7 +888,6 @@ def _resolve_dtype(dtype, f: GGUFFile) -> torch.dtype:
 
 def build(path, dtype="auto", prepare=None, check_weights: bool = False):
     """Like `loaders.hf.build` for a GGUF file: (architecture module, args, net, dtype)."""
-    from ..models import build_on_meta, module_for
 
     f = GGUFFile(path)
     try:
@@ -952,7 +957,6 @@ def _fused_ssm_in(f: GGUFFile, names: dict[str, str], args) -> dict | None:
     it is (`ssm_in`), where later ones split it into attn_qkv and attn_gate: in_proj_qkv and
     in_proj_z are then its rows, the ones the HF loader takes (`names` changed to match);
     the reader's transforms for that form, or None."""
-    from ..models.qwen3_next import fused_rows
 
     fused = False
     for name, g in names.items():
@@ -985,7 +989,6 @@ def _check_finite(f: GGUFFile) -> None:
 
 def _load(net: nn.Module, arch: Arch, f: GGUFFile, names: dict[str, str], dtype: torch.dtype,
           overrides: dict | None = None) -> None:
-    from .hf import PROGRESS_BYTES, target_dtype
 
     modules = dict(net.named_modules())
     expected = net.state_dict(keep_vars=True)
@@ -1027,14 +1030,12 @@ def _load(net: nn.Module, arch: Arch, f: GGUFFile, names: dict[str, str], dtype:
 
 
 def _keeps_float(name: str) -> bool:
-    from ..quant import KEEP_FLOAT
 
     owner = name.rpartition(".")[0]
     return owner.rpartition(".")[2] in KEEP_FLOAT or "conv1d" in name or name.endswith(("A_log", "dt_bias", "norm.weight"))
 
 
 def _is_experts(m) -> bool:
-    from ..layers.moe import Experts
 
     return isinstance(m, Experts)
 
@@ -1101,7 +1102,6 @@ def _assign(owner: nn.Module, leaf: str, t: torch.Tensor) -> None:
 def _repack(raw: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF Q8_0/Q4_0 rows [..., nb * (2 + per)] -> moerun (qweight, scales): the same
     blocks, their fp16 scales moved to their own array and groups of 8 interleaved."""
-    from ..kernels.formats import _interleave
 
     per = 16 if fmt == "int4" else 32
     b = raw.reshape(*raw.shape[:-1], -1, 2 + per)
@@ -1140,8 +1140,6 @@ def _quant_rows(f: GGUFFile, t: GGUFTensor, arch: Arch, name: str, args, overrid
 
 
 def _quantized_linear(net, owner_name, lin: nn.Linear, arch, f, names, t, fmt, done, overrides) -> None:
-    from ..quant import replace_module
-    from ..layers.quantized import QuantizedLinear
 
     name = f"{owner_name}.weight"
     rows = _quant_rows(f, t, arch, name, net.args, overrides)
@@ -1178,8 +1176,6 @@ def _fill(mod: nn.Module, bufs: tuple[str, str], rows: torch.Tensor, fmt: str) -
 
 
 def _quantized_experts(net, owner_name, ex, arch, f, names, done) -> None:
-    from ..quant import replace_module
-    from ..layers.quantized import QuantizedExperts
 
     E, I, H = ex.gate_proj.shape
     ts = {p: _source(f, names, f"{owner_name}.{p}_proj", net) for p in ("gate", "up", "down")}
@@ -1218,13 +1214,11 @@ class GgmlEmbedding(nn.Module):
 
 
 def _quantized_embedding(net, owner_name, emb: nn.Embedding, f, t, dtype) -> None:
-    from ..quant import replace_module
 
     replace_module(net, owner_name, GgmlEmbedding(f.raw(t), t.type, emb.embedding_dim, dtype))
     if getattr(net.args, "tie_word_embeddings", False) and isinstance(getattr(net, "lm_head", None), nn.Linear):
         fmt = TYPE_FORMATS[t.type]
         lin = net.lm_head
-        from ..layers.quantized import QuantizedLinear
 
         new = _new_module(f, t, lambda: QuantizedLinear(lin.in_features, lin.out_features, fmt))
         _fill(new, ("qweight", "scales"), f.raw(t), fmt)
@@ -1273,13 +1267,11 @@ def tokenizer_from_gguf(f: GGUFFile):
     vocabularies: gguf_tokenizer.py."""
     from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-    from ..tokenizer import Tokenizer
 
     kind = f.get("tokenizer.ggml.model", "str", None)
     if kind is None:
         return None
     if kind == "llama":
-        from .gguf_tokenizer import spm_tokenizer
 
         return spm_tokenizer(f, UnsupportedTokenizer)
     if kind != "gpt2":

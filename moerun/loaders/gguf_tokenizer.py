@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..errors import MoerunError
+from ..tokenizer import Tokenizer
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -44,7 +45,6 @@ def spm_tokenizer(f, unsupported):
     is the error class for a vocabulary that cannot be built exactly."""
     from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, processors
 
-    from ..tokenizer import Tokenizer
 
     tokens = f.get("tokenizer.ggml.tokens", "list[str]")
     n = len(tokens)

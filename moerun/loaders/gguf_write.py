@@ -39,6 +39,11 @@ from ..errors import MoerunError, short
 from ..kernels import ggml_quant
 from ..quant.gguf_types import tensor_type
 from .gguf import ARCHS, MODEL_TYPES, PRE_TOKENIZERS, SAMPLING, Arch, gguf_names, transform_of
+from ..config import read_json, regular_file
+from ..kernels.formats import natural_blocks, quantize
+from ..layers.quantized import QuantizedExperts, QuantizedLinear
+from ..models import build_on_meta, module_for
+from ..quant import POLICIES, QuantPolicy, component_of
 
 RECIPES = ("bf16", "f32", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")
 K_RECIPES = ("q4_k_m", "q5_k_m", "q6_k")
@@ -48,7 +53,6 @@ PROGRESS_BYTES = 1 << 30
 
 
 def _recipe_policy(recipe: str):
-    from ..quant import POLICIES, QuantPolicy
 
     if recipe == "q8_0":
         return POLICIES["int8"]
@@ -105,7 +109,6 @@ def export(model_dir, out, recipe: str = "bf16", force: bool = False, split_byte
 
 def _float_net(net, args):
     """The float model's parameter names (a quantized checkpoint's modules have others)."""
-    from ..models import build_on_meta, module_for
 
     meta = build_on_meta(module_for(args.model_type), args)
     if getattr(net, "mtp", None) is None or (isinstance(net.mtp, nn.ModuleList) and not len(net.mtp)):
@@ -116,7 +119,6 @@ def _float_net(net, args):
 
 def _plan(net, args, arch: Arch, recipe: str, dtype) -> list[tuple[str, str, tuple, Callable]]:
     """(GGUF name, GGUF type, torch-order shape, producer of the bytes) per tensor."""
-    from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
     meta = _float_net(net, args)
     names = gguf_names(meta, arch)
@@ -225,7 +227,6 @@ def _getter(net, name: str) -> Callable[[], torch.Tensor]:
 
 def _quant_format(name, meta_owner, p, policy, recipe, tied: bool) -> str | None:
     """The moerun format a float tensor is quantized to under `recipe` (None: float)."""
-    from ..quant import component_of
 
     if policy is None or p.dim() < 2 or p.shape[-1] % 32:
         return None
@@ -262,7 +263,6 @@ def _floats(get, gtype: str, tr) -> Callable[[], np.ndarray]:
 def _to_ggml(q: torch.Tensor, s: torch.Tensor, fmt: str) -> np.ndarray:
     """moerun packed rows (qweight [..., N, bytes], scales [..., N, nb]) -> GGUF Q8_0/Q4_0 rows:
     each block's fp16 scale, then its bytes in natural order."""
-    from ..kernels.formats import natural_blocks
 
     blocks = natural_blocks(q, fmt).view(torch.uint8)  # [..., N, nb, per]
     scales = s.contiguous().view(torch.uint8).view(*s.shape, 2)
@@ -271,7 +271,6 @@ def _to_ggml(q: torch.Tensor, s: torch.Tensor, fmt: str) -> np.ndarray:
 
 
 def _quantize(get, fmt: str, tr) -> Callable[[], np.ndarray]:
-    from ..kernels.formats import quantize
 
     def make():
         t = _apply(get(), tr)
@@ -373,7 +372,6 @@ def _metadata(w, args, arch: Arch, recipe: str, src: Path) -> None:
 def _tokenizer(w, src: Path, args) -> None:
     """tokenizer.ggml.* and the chat template from the directory's tokenizer.json (byte-level
     BPE) and tokenizer_config.json; nothing without a tokenizer.json."""
-    from ..config import read_json, regular_file
 
     path = src / "tokenizer.json"
     if not regular_file(path):
@@ -494,7 +492,6 @@ def write_random(out, cfg: dict, qtype: str = "q8_0", seed: int = 0, force: bool
     nothing behind."""
     import gguf
 
-    from ..models import build_on_meta, module_for
 
     out = Path(out)
     gtype_q = RANDOM_TYPES.get(qtype)

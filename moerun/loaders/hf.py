@@ -21,6 +21,7 @@ from ..config import read_config
 from ..errors import MoerunError, one_line
 from ..models import build_on_meta, module_for
 from .safetensors import DTYPE_NAMES as FILE_DTYPES, Checkpoint, TensorRef
+from .quantized import make_quantized_modules
 
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 PROGRESS_BYTES = 1 << 30
@@ -100,7 +101,6 @@ def open_model(model_dir, dtype="auto", check_weights: bool = False):
         check_finite(ckpt)
     renames = getattr(net, "checkpoint_renames", ())
     if "quantization" in cfg:
-        from .quantized import make_quantized_modules
 
         make_quantized_modules(net, cfg["quantization"])
         renames = ()

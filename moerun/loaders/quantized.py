@@ -35,6 +35,8 @@ from ..config import read_config
 from ..errors import MoerunError
 from ..quant import QuantPolicy, policy_name, quantize_model, replace_module, resolve_policy
 from ..kernels.formats import FORMATS, GROUP
+from ..layers.moe import Experts
+from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
 # 2: whole groups of 8 blocks stored word-interleaved (formats.py); version 1 files, whose
 # blocks were all natural, are refused with the advice to re-run `moerun quantize`
@@ -79,8 +81,6 @@ def _split(f: str) -> tuple[str, str] | None:
 def make_quantized_modules(net: torch.nn.Module, entry) -> None:
     """On the meta-device `net`: swap every module the entry names for an empty quantized
     one, whose packed buffers the loader then reads from the checkpoint."""
-    from ..layers.moe import Experts
-    from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
     _check_entry(entry)
     for name, fmt in entry["modules"].items():

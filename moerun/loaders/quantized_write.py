@@ -20,6 +20,8 @@ from ..quant import QuantPolicy, component_of, policy_name, resolve_policy
 from .hf import PROGRESS_BYTES, materialize, open_model, plan_state, target_dtype
 from .quantized import COPIED, FORMAT_VERSION, SHARD_BYTES
 from .safetensors import file_bytes, write_file
+from ..layers.moe import Experts
+from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
 
 def quantize_checkpoint(src, out, policy, dtype="auto", force: bool = False, shard_bytes: int = SHARD_BYTES) -> dict:
@@ -89,8 +91,6 @@ def _check_output(src: Path, out: Path, force: bool) -> None:
 
 
 def _write_tensors(net, ckpt, plan, targets: dict[str, str], dtype, shards: "_Shards") -> None:
-    from ..layers.moe import Experts
-    from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
     metas = {name: p for name, p, _ in plan}
     sources = {name: srcs for name, _, srcs in plan}

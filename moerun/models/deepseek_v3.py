@@ -147,6 +147,11 @@ class Attention(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, self.n_heads * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.dv, a.hidden_size, bias=a.attention_bias)
 
+    def half_plan(self, x, norm, kv) -> tuple | None:
+        """The decode program's plan for x + self(norm(x)) as one native call (`mla_residual`'s),
+        or None where the pass is not one the MLA block serves."""
+        return _half_plan(x, norm, self, kv)
+
     def forward(self, x, cos_sin, kv, slots, pos0):
         B, T, _ = x.shape
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -270,15 +275,15 @@ def _half_plan(x, norm, attn, kv) -> tuple | None:
     return None if plan is None else (plan, kernels.half_norm_args(norm))
 
 
-def mla_residual(x, norm, attn, cos_sin, kv, slots, pos0, plans=None) -> torch.Tensor:
+def mla_residual(x, norm, attn, cos_sin, kv, slots, pos0) -> torch.Tensor:
     """x + attn(norm(x)): the layer's attention half; a decode-sized pass (`mla_applies`) as one
     native call (`mla_block`: the projections, norms, rope, the cache rows' writes, the attention
     with W_kb and W_vb absorbed, o_proj, the norm and the residual), the modules otherwise.
     Within float rounding of the module's `_absorbed` (the native call keeps float32 where torch
     rounds its einsums' and softmax's sums differently), and each tensor the bf16 module hands on
-    rounded to bf16 alike. `plans`: a run's (`kernels.run_plan`); the native stack runs the same
-    call (`NativeStack.add_mla`), so its passes are those of this path bit for bit."""
-    plan = kernels.run_plan(plans, attn, (x.shape, x.dtype, kv), lambda: _half_plan(x, norm, attn, kv))
+    rounded to bf16 alike. The native stack runs the same call (`NativeStack.add_mla`, its plan
+    from `Attention.half_plan`), so its passes are those of this path bit for bit."""
+    plan = _half_plan(x, norm, attn, kv)
     if plan is None:
         return x + attn(norm(x), cos_sin, kv, slots, pos0)
     (weights, (heads, scale, interleaved)), half = plan
@@ -339,15 +344,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, cos_sin, kv, slots, pos0, last_only=False, plans=None):
+    def forward(self, x, cos_sin, kv, slots, pos0, last_only=False):
         """last_only: only the last position goes on through the MLP ([B, 1, H] out): every
         position's keys and values are cached by then, and an MTP catch-up wants no more.
-        The MLP half (MoE, or a dense MLP) runs as one native call where it can (`moe_residual`);
-        `plans`: a run's."""
-        x = mla_residual(x, self.input_layernorm, self.self_attn, cos_sin, kv, slots, pos0, plans)
+        The MLP half (MoE, or a dense MLP) runs as one native call where it can (`moe_residual`),
+        and so does a decode-sized attention half (`mla_residual`)."""
+        x = mla_residual(x, self.input_layernorm, self.self_attn, cos_sin, kv, slots, pos0)
         if last_only:
             x = x[:, -1:]
-        return moe_residual(x, self.post_attention_layernorm, self.mlp, plans)
+        return moe_residual(x, self.post_attention_layernorm, self.mlp)
 
 
 class SharedHead(nn.Module):

@@ -83,7 +83,7 @@ class Attention(FusedAttention):
         self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.scale = a.head_dim**-0.5
         self.window = a.sliding_window
-        # (the fused native decode call, `layers.attention.fuse_decode_attention`, takes the window too)
+        # (the fused native decode call, `layers.attention.attention_fuses`, takes the window too)
         self.q_proj = nn.Linear(a.hidden_size, self.n_heads * a.head_dim, bias=False)
         self.k_proj = nn.Linear(a.hidden_size, self.n_kv * a.head_dim, bias=False)
         self.v_proj = nn.Linear(a.hidden_size, self.n_kv * a.head_dim, bias=False)
@@ -121,10 +121,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, cos_sin, kv, slots, pos0, plans=None):
-        """plans: a run's (`kernels.run_plan`)."""
-        x = attn_residual(x, self.input_layernorm, self.self_attn, cos_sin, kv, slots, pos0, plans)  # x + attn(norm(x))
-        return moe_residual(x, self.post_attention_layernorm, self.mlp, plans)  # x + mlp(norm(x))
+    def forward(self, x, cos_sin, kv, slots, pos0):
+        x = attn_residual(x, self.input_layernorm, self.self_attn, cos_sin, kv, slots, pos0)  # x + attn(norm(x))
+        return moe_residual(x, self.post_attention_layernorm, self.mlp)  # x + mlp(norm(x))
 
 
 class MixtralModel(nn.Module):

@@ -132,7 +132,7 @@ class ModelArgs(BaseModelArgs):
 class Attention(FusedAttention):
     """GQA with per-head zero-centred q/k norm, partial rotary and a sigmoid output gate."""
 
-    # its forward over a few tokens is what layers.attention.fuse_decode_attention's native
+    # its forward over a few tokens is what layers.attention.attention_fuses's native
     # block computes, with the output gate (q_proj gives each head's query then its gate)
     output_gate = True
 
@@ -200,12 +200,12 @@ class GatedDeltaNet(nn.Module):
         o = gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(B, T, -1))
 
-    def residual(self, x, norm, state, slots, plans=None):
+    def residual(self, x, norm, state, slots):
         """x + self(norm(x), state, slots): the decoder layer's first half. A few-token pass
         runs as one native call (`kernels.deltanet_block`) where every part can (`_fusable`),
-        bit-identical to the modules one by one. `plans`: a run's (`kernels.run_plan`)."""
+        bit-identical to the modules one by one."""
         if state is not None and self._token_by_token(x.shape[1]) and not kernels.has_hooks(self):
-            return self._few_tokens(x, state, slots, norm, plans)
+            return self._few_tokens(x, state, slots, norm)
         return x + self(norm(x), state, slots)
 
     def _token_by_token(self, T: int) -> bool:
@@ -213,7 +213,7 @@ class GatedDeltaNet(nn.Module):
         tokens, or any pass where the native call runs it (`deltanet.native_pass`)."""
         return T <= FEW or native_pass()
 
-    def _few_tokens(self, x, state, slots, norm=None, plans=None):
+    def _few_tokens(self, x, state, slots, norm=None):
         """Between the projections as one call (kernels.deltanet_decode): token after token
         for a few tokens, the chunked form natively for a prompt (csrc/delta_chunk.cpp); a
         pass of 2..FEW tokens keeps every token's state, so that a rejected speculative draft
@@ -222,18 +222,15 @@ class GatedDeltaNet(nn.Module):
         With `norm` (`residual`): x + the layer's output on norm(x)."""
         B, T, _ = x.shape
         if T > SEGMENT:
-            return torch.cat([self._few_tokens(x[:, t : t + SEGMENT], state, slots, norm, plans)
+            return torch.cat([self._few_tokens(x[:, t : t + SEGMENT], state, slots, norm)
                               for t in range(0, T, SEGMENT)], dim=1)
         every = 1 < T <= FEW
         conv, rec = state.get("conv", slots), state.get("recurrent", slots)
         bufs = None
         if every:
             bufs = (state.scratch("conv", (B, T, *conv.shape[1:])), state.scratch("recurrent", (B, T, *rec.shape[1:])))
-        views = kernels.run_plan(plans, self, DELTA_WEIGHTS,
-                                 lambda: kernels.native_views(self, DELTA_WEIGHTS, kernels.deltanet_weight_views))
-        fused = None
-        if norm is not None:
-            fused = kernels.run_plan(plans, self, (x.shape, x.dtype), lambda: self._fusable(x, norm, conv, rec))
+        views = self.weight_views()
+        fused = None if norm is None else self._fusable(x, norm, conv, rec)
         if fused is not None:
             proj, out_proj, norm_args = fused
             y, conv_all, rec_all = kernels.deltanet_block(x, norm_args, proj, out_proj, conv, rec, views, self.norm.eps,
@@ -252,6 +249,20 @@ class GatedDeltaNet(nn.Module):
             return y
         y = self.out_proj(o.to(h.dtype).reshape(B, T, -1))
         return y if norm is None else x + y
+
+    def weight_views(self) -> tuple:
+        """The conv, A_log, dt_bias and norm weights as the native step takes them (kept on the
+        layer: `kernels.native_views`)."""
+        return kernels.native_views(self, DELTA_WEIGHTS, kernels.deltanet_weight_views)
+
+    def half_plan(self, x, norm, conv, rec) -> tuple | None:
+        """(`weight_views`, `_fusable`'s plan) where `residual` runs x + self(norm(x)) as one
+        native call over the states conv, rec; None otherwise. The decode program
+        (`layers.stack`) builds its DeltaNet halves from it once a run."""
+        if kernels.has_hooks(self) or not self._token_by_token(x.shape[1]):
+            return None
+        fused = self._fusable(x, norm, conv, rec)
+        return None if fused is None else (self.weight_views(), fused)
 
     def _fusable(self, x, norm, conv, rec) -> tuple | None:
         """(the projections' packed views, out_proj's, the norm's `kernels.norm_args`) when
@@ -305,17 +316,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, zero_centered=True)
 
-    def forward(self, x, cos_sin, state, slots, pos0, last_only=False, plans=None):
+    def forward(self, x, cos_sin, state, slots, pos0, last_only=False):
         """last_only: only the last position goes on through the MoE ([B, 1, H] out): every
-        position's state is cached by then, and an MTP catch-up wants no more. plans: a run's
-        (`kernels.run_plan`)."""
+        position's state is cached by then, and an MTP catch-up wants no more."""
         if self.layer_type == "linear_attention":
-            x = self.linear_attn.residual(x, self.input_layernorm, state, slots, plans)  # x + linear_attn(norm(x))
+            x = self.linear_attn.residual(x, self.input_layernorm, state, slots)  # x + linear_attn(norm(x))
         else:  # x + attn(norm(x))
-            x = attn_residual(x, self.input_layernorm, self.self_attn, cos_sin, state, slots, pos0, plans)
+            x = attn_residual(x, self.input_layernorm, self.self_attn, cos_sin, state, slots, pos0)
         if last_only:
             x = x[:, -1:]
-        return moe_residual(x, self.post_attention_layernorm, self.mlp, plans)  # x + mlp(norm(x))
+        return moe_residual(x, self.post_attention_layernorm, self.mlp)  # x + mlp(norm(x))
 
 
 def _mlp(mlp_for, a: ModelArgs, layer: int) -> nn.Module | None:

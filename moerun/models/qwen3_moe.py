@@ -64,7 +64,7 @@ class ModelArgs(BaseModelArgs):
 
 
 class Attention(FusedAttention):
-    # its forward over a few tokens is what layers.attention.fuse_decode_attention's native
+    # its forward over a few tokens is what layers.attention.attention_fuses's native
     # block computes
 
     def __init__(self, a: ModelArgs):
@@ -108,10 +108,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, x, cos_sin, kv, slots, pos0, plans=None):
-        """plans: a run's (`kernels.run_plan`)."""
-        x = attn_residual(x, self.input_layernorm, self.self_attn, cos_sin, kv, slots, pos0, plans)  # x + attn(norm(x))
-        return moe_residual(x, self.post_attention_layernorm, self.mlp, plans)  # x + mlp(norm(x))
+    def forward(self, x, cos_sin, kv, slots, pos0):
+        x = attn_residual(x, self.input_layernorm, self.self_attn, cos_sin, kv, slots, pos0)  # x + attn(norm(x))
+        return moe_residual(x, self.post_attention_layernorm, self.mlp)  # x + mlp(norm(x))
 
 
 class Qwen3MoeModel(nn.Module):

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from ..kernels.formats import FORMATS
+from ..layers.moe import Experts
+from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
 # module names never quantized: routers, and projections whose weight a model reads directly
 KEEP_FLOAT = ("gate", "shared_expert_gate", "router", "kv_b_proj")
@@ -73,8 +75,6 @@ def resolve_policy(policy) -> QuantPolicy | None:
 
 def component_of(name: str, module: nn.Module) -> str | None:
     """Which policy component a module (float or already quantized) belongs to (None: leave it alone)."""
-    from ..layers.moe import Experts
-    from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
     if isinstance(module, (Experts, QuantizedExperts)):
         return "experts"
@@ -98,7 +98,6 @@ def quantize_model(net: nn.Module, policy: str | QuantPolicy | None = DEFAULT_PO
 
     policy: a POLICIES name (default DEFAULT_POLICY), "none"/None, or a QuantPolicy. Returns how many modules were quantized per component.
     """
-    from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
     policy = resolve_policy(policy)
     counts: dict[str, int] = {}
@@ -128,7 +127,6 @@ def formats_in_use(net: nn.Module) -> dict[str, str]:
     """{component: format} of `net`'s quantized modules ("int4+int8" if a component mixes
     them, "q4_k/q6_k" for experts whose down projection has another); empty when nothing is
     quantized."""
-    from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
     found: dict[str, set[str]] = {}
     for name, mod in net.named_modules():
@@ -155,7 +153,6 @@ def compute_in_float32(net: nn.Module) -> bool:
     cast at every call, and torch's bf16 ops on a CPU without bf16 arithmetic are slower
     than its float32 ones. Returns False (and changes nothing) when the net has no
     quantized module."""
-    from ..layers.quantized import QuantizedExperts, QuantizedLinear
 
     quantized = (QuantizedExperts, QuantizedLinear)
     if not any(isinstance(m, quantized) for m in net.modules()):

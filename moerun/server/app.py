@@ -34,6 +34,8 @@ from ..errors import MoerunError, one_line
 from .limits import DEFAULT_MAX_BODY
 from .metrics import ServerMetrics
 from .scheduler import Event, Overloaded, Scheduler, ShuttingDown
+from ..engine.speculative import check_options
+from ..tokenizer import IncrementalDecoder
 
 log = logging.getLogger("moerun.server")
 MAX_INT = 2**31 - 1  # counts and sizes a request may name
@@ -233,7 +235,6 @@ class Server:
                                prefill_budget=prefill_budget, speculative=speculative, draft_tokens=draft_tokens,
                                draft_vocab=draft_vocab)
         if speculative is not None:  # a bad choice fails here, before the server starts
-            from ..engine.speculative import check_options
 
             check_options(llm.net, speculative, draft_tokens, draft_vocab)
         self.scheduler: Scheduler | None = None
@@ -354,7 +355,6 @@ class Server:
 
     def prepare(self, prompt_ids: list[int], body, max_tokens: int | None):
         """Check the prompt against the context and build the sampling settings."""
-        from ..tokenizer import IncrementalDecoder
 
         limit = self.scheduler.max_len
         param = "messages" if isinstance(body, ChatRequest) else "prompt"

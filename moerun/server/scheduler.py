@@ -29,6 +29,7 @@ from ..layers.cache import Cache
 from ..engine.generate import Sequence, run_plans
 from ..engine.sampling import SamplingParams, sample
 from ..errors import MoerunError
+from ..engine.speculative import SpeculativeStats, check_options, new_draft_length, run_speculative
 
 # B live slots in a decode step, V vocabulary
 
@@ -100,7 +101,6 @@ class Scheduler:
         self.speculative, self.draft_tokens, self._chooser = speculative, draft_tokens, None
         self.draft_vocab = draft_vocab
         if speculative is not None:
-            from ..engine.speculative import check_options, new_draft_length
 
             self.draft_tokens = check_options(llm.net, speculative, draft_tokens, draft_vocab)
             max_concurrency = 1  # one request at a time (module doc)
@@ -118,9 +118,9 @@ class Scheduler:
         # the speculative loop keeps its own caches, sized per request
         self.cache = (None if speculative is not None
                       else Cache(self.net.cache_spec(), max_concurrency, self.max_len, llm.dtype, llm.kv_dtype))
-        # the layers' checks, made once per pass shape for the server's life (`generate.run_plans`):
-        # nothing adds hooks to a served model or replaces its weights
-        self.plans = run_plans(self.net)
+        # the decode program, built once for the server's life for every batch width it will run
+        # (`generate.run_plans`): nothing adds hooks to a served model or replaces its weights
+        self.plans = run_plans(self.net, self.cache, range(1, max_concurrency + 1))
         self.free = list(range(max_concurrency - 1, -1, -1))  # pop() hands out slot 0 first
         self.live: list[Request] = []  # decoding
         self.prefilling: collections.deque[Request] = collections.deque()  # holding a slot, prompt partly in
@@ -381,7 +381,6 @@ class Scheduler:
     def _run_speculative(self) -> None:
         """The next waiting request, from its prompt to its end, through the speculative loop;
         text streams as drafts are accepted, and it stops early when the client goes."""
-        from ..engine.speculative import SpeculativeStats, run_speculative
 
         while self.waiting and self.free:
             req = self.waiting.popleft()
