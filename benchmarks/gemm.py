@@ -4,7 +4,7 @@ at decode, verification and prefill shapes, for int4 and int8, and float32 / bfl
     python benchmarks/gemm.py [--threads 1] [--shapes 1x32768x2048,4x32768x2048,48x768x2048]
                               [--formats int4,int8,bfloat16,float32,q4_k,q5_k,q6_k,q5_0] [--rounds 5]
                               [--import-from DIR]
-                              [--isas avx512vnni,amx]
+                              [--isas avx512vnni,amx] [--read-bandwidth]
 
 A shape is TOKENSxROWSxINPUTS. The raw GGUF formats (q4_k, q5_k, q6_k, q5_0) run on random
 blocks (random quants, small fp16 scales). Weights with many rows come from DRAM (decode streams them);
@@ -14,7 +14,11 @@ expert's rows. It prints GMAC/s and the weight bytes read per second, best of --
 COMMIT`, its native extension built or copied into DIR/moerun), for a before/after
 comparison run back to back; each checkout quantizes with its own formats. --isas runs each
 shape on several kernel paths of this CPU (`kernels.available_isas()`), taking turns call by
-call, and says whether they gave the same bits.
+call, and says whether they gave the same bits. --read-bandwidth first prints what `torch.sum`
+over 1 GiB reads per second on --threads threads (best of 3; vs_llamacpp.read_bandwidth), the
+roofline a one-token product streaming its weights from DRAM is held against; the LM head of
+the Qwen3.6-35B-A3B shape is `--shapes 1x248320x2048 --formats q6_k,q4_k,int8` (Q6_K in
+llama-quantize's Q4_K_M; int8 is moerun's Q8_0).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="int4,int8")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--isas", default=None, help="kernel paths to compare side by side (default: the one in use)")
+    ap.add_argument("--read-bandwidth", action="store_true", help="print torch.sum's read bandwidth over 1 GiB first")
     a = parse_args(ap, argv)
     import torch
 
@@ -60,6 +65,10 @@ def main(argv=None) -> int:
             print(f"error: kernel path {isa!r} is not available here ({', '.join(kernels.available_isas())})")
             return 1
     print(f"{kernels.describe()}; {a.threads} thread(s); code from {kernels.__file__}")
+    if a.read_bandwidth:
+        from vs_llamacpp import read_bandwidth
+
+        print(f"read bandwidth (torch.sum over 1 GiB, {a.threads} thread(s)): {read_bandwidth(a.threads) / 1e9:.1f} GB/s")
     print("| format | tokens x rows x inputs | " + " | ".join(f"{i} GMAC/s | {i} weight GB/s" for i in isas)
           + (" | same bits |" if len(isas) > 1 else ""))
     print("|---|---|" + "---|---|" * len(isas) + ("---|" if len(isas) > 1 else ""))

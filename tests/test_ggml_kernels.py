@@ -139,6 +139,26 @@ def test_k_quants_same_bits_on_every_x86_table(fmt, M):
 
 
 @pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("K, N", [(256, 1), (256, 7), (9 * 256, 3), (5 * 256, 4 * 13 + 3), (2 * 256, 64)])
+def test_q6_k_one_token_awkward_sizes(isa, K, N):
+    """Q6_K's one-token product (the AVX-512 tables take their own kernel for it) at widths of
+    1 to 9 super-blocks and row counts that leave rows outside the 4 streams: within the
+    reference's tolerance, and the same bits as the token computed among others (there the
+    multi-token kernels run), and on every x86 table."""
+    raw = random_raw("q6_k", (N,), K, seed=K + N)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(K * N))
+    scales = torch.empty(N, 0, dtype=torch.float16)
+    with kernels.use_isa(isa):
+        y1 = kernels.qlinear(x[1:2], raw, scales, "q6_k", K)
+        y3 = kernels.qlinear(x, raw, scales, "q6_k", K)
+    assert max_rel(y1, ref_linear(x[1:2], "q6_k", raw, K)) < 1e-5
+    assert torch.equal(y1[0], y3[1])
+    if isa in X86:
+        with kernels.use_isa(X86[0]):
+            assert torch.equal(y1, kernels.qlinear(x[1:2], raw, scales, "q6_k", K))
+
+
+@pytest.mark.parametrize("isa", NATIVE)
 def test_qlinear_multi_mixed_formats(isa):
     """One call over weights in several formats (a raw one beside int4)."""
     K = 512

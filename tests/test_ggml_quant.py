@@ -294,3 +294,120 @@ def test_bad_recipe_and_names():
         tensor_type("q3_k_m", "output.weight", (10, 256), 4)
     with pytest.raises(ValueError, match="layer"):
         tensor_type("q4_k_m", "ffn_down.weight", (256, 256), 4)
+
+
+# --- moerun's int8 / int4 blocks are llama.cpp's Q8_0 / Q4_0 blocks ----------------------------
+
+
+def _ggml_blocks(w: torch.Tensor, fmt: str) -> np.ndarray:
+    """moerun's packed int8/int4 quantization of w as GGUF Q8_0/Q4_0 blocks (export-gguf's bytes)."""
+    from moerun.kernels import formats
+    from moerun.loaders.gguf_write import _to_ggml
+
+    return _to_ggml(*formats.quantize(w, fmt), fmt)
+
+
+def test_q8_0_hand_worked_blocks():
+    """Worked by hand from quantize_row_q8_0_ref: d = absmax / 127, q = roundf(x * (1 / d)).
+
+    Block 0: absmax 127, so d = 1 and x * (1 / d) = x: the halves round away from zero
+    (2.5 -> 3, -0.5 -> -1; half to even would give 2 and 0).
+    Block 1: absmax 1, so d = 1 / 127 = 0.007874016 (float32), 1 / d = 127.0; fp16(d) is
+    0.0078735352 (0x2008). 0.7913 * 127.0 = 100.4951 -> 100, where 0.7913 / fp16(d) =
+    100.5012 would give 101: the quants are computed against d before it is rounded to fp16.
+    """
+    b0 = torch.zeros(32)
+    b0[:8] = torch.tensor([127.0, 2.5, -2.5, 0.5, -0.5, 1.5, -1.5, 126.5])
+    b1 = torch.zeros(32)
+    b1[0], b1[1], b1[2] = 1.0, 0.7913, -0.5
+    got = _ggml_blocks(torch.stack([b0, b1]).reshape(1, 64), "int8").reshape(2, 34)
+    assert got[0, :2].view(np.float16)[0] == 1.0
+    assert got[1, :2].tobytes() == b"\x08\x20"
+    q0, q1 = got[0, 2:].view(np.int8), got[1, 2:].view(np.int8)
+    assert q0[:8].tolist() == [127, 3, -3, 1, -1, 2, -2, 127] and not q0[8:].any()
+    # -0.5 * 127 = -63.5 -> -64 (away from zero)
+    assert q1[:3].tolist() == [127, 100, -64] and not q1[3:].any()
+    assert np.array_equal(got.reshape(-1), quantize("q8_0", torch.stack([b0, b1]).reshape(1, 64)).numpy().reshape(-1))
+
+
+def test_q4_0_hand_worked_block():
+    """quantize_row_q4_0_ref: d = max / -8 (max the signed value of largest magnitude), q =
+    min(15, (int8)(x * (1 / d) + 8.5)), the product rounded to float32 before the add (no FMA:
+    llama-quantize's bytes). With max = -0.046875, d = 0.005859375 and 1 / d = 170.66667 (float32):
+    -0.0322265625 * (1 / d) = -5.5000002 rounds to -5.5, + 8.5 = 3 (an FMA would give 2.9999998,
+    truncated to 2); max itself -> 0, 0.041259765625 -> 15 (7.04 + 8.5, capped)."""
+    b = torch.zeros(32)
+    b[0], b[1], b[18] = -0.046875, 0.041259765625, -0.0322265625
+    got = _ggml_blocks(b.reshape(1, 32), "int4").reshape(18)
+    assert got[:2].view(np.float16)[0] == np.float16(0.005859375)
+    q = np.concatenate([got[2:] & 0xF, got[2:] >> 4])
+    expect = np.full(32, 8)
+    expect[0], expect[1], expect[18] = 0, 15, 3
+    assert q.tolist() == expect.tolist()
+    assert np.array_equal(got, quantize("q4_0", b.reshape(1, 32)).numpy().reshape(-1))
+
+
+@pytest.mark.parametrize("fmt, ggml", [("int8", "q8_0"), ("int4", "q4_0")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moerun_int8_int4_are_q8_0_q4_0(fmt, ggml, dtype):
+    """formats.quantize's int8 / int4 blocks (the --quant policies, export-gguf's Q8_0/Q4_0) equal
+    gguf-py's Q8_0/Q4_0 (a port of llama.cpp's reference) and ggml_quant's, on float32 and on bf16
+    weights (bf16 values put x / d on half-integers often)."""
+    w = (gaussian(96, 1024, seed=3) * 0.02).to(dtype)
+    ours = _ggml_blocks(w, fmt).reshape(96, -1)
+    np.testing.assert_array_equal(ours, quants.quantize(w.float().numpy(), GGML[ggml]))
+    np.testing.assert_array_equal(ours, quantize(ggml, w).numpy())
+
+
+def _llama_quantize():
+    import shutil
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import llamacpp
+
+        if llamacpp.is_built():
+            return llamacpp.tool("llama-quantize")
+    except Exception:  # noqa: BLE001 - no build: the test skips
+        pass
+    return shutil.which("llama-quantize")
+
+
+@pytest.mark.parametrize("recipe, gtype", [("Q8_0", "Q8_0"), ("Q4_0", "Q4_0"), ("Q6_K", "Q6_K")])
+def test_blocks_equal_llama_quantize(tmp_path, recipe, gtype):
+    """llama-quantize (the native build of benchmarks/llamacpp.py, where there is one) turns the
+    demo model's f32 GGUF into Q8_0 / Q4_0 / Q6_K (--pure); moerun's quantizers give the same
+    bytes for every such tensor (Q8_0/Q4_0: formats.quantize's int8/int4, what export-gguf writes;
+    Q6_K: ggml_quant)."""
+    import subprocess
+    from pathlib import Path
+
+    from gguf import GGUFReader
+
+    import moerun
+    from moerun.loaders.gguf_write import export
+
+    tool = _llama_quantize()
+    if not tool:
+        pytest.skip("llama-quantize is not built here (python benchmarks/llamacpp.py build)")
+    f32 = tmp_path / "demo-f32.gguf"
+    export(Path(moerun.__file__).parent / "demo_model", f32, "f32")
+    out = tmp_path / f"demo-{recipe}.gguf"
+    r = subprocess.run([str(tool), "--pure", str(f32), str(out), recipe, "1"], capture_output=True)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")[-2000:]
+    src = {t.name: t for t in GGUFReader(str(f32)).tensors}
+    n = 0
+    for t in GGUFReader(str(out)).tensors:
+        if t.tensor_type.name != gtype:
+            continue
+        x = torch.from_numpy(np.array(src[t.name].data)).float()
+        x = x.reshape(-1, x.shape[-1])
+        if gtype == "Q6_K":
+            ours = quantize("q6_k", x).numpy()
+        else:
+            ours = _ggml_blocks(x, "int8" if gtype == "Q8_0" else "int4")
+        np.testing.assert_array_equal(ours.reshape(-1), np.asarray(t.data).reshape(-1), err_msg=t.name)
+        n += 1
+    assert n >= (1 if gtype == "Q6_K" else 5)  # the demo has few rows of 256 inputs

@@ -44,9 +44,13 @@ def test_whole_groups_are_word_interleaved(fmt):
             word = rows[:, (k * 8 + j) * 4:(k * 8 + j + 1) * 4]
             assert torch.equal(word, natural[:, j, 4 * k:4 * k + 4].view(torch.uint8))
     assert torch.equal(rows[:, 8 * per:], natural[:, 8].view(torch.uint8))
-    # the natural blocks hold the values: int4 byte j is elements j (low nibble) and j + 16
-    lo, hi = (-8, 7) if fmt == "int4" else (-127, 127)
-    q = torch.round(w.reshape(2, 9, 32) * (1.0 / scales.float()[..., None])).clamp(lo, hi)
+    # the natural blocks hold the values (llama.cpp's Q4_0 / Q8_0 levels, tests/test_ggml_quant.py):
+    # int4 byte j is elements j (low nibble) and j + 16
+    from moerun.kernels.ggml_quant import q4_0_levels, q8_0_levels
+
+    d, q = (q4_0_levels if fmt == "int4" else q8_0_levels)(w.reshape(-1, 32))
+    assert torch.equal(d.half().reshape(2, 9), scales)
+    q = q.to(torch.int16).reshape(2, 9, 32) - (8 if fmt == "int4" else 0)
     if fmt == "int4":
         nat = natural.to(torch.int16)
         got = torch.cat([nat & 0xF, nat >> 4], -1) - 8

@@ -28,10 +28,12 @@ importance matrix (`quantize_q4_K(..., quant_weights=NULL)` -> `quantize_row_q4_
   with `w = x^2`. Scales become int8 against the largest (`d = -max_scale / 128`) and the levels
   are recomputed against the quantized scales.
 - **Q5_0 / Q4_0 / Q8_0**: one scale per 32 from the value of largest magnitude (`max / -16`,
-  `max / -8`, `absmax / 127`), levels `trunc(x / d + 16.5)` (`+ 8.5`) and round half away from
-  zero (Q8_0). These are byte-exact with `gguf.quants.quantize` (which rounds Q4_0/Q5_0 as an FMA
-  would, x * id + 16.5 computed in one rounding; llama.cpp's C matches that when compiled with
-  FMA contraction, as its x86 builds are).
+  `max / -8`, `absmax / 127`), levels `trunc(x * id + 16.5)` (`+ 8.5`; `x * id` rounded to
+  float32 before the add, no FMA) and round half away from zero (Q8_0), all against `d` as
+  computed, before it is rounded to fp16. These are byte-exact with `gguf.quants.quantize` and
+  with llama-quantize of the native build (checked on the qwen3next demo file and on a block
+  whose `x * id` lands next to a half-integer, tests/test_ggml_quant.py). moerun's own int8 /
+  int4 (`moerun.kernels.formats`) are these Q8_0 / Q4_0 blocks (`q8_0_levels`, `q4_0_levels`).
 
 Every search step is vectorised over all sub-blocks of a chunk of rows at once (the sub-blocks
 are laid out `[32, n]`, so the sums over a sub-block are adds of 32 contiguous rows); memory is
@@ -160,19 +162,34 @@ def _absmax_signed(x: torch.Tensor) -> torch.Tensor:
     return x.gather(-1, idx)
 
 
-def _q8_0(x: torch.Tensor) -> torch.Tensor:
+def q8_0_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_row_q8_0_ref on blocks x [..., 32] (float32): -> (d [...] float32, not yet
+    rounded to fp16; q [..., 32] int8). The quants are computed against d as computed, not
+    against the fp16 value stored (`roundf(x * (1 / d))`, halves away from zero)."""
     d = x.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    qs = _round_away(x * inv).to(torch.int8).view(torch.uint8)
-    return torch.cat([_fp16_bytes(d.squeeze(-1)), qs], -1)
+    return d.squeeze(-1), _round_away(x * inv).to(torch.int8)
+
+
+def _q8_0(x: torch.Tensor) -> torch.Tensor:
+    d, q = q8_0_levels(x)
+    return torch.cat([_fp16_bytes(d), q.view(torch.uint8)], -1)
+
+
+def q4_0_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_row_q4_0_ref on blocks x [..., 32] (float32): -> (d [...] float32, not yet
+    rounded to fp16; q + 8 [..., 32] uint8 in 0..15), against d as computed."""
+    return _legacy_levels(x, 8)
 
 
 def _legacy_levels(x: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_0 (half=8) / Q5_0 (half=16): d = max / -half, q = trunc(x / d + half + 0.5)."""
     d = _absmax_signed(x) / -half
     inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    # x * inv + (half + 0.5) with one rounding, as an FMA and as gguf-py compute it
-    v = (x.double() * inv.double() + (half + 0.5)).float().trunc()
+    # (x * inv) rounded to float32, then + (half + 0.5) rounded again: no FMA, as llama.cpp's
+    # native build (llama-quantize) and gguf-py compute it (an FMA's one rounding differs where
+    # x / d lands on a half-integer, e.g. bf16 weights: ~0.5% of Q4_0 blocks)
+    v = (x * inv + (half + 0.5)).trunc()
     q = v.clamp(0, 2 * half - 1).to(torch.uint8)
     return d.squeeze(-1), q
 
