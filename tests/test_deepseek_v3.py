@@ -252,9 +252,9 @@ def test_the_decode_path_reports_the_native_stack(tmp_path):
     `info` show); with an int8 KV cache the MLA half is not native and the path says so."""
     llm = save_and_load(make_reference(), tmp_path)
     llm.generate_ids([[1, 2, 3]], max_tokens=4, temperature=0.0)
-    # the three-token prompt and the first step make the plans of their shapes (the modules);
-    # the other two steps run the stack
-    assert llm.last_stats.decode_path == {"native_stack_passes": 2, "module_passes": 2, "why": None}
+    # the run's program is built before its first pass: the three-token prompt and every step
+    # run the stack
+    assert llm.last_stats.decode_path == {"native_stack_passes": 4, "module_passes": 0, "why": None}
     int8 = moerun.load(tmp_path, dtype="float32", threads=1, kv_cache="int8")
     assert int8.generate_ids([[1, 2, 3]], max_tokens=4, temperature=0.0) == llm.generate_ids([[1, 2, 3]], max_tokens=4,
                                                                                             temperature=0.0)
