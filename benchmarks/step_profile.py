@@ -25,7 +25,7 @@ import torch
 from moerun import kernels
 from moerun.layers.cache import Cache
 from moerun.layers import attention
-from moerun.layers.quantized import QuantizedExperts, QuantizedLinear
+from moerun.layers.quantized import QuantizedExperts
 from vs_llamacpp import build_model
 
 

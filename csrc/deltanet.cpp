@@ -125,39 +125,11 @@ void deltanet_decode(const DeltaArgs& a) {
                 gates[i] = chunked ? g : std::exp(g);
                 gates[(size_t)B * Hv * T + i] = sigmoid(bv);
             }
-    const KernelTable& kt = kern();
-    if (chunked) {  // a long pass keeping no per-token states: chunked
-        pool().parallel_for(B * Hv, [&](int task) {
-            const int b = task / Hv, h = task % Hv, hk = h / per_k;
-            std::vector<float> scratch(delta_chunk_scratch(a.Dk, a.Dv));
-            const float* row = y.data() + (size_t)b * T * C;
-            DeltaChunkArgs d;
-            d.T = T;
-            d.Dk = a.Dk;
-            d.Dv = a.Dv;
-            d.q = row + (size_t)hk * a.Dk;
-            d.k = row + kd + (size_t)hk * a.Dk;
-            d.v = row + 2 * kd + (size_t)h * a.Dv;
-            d.x_st = d.v_st = C;
-            d.g = gates.data() + (size_t)task * T;
-            d.beta = gates.data() + (size_t)B * Hv * T + (size_t)task * T;
-            d.S = d.S_out = a.S + ((a.row_slot ? (size_t)a.row_slot[b] : (size_t)b) * Hv + h) * SS;
-            d.o = a.out + ((size_t)b * T * Hv + h) * a.Dv;
-            d.o_st = (long)Hv * a.Dv;
-            d.z = a.z + b * a.z_sb + (size_t)h * a.Dv;
-            d.z_st = a.z_st;
-            d.norm_w = a.norm_w;
-            d.eps = a.eps;
-            d.scratch = scratch.data();
-            delta_chunk_head(d);
-        });
-        return;
-    }
-    pool().parallel_for(B * Hv, [&](int task) {
+    // what both forms take for (row b, value head h): the tokens' q, k, v, beta, output gate,
+    // norm and output; returns where the row's state sits
+    auto head_args = [&](auto& d, int task) -> size_t {
         const int b = task / Hv, h = task % Hv, hk = h / per_k;
-        std::vector<float> scratch(2 * (size_t)a.Dv);
         const float* row = y.data() + (size_t)b * T * C;
-        DeltaHeadArgs d;
         d.T = T;
         d.Dk = a.Dk;
         d.Dv = a.Dv;
@@ -165,19 +137,39 @@ void deltanet_decode(const DeltaArgs& a) {
         d.k = row + kd + (size_t)hk * a.Dk;
         d.v = row + 2 * kd + (size_t)h * a.Dv;
         d.x_st = C;
-        d.decay = gates.data() + (size_t)task * T;
         d.beta = gates.data() + (size_t)B * Hv * T + (size_t)task * T;
-        const size_t rs = ((a.row_slot ? (size_t)a.row_slot[b] : (size_t)b) * Hv + h) * SS;  // the row's state
-        d.S = a.S + rs;
-        // every token's state ([B, T, Hv, Dk, Dv]), or the state itself, in place
-        d.S_out = a.S_every ? a.S_every + ((size_t)b * T * Hv + h) * SS : a.S + rs;
-        d.s_st = a.S_every ? (long)(Hv * SS) : 0;
         d.z = a.z + b * a.z_sb + (size_t)h * a.Dv;
         d.z_st = a.z_st;
         d.norm_w = a.norm_w;
         d.eps = a.eps;
         d.o = a.out + ((size_t)b * T * Hv + h) * a.Dv;
         d.o_st = (long)Hv * a.Dv;
+        return ((a.row_slot ? (size_t)a.row_slot[b] : (size_t)b) * Hv + h) * SS;
+    };
+    const KernelTable& kt = kern();
+    if (chunked) {  // a long pass keeping no per-token states: chunked
+        pool().parallel_for(B * Hv, [&](int task) {
+            std::vector<float> scratch(delta_chunk_scratch(a.Dk, a.Dv));
+            DeltaChunkArgs d;
+            const size_t rs = head_args(d, task);
+            d.v_st = C;
+            d.g = gates.data() + (size_t)task * T;
+            d.S = d.S_out = a.S + rs;
+            d.scratch = scratch.data();
+            delta_chunk_head(d);
+        });
+        return;
+    }
+    pool().parallel_for(B * Hv, [&](int task) {
+        std::vector<float> scratch(2 * (size_t)a.Dv);
+        DeltaHeadArgs d;
+        const size_t rs = head_args(d, task);  // the row's state
+        const int b = task / Hv, h = task % Hv;
+        d.decay = gates.data() + (size_t)task * T;
+        d.S = a.S + rs;
+        // every token's state ([B, T, Hv, Dk, Dv]), or the state itself, in place
+        d.S_out = a.S_every ? a.S_every + ((size_t)b * T * Hv + h) * SS : a.S + rs;
+        d.s_st = a.S_every ? (long)(Hv * SS) : 0;
         d.scratch = scratch.data();
         kt.delta_head(d);
         if (a.S_every) std::copy(d.S_out + (T - 1) * d.s_st, d.S_out + (T - 1) * d.s_st + SS, a.S + rs);

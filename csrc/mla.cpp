@@ -33,19 +33,9 @@ void deinterleave(float* x, int rd) {
     std::copy(tmp, tmp + rd, x);
 }
 
-// rotate-half rope on rd dims (as ops.cpp's head_rope)
-void rope_half(float* x, const float* cos, const float* sin, int rd) {
-    const int h = rd / 2;
-    for (int i = 0; i < h; ++i) {
-        const float x1 = x[i], x2 = x[i + h];
-        x[i] = x1 * cos[i] - x2 * sin[i];
-        x[i + h] = x2 * cos[i + h] + x1 * sin[i + h];
-    }
-}
-
 void rope(bool interleaved, float* x, const float* cos, const float* sin, int rd) {
     if (interleaved) deinterleave(x, rd);
-    rope_half(x, cos, sin, rd);
+    head_rope(x, cos, sin, rd);
 }
 
 void add_bias(float* y, const float* b, int T, int n, int ld) {

@@ -654,7 +654,9 @@ void to_bf16(const float* x, int n, uint16_t* y) {
     }
 }
 
-// rotate-half rope on the first rd dims: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+}  // namespace
+
+// rotate-half rope (ops.h) on the first rd dims: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
 void head_rope(float* x, const float* cos, const float* sin, int rd) {
     const int h = rd / 2;
     for (int i = 0; i < h; ++i) {
@@ -663,8 +665,6 @@ void head_rope(float* x, const float* cos, const float* sin, int rd) {
         x[i + h] = x2 * cos[i + h] + x1 * sin[i + h];
     }
 }
-
-}  // namespace
 
 void rms_norm(int M, int D, const float* x, const float* w, float w_offset, float eps, float* y, int G) {
     for (int m = 0; m < M; ++m) {

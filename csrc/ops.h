@@ -63,6 +63,9 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
                  const float* weights, const uint8_t* gq, const uint16_t* gs, const uint8_t* uq,
                  const uint16_t* us, const uint8_t* dq, const uint16_t* ds, float* out);
 
+// rotate-half rope on the first rd dims of x: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+void head_rope(float* x, const float* cos, const float* sin, int rd);
+
 // One query token's attention over S cached positions: out[h] = softmax(scale * q_h K_j^T) V_j
 // for query head h < Hq and its kv head j = h / (Hq / Hkv). q is [Hq, D] contiguous; kv head
 // j's position s sits at element k + j * k_sh + s * k_ss (D contiguous values), likewise v; out is

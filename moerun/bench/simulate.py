@@ -489,7 +489,6 @@ def validate_store(model: str, prompt_ids: list[int], *, link: str = "0.5,500", 
     # one pass there); only the decode tokens are counted
     tr = record_trace(plain, [ids[:-1]], [0], ahead=0, mtp_candidates=0)
     spec = parse_link(link)
-    a = plain.args
     L, E, K = tr.num_layers, tr.num_experts, tr.top_k
     ebytes = tr.meta["expert_params"] * torch_itemsize(plain.dtype)
     geo = Geometry("measured", L, E, K, ebytes, 0.0, 0.0, 0.0)
