@@ -145,8 +145,8 @@ def run_plans(net, cache=None, widths=(), tokens=(1,)) -> dict:
     (a dict: the native stack of each pass shape, and how its decode passes ran,
     `layers.stack.decode_path`). Every model's forward takes one. Given the run's `cache`, the
     program is built now, before the run's first pass, for passes of each of `widths` rows of
-    each of `tokens` tokens (`CausalLM.prepare`; a model without the driver's stack, such as
-    DeepSeek-V3, builds none); a pass of another shape builds its own before it runs."""
+    each of `tokens` tokens (`CausalLM.prepare`); a pass of another shape builds its own before
+    it runs."""
     plans: dict = {}
     if cache is not None and isinstance(net, CausalLM):
         for T in tokens:

@@ -19,7 +19,6 @@ from torch import nn
 
 from ..config import BaseModelArgs, rope_parameters
 from ..layers.cache import KVCache, KVSpec
-from ..layers.linear import head_logits
 from ..layers.quantized import QuantizedLinear
 from ..errors import MoerunError
 from .. import kernels
@@ -27,7 +26,7 @@ from ..layers.moe import Experts, GatedMLP, moe_residual, sigmoid_grouped_topk
 from ..layers.norm import RMSNorm, rms_norm_cat
 from ..kernels.reference import apply_rope
 from ..layers.rope import Rope
-from ..layers.stack import model_pass, run_layers
+from .driver import CausalLM
 
 # B batch, T tokens, S cached tokens, H hidden, N heads, E experts, K experts per token,
 # R kv_lora_rank (the latent), Dn/Dr/Dv the no-rope, rope and value head dims
@@ -384,7 +383,7 @@ class DeepseekV3Model(nn.Module):
         self.rope = Rope(a.rope, a.qk_rope_head_dim, a.max_position_embeddings)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     tied_parameters = {"lm_head.weight": "model.embed_tokens.weight"}
     # the loader keeps these in fp32 whatever the model dtype (transformers does the same):
     # in bf16 the selection bias would lose the digits that separate close experts
@@ -422,31 +421,6 @@ class Model(nn.Module):
     def mtp_cache_spec(self) -> list:
         """Decode state of one MTP depth: allocate `Cache(net.mtp_cache_spec(), ...)` per depth."""
         return [KVSpec(1, self.args.kv_lora_rank, self.args.qk_rope_head_dim, joined=True)]
-
-    def _positions(self, B, cache, slots):
-        if cache is None:
-            return None, torch.zeros(B, dtype=torch.long)
-        slots = torch.arange(B) if slots is None else slots
-        return slots, cache.start_positions(slots)
-
-    def forward(self, input_ids, cache=None, slots=None, *, last_only=False, return_hidden=False, plans=None):
-        """input_ids [B, T] -> float32 logits [B, T or 1, vocab] (and the final normed hidden state [B, T, H]).
-        `plans`: a run's; a decode pass runs as the native stack where it can (`layers.stack`), each
-        layer's MLA half, MoE or dense MLP half one native call."""
-        B, T = input_ids.shape
-        fast = model_pass(self, input_ids, cache, slots, last_only, plans)  # a decode pass: all native calls
-        if fast is not None:
-            return fast if return_hidden else fast[0]
-        slots, pos0 = self._positions(B, cache, slots)
-        m = self.model
-        x = m.embed_tokens(input_ids)
-        cos_sin = m.rope.span(pos0, T, x.dtype)
-        x = run_layers(m.layers, x, cos_sin, cache, slots, pos0, plans)
-        if cache is not None:
-            cache.advance(slots, T)
-        hidden = m.norm(x)
-        logits = head_logits(self.lm_head, hidden[:, -1:] if last_only else hidden)
-        return (logits, hidden) if return_hidden else logits
 
     def mtp_logits(self, hidden, next_token_ids, cache=None, slots=None, *, depth=0, return_hidden=False,
                    head=None, last_only=False):
