@@ -1119,6 +1119,23 @@ def _norm_weight(norm):
 _rope_np: dict = {}
 
 
+def mla_block(x: torch.Tensor, weights: tuple, settings: tuple, cos_sin: tuple, joined: torch.Tensor,
+              slots: torch.Tensor, pos0: torch.Tensor, half: tuple) -> torch.Tensor:
+    """x + MLA(norm(x)) [B, T, H] as one native call (`mla_block_decode`: DeepSeek-V3's
+    attention half, its projections, norms, interleaved rope, the joined cache rows' writes at
+    each row's slot and positions, the attention with W_kb and W_vb absorbed, o_proj and the
+    residual). weights: the packed views (`models.deepseek_v3.MlaPlan.weights`); settings:
+    (heads, scale, interleaved); half: the input norm's `half_norm_args`."""
+    B, T, H = x.shape
+    out = _out((B * T, H), x.dtype)
+    nat = _native()
+    _sync_threads(nat)
+    nat.mla_block(_np(_act(x.contiguous()).view(B * T, H)), *weights, *_rope_rows(cos_sin, B * T), _np(joined),
+                  _np(slots.to(torch.int64).contiguous()), _np(pos0.to(torch.int64).contiguous()), *settings,
+                  _np(out), *half)
+    return out.view(B, T, H)
+
+
 def _rope_rows(cos_sin: tuple, T: int) -> tuple:
     """A pass's rope tables (cos, sin) as float32 [T, rd] numpy views, made once per pass:
     every layer of a forward gets the same tuple (kept here with the tuple, which `Rope`

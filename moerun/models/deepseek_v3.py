@@ -263,7 +263,7 @@ def mla_applies(x: torch.Tensor, kv) -> bool:
     B, T, _ = x.shape
     return (T <= kernels.FUSED_MAX_TOKENS and (B == 1 or B * T <= kernels.FUSED_MAX_ROWS) and type(kv) is KVCache
             and kv.joined is not None and kv.joined.dtype in kernels.FLOAT_DTYPES and x.dtype in kernels.FLOAT_DTYPES
-            and kernels._native() is not None and not torch.is_grad_enabled())
+            and kernels.native() and not torch.is_grad_enabled())
 
 
 def _half_plan(x, norm, attn, kv) -> tuple | None:
@@ -285,16 +285,8 @@ def mla_residual(x, norm, attn, cos_sin, kv, slots, pos0) -> torch.Tensor:
     plan = _half_plan(x, norm, attn, kv)
     if plan is None:
         return x + attn(norm(x), cos_sin, kv, slots, pos0)
-    (weights, (heads, scale, interleaved)), half = plan
-    B, T, H = x.shape
-    out = kernels._out((B * T, H), x.dtype)
-    nat = kernels._native()
-    kernels._sync_threads(nat)
-    nat.mla_block(kernels._np(kernels._act(x.contiguous()).view(B * T, H)), *weights,
-                  *kernels._rope_rows(cos_sin, B * T), kernels._np(kv.joined),
-                  kernels._np(slots.to(torch.int64).contiguous()), kernels._np(pos0.to(torch.int64).contiguous()),
-                  heads, scale, interleaved, kernels._np(out), *half)
-    return out.view(B, T, H)
+    (weights, settings), half = plan
+    return kernels.mla_block(x, weights, settings, cos_sin, kv.joined, slots, pos0, half)
 
 
 class Router(nn.Module):
