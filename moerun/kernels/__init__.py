@@ -1119,12 +1119,66 @@ def _norm_weight(norm):
 _rope_np: dict = {}
 
 
+class MlaPlan(NamedTuple):
+    """The native MLA half's arguments (`mla_block`, `NativeStack.add_mla`): `weights` (q_a or
+    q_proj, q_b, kv_a, o as the linear ops take them, their biases, the q and kv norms with their
+    eps, W_kb transposed per head and kv_b_proj) and `settings` (heads, softmax scale,
+    interleaved rope)."""
+
+    weights: tuple
+    settings: tuple
+    mla = True  # (`layers.stack._attention` tells it from a fused attention's plan by this)
+
+
+_MLA_MODULES = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                "kv_b_proj", "o_proj")
+
+
+def mla_plan(attn) -> MlaPlan:
+    """DeepSeek-V3's attention (MLA) as `mla_block` takes it (kept on it: `module_plan`), as
+    `attn_plan` does for the other attentions. It reads the module's parts by name: q_proj, or
+    q_a_proj, q_a_layernorm and q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
+    (float nn.Linear or quantized linears with `views()`, RMSNorms with `weight` and `eps`), and
+    its settings n_heads, dn, dv, rank, scale, interleaved. The caller has checked that every part
+    is one the block reads as it is (`models.deepseek_v3.mla_fuses`)."""
+    m = attn._modules
+    group = tuple(m[n] for n in _MLA_MODULES if n in m)
+    eps = tuple(float(m[n].eps) for n in ("q_a_layernorm", "kv_a_layernorm") if n in m)
+    key = (attn.n_heads, attn.dn, attn.dv, attn.rank, float(attn.scale), bool(attn.interleaved), eps)
+    return module_plan(attn, group, key, lambda: _mla_args(attn))
+
+
+def _linear_views(lin: torch.nn.Module) -> tuple:
+    """A projection as the native blocks take it: (w, s, code) of its float or packed weight."""
+    v = float_linear_views(lin) if type(lin) is torch.nn.Linear else lin.views()
+    return v.w, v.s, v.code
+
+
+def _float32_bias(lin: torch.nn.Module):
+    return _EMPTY_NP if lin.bias is None else _np(lin.bias.detach().float().contiguous())
+
+
+def _mla_args(attn) -> MlaPlan:
+    m = attn._modules
+    direct = "q_proj" in m
+    q = m["q_proj"] if direct else m["q_a_proj"]
+    kv, o, kvb = m["kv_a_proj_with_mqa"], m["o_proj"], m["kv_b_proj"]
+    qb = (_EMPTY_NP, _EMPTY_NP, FLOAT_FORMATS[torch.float32][1]) if direct else _linear_views(m["q_b_proj"])
+    qn, q_eps = (_EMPTY_NP, 1e-6) if direct else (_np(float32_weight(m["q_a_layernorm"])), m["q_a_layernorm"].eps)
+    kvn = m["kv_a_layernorm"]
+    w = kvb.weight.detach().contiguous()  # [N * (Dn + Dv), R]
+    wkb = w.view(attn.n_heads, attn.dn + attn.dv, attn.rank)[:, : attn.dn].transpose(1, 2).contiguous()  # [N, R, Dn]
+    weights = (*_linear_views(q), *qb, *_linear_views(kv), *_linear_views(o), _float32_bias(q), _float32_bias(kv),
+               _float32_bias(o), qn, float(q_eps), _np(float32_weight(kvn)), float(kvn.eps), _np(wkb), _np(w))
+    return MlaPlan(weights, (attn.n_heads, float(attn.scale), bool(attn.interleaved)))
+
+
 def mla_block(x: torch.Tensor, weights: tuple, settings: tuple, cos_sin: tuple, joined: torch.Tensor,
               slots: torch.Tensor, pos0: torch.Tensor, half: tuple) -> torch.Tensor:
     """x + MLA(norm(x)) [B, T, H] as one native call (`mla_block_decode`: DeepSeek-V3's
     attention half, its projections, norms, interleaved rope, the joined cache rows' writes at
     each row's slot and positions, the attention with W_kb and W_vb absorbed, o_proj and the
-    residual). weights: the packed views (`models.deepseek_v3.MlaPlan.weights`); settings:
+    residual). weights: the packed views (`MlaPlan.weights`, `mla_plan`); settings:
     (heads, scale, interleaved); half: the input norm's `half_norm_args`."""
     B, T, H = x.shape
     out = _out((B * T, H), x.dtype)

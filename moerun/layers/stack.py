@@ -221,7 +221,7 @@ def _attention(attn, norm, x, kv) -> tuple | None:
     if plan is None:
         return None
     attn_args, half = plan  # attn_args: `kernels.attn_plan`
-    if getattr(attn_args, "mla", False):  # an MLA half's plan (`models.deepseek_v3.MlaPlan`): its joined cache
+    if getattr(attn_args, "mla", False):  # an MLA half's plan (`kernels.MlaPlan`): its joined cache
         return _MLA, attn_args, half, kernels._np(kv.joined)
     return _ATTN, attn_args, half, (kernels._np(kv.k), kernels._np(kv.v))
 

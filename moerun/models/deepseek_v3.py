@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -195,65 +195,21 @@ class Attention(nn.Module):
         return torch.einsum("bntr,nvr->bntv", out_lat, w[:, self.dn :])  # [B, N, T, Dv]
 
 
-class MlaPlan(NamedTuple):
-    """The native MLA half's arguments (`mla_block`, `NativeStack.add_mla`): `weights` (q_a or
-    q_proj, q_b, kv_a, o as the linear ops take them, their biases, the q and kv norms with their
-    eps, W_kb transposed per head and kv_b_proj) and `settings` (heads, softmax scale,
-    interleaved rope)."""
-
-    weights: tuple
-    settings: tuple
-    mla = True  # (`layers.stack._attention` tells it from a fused attention's plan by this)
-
-
-def _proj(lin: nn.Module, dtype: torch.dtype):
-    """A projection as the native MLA half takes it: (w, s, code) and its float32 bias (or an empty
-    one); None unless it is a QuantizedLinear or a float nn.Linear of the model's dtype, without hooks."""
-    if kernels.has_hooks(lin):
-        return None
-    if type(lin) is QuantizedLinear:
-        v = lin.views()
-    elif type(lin) is nn.Linear and lin.weight.dtype == dtype and lin.weight.is_contiguous():
-        v = kernels.float_linear_views(lin)
-    else:
-        return None
-    bias = kernels._EMPTY_NP if lin.bias is None else kernels._np(lin.bias.detach().float().contiguous())
-    return (v.w, v.s, v.code), bias
-
-
-def _mla_weights(attn: "Attention", dtype: torch.dtype) -> tuple | None:
-    """`MlaPlan.weights` of an attention (None where a part is not what the native half reads)."""
-    direct = hasattr(attn, "q_proj")
-    q = [_proj(attn.q_proj if direct else attn.q_a_proj, dtype)] + ([] if direct else [_proj(attn.q_b_proj, dtype)])
-    kv, o = _proj(attn.kv_a_proj_with_mqa, dtype), _proj(attn.o_proj, dtype)
-    kvb = attn.kv_b_proj
-    if (any(p is None for p in (*q, kv, o)) or type(kvb) is not nn.Linear or kvb.bias is not None
-            or kvb.weight.dtype not in kernels.FLOAT_DTYPES or kernels.has_hooks(kvb)
-            or (not direct and q[1][1].size)):  # (q_b_proj has no bias)
-        return None
-    norms = [] if direct else [attn.q_a_layernorm]
-    if any(type(n) is not RMSNorm or n.zero_centered for n in (*norms, attn.kv_a_layernorm)):
-        return None
-    w = kvb.weight.detach().contiguous()
-    wkb = w.view(attn.n_heads, attn.dn + attn.dv, attn.rank)[:, : attn.dn].transpose(1, 2).contiguous()  # [N, R, Dn]
-    qb = (kernels._EMPTY_NP, kernels._EMPTY_NP, 32) if direct else q[1][0]
-    qn, q_eps = (kernels._EMPTY_NP, 1e-6) if direct else (kernels._np(kernels.float32_weight(norms[0])), norms[0].eps)
-    kvn = attn.kv_a_layernorm
-    return (*q[0][0], *qb, *kv[0], *o[0], q[0][1], kv[1], o[1], qn, float(q_eps),
-            kernels._np(kernels.float32_weight(kvn)), float(kvn.eps), kernels._np(wkb), kernels._np(w))
-
-
-def mla_plan(attn: "Attention", dtype: torch.dtype) -> MlaPlan | None:
-    """The attention's `MlaPlan` for a model of `dtype` (kept on it: `kernels.module_plan`), or None."""
+def mla_fuses(attn: "Attention", dtype: torch.dtype) -> bool:
+    """Whether the native MLA half (`kernels.mla_plan`, `mla_block`) reads this attention's parts
+    as they are, in a model of `dtype`: each projection a QuantizedLinear or a contiguous
+    nn.Linear of `dtype` (q_b_proj without bias), kv_b_proj a float nn.Linear without bias (it is
+    never quantized), the q and kv norms plain RMSNorms, no hooks on any of them."""
     mods = attn._modules
-    group = tuple(mods[n] for n in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
-                                    "kv_a_layernorm", "kv_b_proj", "o_proj") if n in mods)
-
-    def make():
-        weights = _mla_weights(attn, dtype)
-        return None if weights is None else MlaPlan(weights, (attn.n_heads, float(attn.scale), bool(attn.interleaved)))
-
-    return kernels.module_plan(attn, group, ("mla", dtype), make)
+    projs = [mods[n] for n in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj") if n in mods]
+    norms = [mods[n] for n in ("q_a_layernorm", "kv_a_layernorm") if n in mods]
+    kvb = mods["kv_b_proj"]
+    return (all(type(p) is QuantizedLinear or type(p) is nn.Linear and p.weight.dtype == dtype
+                and p.weight.is_contiguous() for p in projs)
+            and ("q_b_proj" not in mods or mods["q_b_proj"].bias is None)
+            and type(kvb) is nn.Linear and kvb.bias is None and kvb.weight.dtype in kernels.FLOAT_DTYPES
+            and all(type(n) is RMSNorm and not n.zero_centered for n in norms)
+            and not kernels.has_hooks(*projs, *norms, kvb))
 
 
 def mla_applies(x: torch.Tensor, kv) -> bool:
@@ -267,11 +223,11 @@ def mla_applies(x: torch.Tensor, kv) -> bool:
 
 
 def _half_plan(x, norm, attn, kv) -> tuple | None:
-    """(MlaPlan, the input norm's `half_norm_args`) where x + attn(norm(x)) runs as one native call."""
-    if not mla_applies(x, kv) or type(norm) is not RMSNorm or norm.weight.dtype != x.dtype or kernels.has_hooks(attn, norm):
+    """(`kernels.MlaPlan`, the input norm's `half_norm_args`) where x + attn(norm(x)) runs as one native call."""
+    if (not mla_applies(x, kv) or type(norm) is not RMSNorm or norm.weight.dtype != x.dtype
+            or kernels.has_hooks(attn, norm) or not mla_fuses(attn, x.dtype)):
         return None
-    plan = mla_plan(attn, x.dtype)
-    return None if plan is None else (plan, kernels.half_norm_args(norm))
+    return kernels.mla_plan(attn), kernels.half_norm_args(norm)
 
 
 def mla_residual(x, norm, attn, cos_sin, kv, slots, pos0) -> torch.Tensor:
