@@ -53,6 +53,32 @@ namespace {
 
 #include "arrays.inc"  // arrays from Python checked and converted; packed weights as the kernels take them
 
+// How an op's call ends, once its arguments are checked. run_locked: op() with the GIL released,
+// under the op lock. run_out: so, with out (float32, or bf16 rounded from a float32 buffer after
+// the op: ActOut) handed to op as float*. run_act: so, with the activation x (float32, or bf16
+// widened: ActIn) handed on too.
+template <class Op>
+void run_locked(Op&& op) {
+    nb::gil_scoped_release release;
+    OpLock lk;
+    op();
+}
+
+template <class Op>
+void run_out(Array& out, Op&& op) {
+    ActOut o(out, "out");
+    run_locked([&] {
+        op(o.p);
+        o.finish();
+    });
+}
+
+template <class Op>
+void run_act(const Array& x, Array& out, Op&& op) {
+    ActIn xin(x, "x");
+    run_out(out, [&](float* y) { op(xin.p, y); });
+}
+
 void qlinear(Array x, Array w, Array scales, Array out, int fmt) {
     check_fmt(fmt);
     check_dtype(x, dtype_code::Float, 32, "x");
@@ -66,10 +92,10 @@ void qlinear(Array x, Array w, Array scales, Array out, int fmt) {
     check_scales(scales, fmt, {N}, nb, "scales");
     check_dtype(out, dtype_code::Float, 32, "out");
     check_shape(out, {M, N}, "out");
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::qlinear(fmt, (int)M, (int)K, (int)N, (const float*)x.data(), (const uint8_t*)w.data(),
-                    (const uint16_t*)scales.data(), (float*)out.data());
+    run_locked([&] {
+        moerun::qlinear(fmt, (int)M, (int)K, (int)N, (const float*)x.data(), (const uint8_t*)w.data(),
+                        (const uint16_t*)scales.data(), (float*)out.data());
+    });
 }
 
 // x [T, H] (float32 or bf16: ActIn) with each token's expert ids [T, K] int64 and weights [T, K] float32 -> (T, H, K)
@@ -152,13 +178,10 @@ void moe_experts(Array x, Array ids, Array weights, std::vector<Array> gq, std::
     const auto [ex, I] = expert_table(fmt, H, gq, gs, uq, us, dq, ds);
     MOERUN_CHECK(I == (size_t)intermediate, "gate: dimension 1 must be the expert width");
     check_shape(out, {T, H}, "out");
-    ActIn xin(x, "x");
-    ActOut o(out, "out");
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::moe_experts(fmt, (int)T, (int)H, (int)I, (int)ex.size(), (int)K, xin.p, (const int64_t*)ids.data(),
-                        (const float*)weights.data(), ex.data(), o.p);
-    o.finish();
+    run_act(x, out, [&](const float* xp, float* y) {
+        moerun::moe_experts(fmt, (int)T, (int)H, (int)I, (int)ex.size(), (int)K, xp, (const int64_t*)ids.data(),
+                            (const float*)weights.data(), ex.data(), y);
+    });
 }
 
 // moe_experts with unquantized weights, all float32 or all bf16 (as uint16); the activations
@@ -173,13 +196,10 @@ void moe_experts_float(Array x, Array ids, Array weights, std::vector<Array> gat
     const int fmt = bf16 ? moerun::FMT_BF16 : moerun::FMT_F32;
     const auto [ex, I] = expert_table(fmt, H, gate, {}, up, {}, down, {});
     check_shape(out, {T, H}, "out");
-    ActIn xin(x, "x");
-    ActOut o(out, "out");
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::moe_experts(fmt, (int)T, (int)H, (int)I, (int)ex.size(), (int)K, xin.p, (const int64_t*)ids.data(),
-                        (const float*)weights.data(), ex.data(), o.p);
-    o.finish();
+    run_act(x, out, [&](const float* xp, float* y) {
+        moerun::moe_experts(fmt, (int)T, (int)H, (int)I, (int)ex.size(), (int)K, xp, (const int64_t*)ids.data(),
+                            (const float*)weights.data(), ex.data(), y);
+    });
 }
 
 // q [Hq, D]; k [Hkv, S, D] and v [Hkv, S, Dv] may be strided views (a cache's first S
@@ -218,12 +238,12 @@ void attn_decode(Array q, Strided k, Strided v, Array out, float scale, std::opt
         ks = (const float*)k_scale->data();
         vs = (const float*)v_scale->data();
     }
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::attn_decode((int)Hq, (int)Hkv, (int)S, (int)D, (int)Dv, (const float*)q.data(), k.data(),
-                        (long)k.stride(0), (long)k.stride(1), v.data(), (long)v.stride(0), (long)v.stride(1), scale,
-                        (float*)out.data(), i8 ? moerun::KV_I8 : bf16 ? moerun::KV_BF16 : moerun::KV_F32, ks, st[0],
-                        st[1], vs, st[2], st[3]);
+    run_locked([&] {
+        moerun::attn_decode((int)Hq, (int)Hkv, (int)S, (int)D, (int)Dv, (const float*)q.data(), k.data(),
+                            (long)k.stride(0), (long)k.stride(1), v.data(), (long)v.stride(0), (long)v.stride(1),
+                            scale, (float*)out.data(), i8 ? moerun::KV_I8 : bf16 ? moerun::KV_BF16 : moerun::KV_F32,
+                            ks, st[0], st[1], vs, st[2], st[3]);
+    });
 }
 
 // x [M, D]; w [D], or [G, D] for row m to take w[m % G]; out [M, D]; float32 (x and out may be bf16: ActIn, ActOut)
@@ -236,12 +256,9 @@ void rms_norm(Array x, Array w, Array out, float eps, float w_offset) {
     const size_t G = w.ndim() == 2 ? w.shape(0) : 1;
     MOERUN_CHECK(M % G == 0, "w: the rows must be a multiple of G");
     check_shape(out, {M, D}, "out");
-    ActIn xin(x, "x");
-    ActOut o(out, "out");
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::rms_norm((int)M, (int)D, xin.p, (const float*)w.data(), w_offset, eps, o.p, (int)G);
-    o.finish();
+    run_act(x, out, [&](const float* xp, float* y) {
+        moerun::rms_norm((int)M, (int)D, xp, (const float*)w.data(), w_offset, eps, y, (int)G);
+    });
 }
 
 // x [T, H, D]; w [D] or empty (no norm); cos, sin [T, rd]; out [H, T, D]; float32
@@ -256,11 +273,11 @@ void norm_rope_heads(Array x, Array w, Array cos, Array sin, Array out, float ep
     MOERUN_CHECK(rd % 2 == 0 && rd <= D, "the rotary width must be even and at most D");
     check_shape(sin, {T, rd}, "sin");
     check_shape(out, {H, T, D}, "out");
-    nb::gil_scoped_release release;
-    OpLock lk;
     const float* wp = w.shape(0) ? (const float*)w.data() : nullptr;
-    moerun::norm_rope_heads((int)T, (int)H, (int)D, (const float*)x.data(), wp, w_offset, eps, (const float*)cos.data(),
-                            (const float*)sin.data(), (int)rd, (float*)out.data());
+    run_locked([&] {
+        moerun::norm_rope_heads((int)T, (int)H, (int)D, (const float*)x.data(), wp, w_offset, eps,
+                                (const float*)cos.data(), (const float*)sin.data(), (int)rd, (float*)out.data());
+    });
 }
 
 
@@ -281,12 +298,9 @@ void qlinear_multi(Array x, std::vector<Array> weights, std::vector<Array> scale
         qw.push_back(qweight_of(weights[p], scales[p], fmts[p], weights[p].shape(0), K, "weight"));
     }
     check_shape(out, {M, N}, "out");
-    ActIn xin(x, "x");
-    ActOut o(out, "out");
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::qlinear_multi((int)M, (int)K, (int)P, qw.data(), rows.data(), xin.p, o.p);
-    o.finish();
+    run_act(x, out, [&](const float* xp, float* y) {
+        moerun::qlinear_multi((int)M, (int)K, (int)P, qw.data(), rows.data(), xp, y);
+    });
 }
 
 // x [T, H]; router [E, H] float32; ids [T, K] int64 and weights [T, K] float32 are written
@@ -359,11 +373,11 @@ void route_sigmoid_grouped(Array x, Array router, Array bias, int n_group, int t
     check_dtype(weights, dtype_code::Float, 32, "weights");
     check_shape(weights, {T, K}, "weights");
     ActIn xin(x, "x");
-    nb::gil_scoped_release release;
-    OpLock lk;
     const moerun::SigmoidRoute r{(const float*)bias.data(), n_group, topk_group, scale};
-    moerun::route_sigmoid_grouped((int)T, (int)H, (int)E, (int)K, renorm, r, xin.p, (const float*)router.data(),
-                                  (int64_t*)ids.data(), (float*)weights.data());
+    run_locked([&] {
+        moerun::route_sigmoid_grouped((int)T, (int)H, (int)E, (int)K, renorm, r, xin.p, (const float*)router.data(),
+                                      (int64_t*)ids.data(), (float*)weights.data());
+    });
 }
 
 void route_softmax_topk(Array x, Array router, Array ids, Array weights, bool renorm) {
@@ -379,10 +393,10 @@ void route_softmax_topk(Array x, Array router, Array ids, Array weights, bool re
     check_dtype(weights, dtype_code::Float, 32, "weights");
     check_shape(weights, {T, K}, "weights");
     ActIn xin(x, "x");
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::route_softmax_topk((int)T, (int)H, (int)E, (int)K, renorm, xin.p,
-                               (const float*)router.data(), (int64_t*)ids.data(), (float*)weights.data());
+    run_locked([&] {
+        moerun::route_softmax_topk((int)T, (int)H, (int)E, (int)K, renorm, xin.p, (const float*)router.data(),
+                                   (int64_t*)ids.data(), (float*)weights.data());
+    });
 }
 
 // x [M, H]; gate/up [I, bytes] + scales, down [H, bytes] + scales; out [M, H]; gate_vec [H] or empty
@@ -398,13 +412,10 @@ void swiglu_mlp(Array x, Array gw, Array gs, int gf, Array uw, Array us, int uf,
     check_dtype(gate_vec, dtype_code::Float, 32, "gate_vec");
     MOERUN_CHECK(gate_vec.ndim() == 1 && (gate_vec.shape(0) == 0 || gate_vec.shape(0) == H),
                  "gate_vec must be [H] or empty");
-    ActIn xin(x, "x");
-    ActOut o(out, "out");
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::swiglu_mlp((int)M, (int)H, (int)I, g, u, d, xin.p, o.p,
-                       gate_vec.shape(0) ? (const float*)gate_vec.data() : nullptr);
-    o.finish();
+    run_act(x, out, [&](const float* xp, float* y) {
+        moerun::swiglu_mlp((int)M, (int)H, (int)I, g, u, d, xp, y,
+                           gate_vec.shape(0) ? (const float*)gate_vec.data() : nullptr);
+    });
 }
 
 #include "executors.inc"  // what the layer halves, the MTP head and the layer stack run, checked once
@@ -431,15 +442,11 @@ void moe_block(Array x, Array norm_w, float eps, float norm_offset, Array router
                    source, shared, shared_s, shared_fmts, shared_gate, observer);
     check_shape(out, {T, H}, "out");
     moe_observe(c, h_out, ids_out, w_out, seen);
-    ActIn xin(x, "x");
-    ActOut o(out, "out");
-    c.a.x = xin.p;
-    c.a.y = o.p;
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::moe_block_decode(c.a);
-    o.finish();
-    moe_observed_finish(c);
+    run_act(x, out, [&](const float* xp, float* y) {
+        c.a.x = xp, c.a.y = y;
+        moerun::moe_block_decode(c.a);
+        moe_observed_finish(c);
+    });
 }
 
 // The dense MLP half of a decoder layer for a few tokens (moerun::mlp_block_decode): out = x +
@@ -454,14 +461,10 @@ void mlp_block(Array x, Array norm_w, float eps, float norm_offset, Array gw, Ar
     moerun::MlpBlockArgs a = mlp_block_args(T, H, is_bf16(out), norm_w, eps, norm_offset, gw, gs, gf, uw, us, uf, dw,
                                             ds, df);
     check_shape(out, {T, H}, "out");
-    ActIn xin(x, "x");
-    ActOut o(out, "out");
-    a.x = xin.p;
-    a.y = o.p;
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::mlp_block_decode(a);
-    o.finish();
+    run_act(x, out, [&](const float* xp, float* y) {
+        a.x = xp, a.y = y;
+        moerun::mlp_block_decode(a);
+    });
 }
 
 // x [T, H] and out [T, H] (float32, or bf16: then with in_norm both bf16) through
@@ -478,12 +481,7 @@ void attn_block_decode(Array x, Array qw, Array qs, int qf, Array kw, Array ks, 
     const moerun::AttnBlockArgs a = attn_block_args(T, H, qw, qs, qf, kw, ks, kf, vw, vs, vf, ow, os, of, qn, kn, eps,
                                                     cos, sin, kc, vc, pos, Hq, scale, gated, in_norm, in_offset, in_eps,
                                                     is_bf16(out), qkv_bias, window);
-    ActIn xin(x, "x");
-    ActOut o(out, "out");
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::attn_block_decode(a, xin.p, o.p);
-    o.finish();
+    run_act(x, out, [&](const float* xp, float* y) { moerun::attn_block_decode(a, xp, y); });
 }
 
 // A batch's decode step through a fused attention: row t of x [T, H] is a row of its own, its
@@ -524,12 +522,7 @@ void attn_block_rows(Array x, Array qw, Array qs, int qf, Array kw, Array ks, in
     }
     a.row_off = off.data();
     a.row_pos = at.data();
-    ActIn xin(x, "x");
-    ActOut o(out, "out");
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::attn_block_decode(a, xin.p, o.p);
-    o.finish();
+    run_act(x, out, [&](const float* xp, float* y) { moerun::attn_block_decode(a, xp, y); });
 }
 
 
@@ -562,12 +555,7 @@ void mla_block(Array x, Array qaw, Array qas, int qaf, Array qbw, Array qbs, int
     std::vector<int> at;
     mla_rows(a, slot_elems, cache.shape(0), B, M / B, (const int64_t*)slots.data(), (const int64_t*)pos.data(), cos,
              sin, off, at);
-    ActIn xin(x, "x");
-    ActOut o(out, "out");
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::mla_block_decode(a, xin.p, o.p);
-    o.finish();
+    run_act(x, out, [&](const float* xp, float* y) { moerun::mla_block_decode(a, xp, y); });
 }
 
 // qkv [B, T, C]; a, b [B, T, Hv]; z, out [B, T, Hv, Dv]: float32 or bf16 (a bf16 model's
@@ -591,17 +579,15 @@ void deltanet_decode(Strided qkv, Array conv_w, Array conv, std::optional<Array>
     thread_local std::vector<float> bufs[4];
     const RowsIn xq = rows_in(qkv, bufs[0], "qkv"), xa = rows_in(a, bufs[1], "a"), xb = rows_in(b, bufs[2], "b"),
                  xz = rows_in(z, bufs[3], "z");
-    ActOut o(out, "out");
     auto take = [](const RowsIn& r, const float*& p, long& sb, long& st) { p = r.p, sb = r.s0, st = r.s1; };
     take(xq, d.qkv, d.qkv_sb, d.qkv_st);
     take(xa, d.a, d.a_sb, d.a_st);
     take(xb, d.b, d.b_sb, d.b_st);
     take(xz, d.z, d.z_sb, d.z_st);
-    d.out = o.p;
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::deltanet_decode(d);
-    o.finish();
+    run_out(out, [&](float* y) {
+        d.out = y;
+        moerun::deltanet_decode(d);
+    });
 }
 
 // The chunked gated delta rule on its own (moerun::delta_rule_chunked): q, k [B, T, Hk, Dk],
@@ -621,11 +607,11 @@ void delta_rule_chunked(Array q, Array k, Array v, Array g, Array beta, Array S,
     check_shape(beta, {B, T, Hv}, "beta");
     check_shape(S, {B, Hv, Dk, Dv}, "S");
     check_shape(out, {B, T, Hv, Dv}, "out");
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::delta_rule_chunked((int)B, (int)T, (int)Hk, (int)Hv, (int)Dk, (int)Dv, (const float*)q.data(),
-                               (const float*)k.data(), (const float*)v.data(), (const float*)g.data(),
-                               (const float*)beta.data(), (float*)S.data(), (float*)out.data());
+    run_locked([&] {
+        moerun::delta_rule_chunked((int)B, (int)T, (int)Hk, (int)Hv, (int)Dk, (int)Dv, (const float*)q.data(),
+                                   (const float*)k.data(), (const float*)v.data(), (const float*)g.data(),
+                                   (const float*)beta.data(), (float*)S.data(), (float*)out.data());
+    });
 }
 
 // The linear-attention half of a Qwen3.5 decoder layer (moerun::deltanet_block_decode):
@@ -644,14 +630,10 @@ void deltanet_block(Array x, Array norm_w, float norm_offset, float norm_eps, st
     moerun::DeltaBlockArgs a = deltanet_block_args(B, T, H, is_bf16(out), norm_w, norm_offset, norm_eps, proj, proj_s,
                                                    proj_fmts, ow, os, of, conv_w, conv, conv_every, A_log, dt_bias, S,
                                                    S_every, gnorm_w, eps, Hk);
-    ActIn xin(x, "x");
-    ActOut o(out, "out");
-    a.x = xin.p;
-    a.y = o.p;
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::deltanet_block_decode(a);
-    o.finish();
+    run_act(x, out, [&](const float* xp, float* y) {
+        a.x = xp, a.y = y;
+        moerun::deltanet_block_decode(a);
+    });
 }
 
 
@@ -670,9 +652,7 @@ void set_isa(const std::string& name) {
 
 void set_threads(int n) {
     MOERUN_CHECK(n >= 1, "threads must be at least 1");
-    nb::gil_scoped_release release;
-    OpLock lk;
-    moerun::set_threads(n);
+    run_locked([&] { moerun::set_threads(n); });
 }
 
 // For tests of the pool's logic (tests/test_thread_pool.py): `jobs` jobs of n_tasks tasks on the
