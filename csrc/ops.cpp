@@ -213,6 +213,20 @@ float* router_logits(int T, int H, int E, const float* x, const float* R) {
     }
     return lg;
 }
+
+// The routers' top-k: K passes over n scores v (K is small, n at most a few hundred), pass k
+// picking the largest v[i] among the indices still free (`free(i)`: not taken yet, nor masked
+// out), the lower index on ties, and handing it to `take(k, i)`, which marks it taken in the
+// caller's way. A pass that finds none (NaN scores compare false) takes 0: the ids stay in range.
+template <class Free, class Take>
+void select_top_k(const float* v, int n, int K, Free free, Take take) {
+    for (int k = 0; k < K; ++k) {
+        int best = -1;
+        for (int i = 0; i < n; ++i)
+            if (free(i) && (best < 0 || v[i] > v[best])) best = i;
+        take(k, best < 0 ? 0 : best);
+    }
+}
 }  // namespace
 
 void route_softmax_topk(int T, int H, int E, int K, bool renorm, const float* x, const float* R, int64_t* ids,
@@ -227,16 +241,13 @@ void route_softmax_topk(int T, int H, int E, int K, bool renorm, const float* x,
         int64_t* id = ids + (size_t)t * K;
         float* wt = w + (size_t)t * K;
         float picked = 0.f;
-        for (int k = 0; k < K; ++k) {  // K passes: K is small, E at most a few hundred
-            int best = -1;
-            for (int e = 0; e < E; ++e)
-                if (l[e] >= 0.f && (best < 0 || l[e] > l[best])) best = e;
-            if (best < 0) best = 0;  // NaN logits: nothing compares; keep the ids in range
-            id[k] = best;
-            wt[k] = l[best] / sum;
+        // probabilities are >= 0: a taken one is marked -1 (a NaN one is never free)
+        select_top_k(l, E, K, [&](int e) { return l[e] >= 0.f; }, [&](int k, int e) {
+            id[k] = e;
+            wt[k] = l[e] / sum;
             picked += wt[k];
-            l[best] = -1.f;  // taken
-        }
+            l[e] = -1.f;
+        });
         if (renorm)
             for (int k = 0; k < K; ++k) wt[k] /= picked;
     }
@@ -275,12 +286,7 @@ void route_sigmoid_grouped(int T, int H, int E, int K, bool renorm, const Sigmoi
                 gsc[g] = a + b;
             }
             std::fill(taken, taken + G, 0);
-            for (int k = 0; k < r.topk_group; ++k) {
-                int best = -1;
-                for (int g = 0; g < G; ++g)
-                    if (!taken[g] && (best < 0 || gsc[g] > gsc[best])) best = g;
-                taken[best] = 1;
-            }
+            select_top_k(gsc, G, r.topk_group, [&](int g) { return !taken[g]; }, [&](int, int g) { taken[g] = 1; });
             for (int g = 0; g < G; ++g)
                 if (!taken[g]) std::fill(c + (size_t)g * per, c + (size_t)(g + 1) * per, NEG);
         }
@@ -288,16 +294,13 @@ void route_sigmoid_grouped(int T, int H, int E, int K, bool renorm, const Sigmoi
         int64_t* id = ids + (size_t)t * K;
         float* wt = w + (size_t)t * K;
         float picked = 0.f;
-        for (int k = 0; k < K; ++k) {  // K passes: K is small, E at most a few hundred
-            int best = -1;
-            for (int e = 0; e < E; ++e)
-                if (!taken[e] && c[e] > NEG && (best < 0 || c[e] > c[best])) best = e;
-            if (best < 0) best = 0;  // NaN scores: nothing compares; keep the ids in range
-            taken[best] = 1;
-            id[k] = best;
-            wt[k] = s[best];
+        // by biased score, among the groups kept (the others' experts are at -inf)
+        select_top_k(c, E, K, [&](int e) { return !taken[e] && c[e] > NEG; }, [&](int k, int e) {
+            taken[e] = 1;
+            id[k] = e;
+            wt[k] = s[e];
             picked += wt[k];
-        }
+        });
         for (int k = 0; k < K; ++k) wt[k] = (renorm ? wt[k] / (picked + 1e-20f) : wt[k]) * r.scale;
     }
 }

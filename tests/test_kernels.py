@@ -1089,6 +1089,44 @@ def test_route_sigmoid_grouped_against_reference(isa, T, E, K, n_group, topk_gro
     assert torch.equal(ids1, ids[-1:]) and torch.equal(w1, w[-1:])
 
 
+def _stable_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest of each row, largest first, the lower index first among equals."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True)[1][:, :k]
+
+
+@pytest.mark.parametrize("isa", NATIVE)
+def test_routers_break_ties_to_the_lower_id(isa):
+    """Experts with equal scores (equal router rows: their dot products are computed alike) and
+    groups with equal scores: both routers pick the lower expert, and the lower group, first."""
+    g = torch.Generator().manual_seed(5)
+    H, E = 40, 16
+    x = torch.randn(3, H, generator=g)
+    R = torch.randn(E // 2, H, generator=g).repeat_interleave(2, dim=0) * 0.1  # experts 2i and 2i+1 equal
+    with kernels.use_isa(isa):
+        w, ids = kernels.route_softmax_topk(x, R, 6, False)
+    logits = x @ R.T
+    assert torch.equal(logits[:, 0::2], logits[:, 1::2])
+    assert torch.equal(ids, _stable_top(logits, 6))
+    assert torch.equal(ids[:, 0::2] + 1, ids[:, 1::2])  # each pair together, the lower first
+    # grouped: groups of 4 experts, groups 2 and 3 copies of 0 and 1 (expert e + 8 equals e), no
+    # bias: the kept groups tie in pairs, and so do the experts picked from them
+    Rg = R[0::2].repeat(2, 1)  # [16, H]
+    route = kernels.SigmoidRouting(torch.zeros(E), 4, 2, 1.0)
+    with kernels.use_isa(isa):
+        w, ids = kernels.route_sigmoid_grouped(x, Rg, 4, False, route)
+    scores = torch.sigmoid(x @ Rg.T)  # [T, E]
+    assert torch.equal(scores[:, :8], scores[:, 8:])
+    best_pair = scores.view(-1, 4, 4).topk(2, dim=-1)[0].sum(-1)[:, :2].argmax(-1)  # group 0 or 1, and its copy
+    assert torch.equal(ids // 4 % 2, best_pair[:, None].expand(-1, 4))
+    assert torch.equal(ids[:, 0::2] + 8, ids[:, 1::2])  # expert e, then its copy e + 8
+    assert max_rel(w, scores.gather(1, ids)) < 1e-5
+    # one tied group kept (topk_group 1): groups 0 and 2 tie as best or 1 and 3 do; the lower wins
+    route1 = kernels.SigmoidRouting(torch.zeros(E), 4, 1, 1.0)
+    with kernels.use_isa(isa):
+        _, ids1 = kernels.route_sigmoid_grouped(x, Rg, 2, False, route1)
+    assert (ids1 < 8).all() and torch.equal(ids1 // 4, ids1[:, :1].expand(-1, 2) // 4)
+
+
 def test_route_sigmoid_grouped_bias_picks_but_does_not_weigh():
     """A large bias on one expert of a far group: picked (its group wins), weighed by its score."""
     x, R = torch.randn(1, 64), torch.randn(8, 64) * 0.1
