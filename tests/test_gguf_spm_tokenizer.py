@@ -4,6 +4,7 @@ into a GGUF's tokenizer.ggml.* keys as llama.cpp's converter writes them, and mo
 encode to sentencepiece's ids and decode back to the text."""
 
 import io
+import json
 
 import pytest
 
@@ -216,3 +217,142 @@ def test_scores_that_do_not_order_the_merges_are_refused_in_one_line(sp, tmp_pat
         f.close()
     tok, _, why = gguf_extras(path)
     assert tok is None and "\n" not in why and "share a score" in why
+
+
+# -- export-gguf of a SentencePiece-style tokenizer.json ----------------------------------------
+
+def hf_tokenizer(sp, kind: str):
+    """The tokenizer.json a Llama / Mistral directory holds for sentencepiece model `sp`, built
+    with `tokenizers` as transformers' converter builds it: `bpe`, its merges every split of a
+    piece into two pieces, by piece score (`unigram`: the pieces with their scores); ▁ for
+    spaces and one in front (normalizer), byte fallback, <s> put in front, the control and
+    user-defined pieces as added tokens."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, processors
+
+    pieces = [sp.IdToPiece(i) for i in range(sp.vocab_size())]
+    if kind == "bpe":
+        vocab = {p: i for i, p in enumerate(pieces)}
+        merges = [(p[:k], p[k:]) for i, p in sorted(enumerate(pieces), key=lambda ip: -sp.GetScore(ip[0]))
+                  for k in range(1, len(p)) if p[:k] in vocab and p[k:] in vocab]
+        model = models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    else:
+        model = models.Unigram([(p, sp.GetScore(i)) for i, p in enumerate(pieces)], unk_id=sp.unk_id(),
+                               byte_fallback=True)
+    tok = HFTokenizer(model)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    tok.add_tokens([AddedToken(t, normalized=False) for t in SYMBOLS])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", sp.bos_id())])
+    return tok
+
+
+TEMPLATE = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+
+
+def model_dir(path, tok, vocab_size: int, config: dict | None = None):
+    """A Mixtral-shaped random checkpoint with tokenizer `tok` and a Llama-style tokenizer_config
+    (add_bos_token left out when `config` says nothing: the post-processor says it)."""
+    from test_gguf import CONFIGS, random_checkpoint
+
+    random_checkpoint(path, {**CONFIGS["mixtral"], "vocab_size": vocab_size})
+    tok.save(str(path / "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, **(config or {})}))
+    return path
+
+
+def llama_cpp_vocab(path):
+    """libllama's tokenizer for the file (benchmarks/llamacpp.py's native build), or None where it is not built."""
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        import llamacpp
+
+        if not llamacpp.is_built():
+            return None
+        from spm_tokenizer_vs_llamacpp import LlamaVocab
+    except Exception:  # noqa: BLE001 - no build: the comparison is skipped
+        return None
+    return LlamaVocab(path)
+
+
+@pytest.fixture(scope="module")
+def unigram():
+    return train("unigram", vocab_size=540)
+
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram"])
+def test_export_writes_a_sentencepiece_tokenizer_that_reads_back(sp, unigram, kind, tmp_path):
+    """export-gguf of a directory whose tokenizer.json is SentencePiece-style writes it as
+    llama.cpp's converter writes a tokenizer.model (`llama`: pieces, scores, types, the space
+    prefix, add_bos from the post-processor): moerun reads it back and encodes as the directory
+    does (BPE; sentencepiece's ids too), and llama.cpp, where it is built, as moerun."""
+    from moerun.loaders.gguf_write import export
+    from moerun.tokenizer import Tokenizer
+
+    model = sp if kind == "bpe" else unigram
+    src = model_dir(tmp_path / "src", hf_tokenizer(model, kind), model.vocab_size())
+    export(src, tmp_path / "m.gguf", "f32")
+    f = GGUFFile(tmp_path / "m.gguf")
+    try:
+        assert f.get("tokenizer.ggml.model", "str") == "llama"
+        tokens = f.get("tokenizer.ggml.tokens", "list[str]")
+        types = f.get("tokenizer.ggml.token_type", "list[int]")
+        scores = f.get("tokenizer.ggml.scores", "list[float]")
+        assert f.get("tokenizer.ggml.add_space_prefix", "bool") and f.get("tokenizer.ggml.add_bos_token", "bool")
+        assert f.get("tokenizer.chat_template", "str") == TEMPLATE
+        back = tokenizer_from_gguf(f)
+    finally:
+        f.close()
+    T = gguf.TokenType
+    assert tokens == [model.IdToPiece(i) for i in range(model.vocab_size())]
+    kinds = {"<unk>": T.UNKNOWN, "<s>": T.CONTROL, "</s>": T.CONTROL, "<tool>": T.USER_DEFINED, "<0x41>": T.BYTE,
+             "e": T.NORMAL}
+    assert {t: types[tokens.index(t)] for t in kinds} == kinds
+    normal = [i for i in range(len(tokens)) if types[i] == T.NORMAL]
+    if kind == "unigram":
+        assert [scores[i] for i in normal] == [model.GetScore(i) for i in normal]
+    else:  # the merged pieces in sentencepiece's order
+        merged = [i for i in normal if len(tokens[i]) > 1]
+        assert sorted(merged, key=lambda i: -scores[i]) == sorted(merged, key=lambda i: -model.GetScore(i))
+    src_tok = Tokenizer(src)
+    texts = [TEXT, "<s>Hello</s>", "a<tool>b</tool> c"] + TEXT.splitlines(keepends=True) + ["", " ", "\t", "🦊"]
+    for text in texts:
+        assert back.decode(back.encode(text)) == src_tok.decode(src_tok.encode(text)), repr(text)
+    if kind == "bpe":
+        for text in texts:
+            # (a text that starts with <s> typed out: the directory's post-processor adds a second,
+            # moerun's GGUF tokenizer, which adds BOS itself, none)
+            assert back.encode(text) == src_tok.encode(text)[text.startswith("<s>"):], repr(text)
+            if "<" not in text:
+                assert back.encode(text) == [sp.bos_id()] + sp.encode(text), repr(text)
+    lv = llama_cpp_vocab(tmp_path / "m.gguf")
+    if lv is not None:
+        for text in texts[1:]:  # (not a text that starts with <s> typed out: llama.cpp adds a second)
+            if not text.startswith("<s>"):
+                assert lv.tokenize(text) == back.encode(text), repr(text)
+
+
+def test_export_refuses_a_bpe_whose_merges_llama_cpp_would_not_make(tmp_path):
+    """A BPE merge list that is not every split of its pieces (here 'abc' is made from 'ab' + 'c'
+    only, though 'a' + 'bc' are pieces too): llama.cpp, merging by score, would join 'a' 'bc'
+    where this BPE never does, so the file would tokenize differently; refused in one line."""
+    from tokenizers import Tokenizer as HFTokenizer, models, normalizers
+
+    from moerun.errors import MoerunError
+    from moerun.loaders.gguf_write import export
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "\u2581", "a", "b", "c", "ab", "bc", "abc"])}
+    tok = HFTokenizer(models.BPE(vocab, [("a", "b"), ("b", "c"), ("ab", "c")], unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    src = model_dir(tmp_path / "src", tok, 16)
+    with pytest.raises(MoerunError, match="'abc' splits into pieces 'a' 'bc' that no merge joins") as e:
+        export(src, tmp_path / "m.gguf", "f32")
+    assert "\n" not in str(e.value) and not (tmp_path / "m.gguf").exists()
+

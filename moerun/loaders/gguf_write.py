@@ -39,6 +39,7 @@ from ..errors import MoerunError, short
 from ..kernels import ggml_quant
 from ..quant.gguf_types import tensor_type
 from .gguf import ARCHS, MODEL_TYPES, PRE_TOKENIZERS, SAMPLING, Arch, gguf_names, transform_of
+from .gguf_tokenizer import BYTE, CONTROL, NORMAL, SPACE, UNKNOWN, UNUSED, USER_DEFINED
 from ..config import read_json, regular_file
 from ..kernels.formats import natural_blocks, quantize
 from ..layers.quantized import QuantizedExperts, QuantizedLinear
@@ -370,43 +371,32 @@ def _metadata(w, args, arch: Arch, recipe: str, src: Path) -> None:
 
 
 def _tokenizer(w, src: Path, args) -> None:
-    """tokenizer.ggml.* and the chat template from the directory's tokenizer.json (byte-level
-    BPE) and tokenizer_config.json; nothing without a tokenizer.json."""
+    """tokenizer.ggml.* and the chat template from the directory's tokenizer.json and
+    tokenizer_config.json; nothing without a tokenizer.json. A byte-level BPE is written as
+    `gpt2` (its merges), a SentencePiece-style one (BPE with ▁ for spaces, or Unigram) as
+    `llama` (scores and piece types, as llama.cpp's converter writes a tokenizer.model)."""
 
     path = src / "tokenizer.json"
     if not regular_file(path):
         return
     tj = read_json(path)
     model = tj.get("model") or {}
-    if model.get("type") != "BPE":
-        raise MoerunError(f"{path}: only byte-level BPE tokenizers can be written as GGUF (this one is "
-                          f"{short(model.get('type'))})")
-    pre = _pre_name(tj.get("pre_tokenizer"), path)
-    vocab: dict[str, int] = dict(model.get("vocab") or {})
-    added = {a["id"]: a for a in tj.get("added_tokens") or []}
-    for i, a in added.items():
-        vocab[a["content"]] = i
-    n = max(args.vocab_size, max(vocab.values(), default=-1) + 1)
-    tokens = [f"[PAD{i}]" for i in range(n)]
-    types = [5] * n  # UNUSED
-    for tok, i in vocab.items():
-        tokens[i] = tok
-        types[i] = 1  # NORMAL
-    for i, a in added.items():
-        types[i] = 3 if a.get("special") else 4  # CONTROL, USER_DEFINED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", pre)
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.token_type", types)
-    w.add_array("tokenizer.ggml.merges", merges)
     cfg_path = src / "tokenizer_config.json"
     cfg = read_json(cfg_path) if regular_file(cfg_path) else {}
-    ids = {t: i for t, i in vocab.items()}
+    if model.get("type") == "Unigram" or (model.get("type") == "BPE" and _space_symbol(tj)):
+        vocab = _spm_vocab(w, tj, path, args)
+        add_bos = cfg.get("add_bos_token", _template_adds(tj, cfg, "bos_token", 0))
+        w.add_bool("tokenizer.ggml.add_eos_token", bool(cfg.get("add_eos_token", _template_adds(tj, cfg, "eos_token", -1))))
+    elif model.get("type") == "BPE":
+        vocab = _gpt2_vocab(w, tj, path, args)
+        add_bos = cfg.get("add_bos_token", False)
+    else:
+        raise MoerunError(f"{path}: only BPE tokenizers (byte-level, or SentencePiece-style BPE and Unigram) can be "
+                          f"written as GGUF (this one is {short(model.get('type'))})")
 
     def tok_id(v):
         v = v.get("content") if isinstance(v, dict) else v
-        return ids.get(v) if isinstance(v, str) else None
+        return vocab.get(v) if isinstance(v, str) else None
 
     for key, field in (("bos", "bos_token"), ("eos", "eos_token"), ("padding", "pad_token"), ("unknown", "unk_token")):
         i = tok_id(cfg.get(field))
@@ -423,7 +413,7 @@ def _tokenizer(w, src: Path, args) -> None:
         for field_name, key, kind in SAMPLING:
             if gen.get(field_name) is not None:
                 _add(w, f"general.sampling.{key}", float(gen[field_name]) if kind == "float" else int(gen[field_name]))
-    w.add_bool("tokenizer.ggml.add_bos_token", bool(cfg.get("add_bos_token", False)))
+    w.add_bool("tokenizer.ggml.add_bos_token", bool(add_bos))
     template = cfg.get("chat_template")
     if template is None and regular_file(src / "chat_template.jinja"):
         template = (src / "chat_template.jinja").read_text()
@@ -431,6 +421,143 @@ def _tokenizer(w, src: Path, args) -> None:
         template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
     if isinstance(template, str):
         w.add_string("tokenizer.chat_template", template)
+
+
+def _table(vocab: dict[str, int], added: dict[int, dict], n: int) -> tuple[list[str], list[int]]:
+    """Tokens in id order, padded to n with `[PADi]` (UNUSED, as llama.cpp's converter pads),
+    and their types: NORMAL, the added tokens CONTROL (special) or USER_DEFINED."""
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [UNUSED] * n
+    for tok, i in vocab.items():
+        tokens[i] = tok
+        types[i] = NORMAL
+    for i, a in added.items():
+        types[i] = CONTROL if a.get("special") else USER_DEFINED
+    return tokens, types
+
+
+def _gpt2_vocab(w, tj: dict, path: Path, args) -> dict[str, int]:
+    """A byte-level BPE's tokens, types and merges as `gpt2`; -> its token ids by text."""
+    model = tj["model"]
+    pre = _pre_name(tj.get("pre_tokenizer"), path)
+    vocab: dict[str, int] = dict(model.get("vocab") or {})
+    added = {a["id"]: a for a in tj.get("added_tokens") or []}
+    for i, a in added.items():
+        vocab[a["content"]] = i
+    tokens, types = _table(vocab, added, max(args.vocab_size, max(vocab.values(), default=-1) + 1))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", pre)
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_array("tokenizer.ggml.merges", merges)
+    return vocab
+
+
+def _spm_vocab(w, tj: dict, path: Path, args) -> dict[str, int]:
+    """A SentencePiece-style tokenizer as `llama`: pieces, scores and types, as llama.cpp's
+    converter writes a tokenizer.model (`<0xNN>` pieces BYTE, the unknown piece UNKNOWN, added
+    tokens CONTROL or USER_DEFINED, score 0 for those; padding UNUSED at -1000), and whether
+    a space goes in front of a text (`add_space_prefix`). A Unigram's scores are its own. A
+    BPE has none: llama.cpp merges the adjacent pair whose joined piece scores highest, so
+    each piece scores minus the rank of its first merge, which gives a BPE whose merges are
+    every split of its pieces grouped by piece (as a tokenizer.json converted from a
+    SentencePiece model lists them) its own order; any other BPE is refused
+    (`_merge_scores`). -> the token ids by text."""
+    model = tj["model"]
+    if model["type"] == "Unigram":
+        pieces = [(p[0], float(p[1])) for p in model.get("vocab") or []]
+        vocab = {p: i for i, (p, _) in enumerate(pieces)}
+        score = {i: s for i, (_, s) in enumerate(pieces)}
+        unk_id = model.get("unk_id")
+        unk = pieces[unk_id][0] if isinstance(unk_id, int) and 0 <= unk_id < len(pieces) else None
+    else:
+        vocab = dict(model.get("vocab") or {})
+        score = _merge_scores(vocab, model.get("merges") or [], path)
+        unk = model.get("unk_token")
+    added = {a["id"]: a for a in tj.get("added_tokens") or []}
+    for i, a in added.items():
+        vocab.setdefault(a["content"], i)
+    tokens, types = _table(vocab, added, max(args.vocab_size, max(vocab.values(), default=-1) + 1))
+    scores = [-1000.0 if t == UNUSED else score.get(i, 0.0) for i, t in enumerate(types)]
+    if model.get("byte_fallback"):
+        for b in range(256):
+            i = vocab.get(f"<0x{b:02X}>")
+            if i is not None and i not in added:
+                types[i], scores[i] = BYTE, 0.0
+    if unk in vocab:
+        types[vocab[unk]], scores[vocab[unk]] = UNKNOWN, 0.0
+    for i in added:
+        scores[i] = 0.0
+    w.add_string("tokenizer.ggml.model", "llama")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.scores", scores)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_bool("tokenizer.ggml.add_space_prefix", _space_prefix(tj))
+    return vocab
+
+
+def _merge_scores(vocab: dict[str, int], merges: list, path: Path) -> dict[int, float]:
+    """Scores under which llama.cpp's merging (the adjacent pair whose joined piece scores
+    highest, leftmost on a tie) is this BPE's (the pair of the lowest rank): the joined piece
+    of merge r scores -r where r is its first merge, every other piece below them all. That
+    holds when the merges are every split (a, b) of a piece into two pieces, each piece's
+    splits together; anything else is refused in one line."""
+    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
+    first: dict[str, int] = {}
+    last = -1
+    for r, (a, b) in enumerate(pairs):
+        rank = first.setdefault(a + b, r)
+        if a + b not in vocab or a not in vocab or b not in vocab or rank < last:
+            raise MoerunError(f"{path}: merge {a!r} {b!r} (rank {r}) is not a merge of SentencePiece pieces grouped "
+                              "by piece, so llama.cpp would tokenize the GGUF file differently")
+        last = rank
+    listed = set(pairs)
+    for t in vocab:
+        for k in range(1, len(t)):
+            if (t[:k], t[k:]) not in listed and t[:k] in vocab and t[k:] in vocab:
+                raise MoerunError(f"{path}: piece {t!r} splits into pieces {t[:k]!r} {t[k:]!r} that no merge joins, "
+                                  "so llama.cpp (which merges every such pair) would tokenize the GGUF file "
+                                  "differently")
+    n = len(pairs)
+    return {i: -float(first.get(t, n + i)) for t, i in vocab.items()}
+
+
+def _steps(part) -> list[dict]:
+    """A tokenizer.json normalizer or pre-tokenizer as its list of steps."""
+    if not isinstance(part, dict):
+        return []
+    return [s for s in part.get("normalizers") or part.get("pretokenizers") or [] if isinstance(s, dict)] \
+        if part.get("type") == "Sequence" else [part]
+
+
+def _space_symbol(tj: dict) -> bool:
+    """Whether a tokenizer.json writes spaces as SentencePiece's ▁ (a Replace or a Metaspace)."""
+    steps = _steps(tj.get("normalizer")) + _steps(tj.get("pre_tokenizer"))
+    return any(s.get("type") == "Metaspace" or (s.get("type") == "Replace" and s.get("content") == SPACE)
+               for s in steps)
+
+
+def _space_prefix(tj: dict) -> bool:
+    """Whether it puts ▁ in front of a text (llama.cpp's add_space_prefix): a Prepend of ▁, or
+    a Metaspace that prepends (prepend_scheme first / always, or the older add_prefix_space)."""
+    for s in _steps(tj.get("normalizer")) + _steps(tj.get("pre_tokenizer")):
+        if s.get("type") == "Prepend" and s.get("prepend") == SPACE:
+            return True
+        if s.get("type") == "Metaspace":
+            return s.get("prepend_scheme", "always" if s.get("add_prefix_space", True) else "never") != "never"
+    return False
+
+
+def _template_adds(tj: dict, cfg: dict, field: str, at: int) -> bool:
+    """Whether the post-processor puts the tokenizer_config's `field` token first (at 0) or
+    last (at -1) around a text: add_bos_token / add_eos_token where the config says neither."""
+    tok = cfg.get(field)
+    tok = tok.get("content") if isinstance(tok, dict) else tok
+    single = [s for p in _steps(tj.get("post_processor")) if p.get("type") == "TemplateProcessing"
+              for s in p.get("single") or []]
+    return bool(single) and isinstance(tok, str) and single[at].get("SpecialToken", {}).get("id") == tok
 
 
 def _pre_name(pre, path: Path) -> str:
