@@ -356,3 +356,41 @@ def test_export_refuses_a_bpe_whose_merges_llama_cpp_would_not_make(tmp_path):
         export(src, tmp_path / "m.gguf", "f32")
     assert "\n" not in str(e.value) and not (tmp_path / "m.gguf").exists()
 
+
+def test_a_unigram_vocabulary_is_tokenized_by_merging_not_by_viterbi(tmp_path):
+    """Where moerun's tokenization of a unigram vocabulary differs from sentencepiece's (and the
+    directory's `tokenizers` Unigram): a GGUF `llama` vocabulary is tokenized as llama.cpp does,
+    by merging the adjacent pair whose joined piece scores highest, where a unigram model takes
+    the segmentation of the highest total score (Viterbi). The two part in exactly two ways:
+    (1) an early merge of a high-scoring pair blocks the best segmentation ('abc': '▁a' (-1)
+    goes first, then '▁ab' (-1.5) beats 'bc' (-2), so merging ends at '▁ab' 'c', -11.5, where
+    '▁a' 'bc' scores -3); (2) a piece that no two pieces join is never made by merging ('xyz':
+    '▁xyz' has no split into two pieces, so merging leaves '▁' 'x' 'y' 'z'). llama.cpp, where it
+    is built, gives moerun's ids."""
+    from tokenizers import Tokenizer as HFTokenizer, models, normalizers
+
+    from moerun.loaders.gguf_write import export
+    from moerun.tokenizer import Tokenizer
+
+    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0), ("\u2581", -10.0), ("a", -10.0), ("b", -10.0),
+              ("c", -10.0), ("x", -10.0), ("y", -10.0), ("z", -10.0), ("\u2581a", -1.0), ("bc", -2.0),
+              ("\u2581ab", -1.5), ("\u2581xyz", -1.0)]
+    tok = HFTokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=False))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    src = model_dir(tmp_path / "src", tok, 16, {"add_bos_token": False})
+    export(src, tmp_path / "u.gguf", "f32")
+    f = GGUFFile(tmp_path / "u.gguf")
+    try:
+        back = tokenizer_from_gguf(f)
+    finally:
+        f.close()
+    ids = {p: i for i, (p, _) in enumerate(pieces)}
+    viterbi, merged = Tokenizer(src), {"abc": ["\u2581ab", "c"], "xyz": ["\u2581", "x", "y", "z"]}
+    assert viterbi.encode("abc") == [ids["\u2581a"], ids["bc"]] and viterbi.encode("xyz") == [ids["\u2581xyz"]]
+    for text, want in merged.items():
+        assert back.encode(text) == [ids[p] for p in want]
+    assert back.encode("ab xyzbc") == [ids[p] for p in ("\u2581ab", "\u2581", "x", "y", "z", "bc")]
+    lv = llama_cpp_vocab(tmp_path / "u.gguf")
+    if lv is not None:
+        for text in ("abc", "xyz", "ab xyzbc"):
+            assert lv.tokenize(text) == back.encode(text), text
