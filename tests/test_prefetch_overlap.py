@@ -339,3 +339,56 @@ def test_lookahead_predicts_from_the_nearest_router_and_the_last_token():
     p.observe(1, ids[0, 1], {1: truth[0, 2], 2: truth[0, 3]})
     assert set(p.predict(2, K)) == set(ids[0, 2]) and set(p.predict(3, K)) == set(ids[0, 3])
     assert set(p.next_token(0, K)) == {0, 1}  # the next token's layer 0: this token's choice
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_spec_inflight_keeps_that_many_prefetch_reads_beside_a_demand(tmp_path, depth):
+    """StoreOptions.spec_inflight: while a layer reads its demand misses, up to that many
+    prefetch reads are in flight beside them (the disk's queue kept deep), never more; the
+    demand's own reads still start at once (demand jobs go first to every free worker)."""
+    with make_store(tmp_path, layers=3, experts=8, ram_budget="100%", disk_workers=4,
+                    spec_inflight=depth) as s:
+        s.evict_all()
+        slow = SlowReads(s, 0.15)
+        touch(s, 0, [0])  # step 1
+        s.prefetch(2, [0], priority=0.0)  # one speculative read for layer 2 in flight
+        wait_until(lambda: loading(s, (2, 0)))
+
+        def hint_while_demanding():  # the rest of layer 2's hints arrive while layer 1 reads
+            wait_until(lambda: s._demanding > 0)
+            s.prefetch(2, list(range(1, 8)), priority=0.0)
+        th = threading.Thread(target=hint_while_demanding)
+        th.start()
+        t_get = time.perf_counter()
+        touch(s, 1, [1, 2, 3, 4, 5, 6])  # two waves of demand reads (the caller and 3 free workers)
+        t_end = time.perf_counter()
+        th.join()
+        log = list(slow.log)
+        demand = sorted(t0 for k, t0, _ in log if k[0] == 1)
+        assert len(demand) == 6 and demand[2] < t_get + 0.1  # the first wave at once, not behind prefetches
+        spec = [(t0, t1) for k, t0, t1 in log if k[0] == 2]
+        spec += [(s.entries[(2, e)].t_read, float("inf")) for e in range(8) if loading(s, (2, e))]
+
+        def in_flight(t):
+            return sum(1 for t0, t1 in spec if t0 <= t < t1)
+        # sample the demand's span: prefetch reads beside it, at most `depth` (the one that started
+        # before the get may finish, and another take its place)
+        samples = [in_flight(t_get + (t_end - t_get) * i / 20) for i in range(1, 20)]
+        assert max(samples) <= depth, samples
+        assert any(t_get < t0 < t_end - 0.02 for t0, _ in spec), "no prefetch read started beside the demand"
+        wait_until(lambda: resident(s, 2) == set(range(8)))
+
+
+def test_reader_queue_figures(tmp_path):
+    """The direct reader's queue figures: busy time and the integral of reads in flight."""
+    with make_store(tmp_path, layers=2, experts=8, ram_budget="100%", disk_workers=4) as s:
+        s.evict_all()
+        r = s.reader
+        if not hasattr(r, "busy_s"):
+            pytest.skip("buffered reads (no O_DIRECT here)")
+        b0, d0 = r.busy_s, r.depth_s
+        touch(s, 0, [0, 1, 2, 3])
+        snap = s.snapshot()
+        assert r.inflight == 0
+        assert snap["busy_s"] > b0 and snap["depth_s"] - d0 >= snap["busy_s"] - b0  # depth >= 1 while busy
+        assert snap["preads"] == r.reads and snap["reads_disk"] == 4 and snap["full"] is False
