@@ -150,9 +150,15 @@ def child(a) -> dict:
     from moerun.experts.store import StoreOptions
 
     watchdog(a.rss_limit, "moerun")
-    if a.row.startswith("replay"):
+    row, *sets = a.row.split(";")  # `ROW;spec=N;workers=N`: this row's spec_inflight / disk workers
+    for kv in sets:
+        k, _, v = kv.partition("=")
+        if k not in ("spec", "workers") or not v.isdigit():
+            raise SystemExit(f"bigger_than_ram: error: row {a.row!r}: unknown setting {kv!r} (spec=N, workers=N)")
+        setattr(a, {"spec": "spec_inflight", "workers": "disk_workers"}[k], int(v))
+    if row.startswith("replay"):
         return replay_child(a)
-    io_mode, _, predictor = a.row.partition("+")
+    io_mode, _, predictor = row.partition("+")
     predictor, _, factor = predictor.partition(":")
     factor = float(factor) if factor else (1.0 if predictor.startswith("lookahead") else 1.5)
     opts = StoreOptions(ram_budget=a.ram_budget, direct_io=io_mode == "direct", cache_policy=a.cache_policy,
@@ -173,7 +179,8 @@ def child(a) -> dict:
     vocab = net.args.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (1, a.prompt_tokens), generator=g)
-    out = {"row": a.row, "ram_budget": a.ram_budget, "load_s": load_s, "load_read_bytes": io_load,
+    out = {"row": a.row, "ram_budget": a.ram_budget, "spec_inflight": a.spec_inflight, "disk_workers": a.disk_workers,
+           "load_s": load_s, "load_read_bytes": io_load,
            "non_expert_bytes": store.non_expert_bytes, "experts_bytes": store.total_bytes,
            "budget_bytes": store.tiers["host"].budget, "ram_budget_auto": store.ram_auto,
            "rss_after_load": proc_status()["VmRSS"]}
@@ -233,7 +240,7 @@ def token_delta(a: dict, b: dict) -> dict:
     """One decoded token's figures: the difference of the marks around it."""
     d = lambda k: b[k] - a[k]  # noqa: E731
     hits = d("hits_host") + d("hits_device")
-    return {"s": d("t"), "requests": d("requests"), "hits": hits, "reads": d("reads_disk"),
+    return {"s": d("t"), "requests": d("requests"), "hits": hits, "hits_cached": d("hits_cached"), "reads": d("reads_disk"),
             "expert_bytes": d("bytes_disk"), "disk_bytes": d("io_read_bytes"), "stall_s": d("stall_s"),
             "read_stalled_s": d("read_stalled_s"), "read_hidden_s": d("read_hidden_s"),
             "disk_busy_s": d("busy_s"), "queue_depth_s": d("depth_s"), "preads": d("preads"),
@@ -253,6 +260,7 @@ def steady(series: list, after: int) -> dict | None:
     S = lambda k: sum(t[k] for t in w)  # noqa: E731
     secs = S("s")
     return {"after": after, "tokens": len(w), "tok_s": len(w) / secs, "hit_rate": S("hits") / max(S("requests"), 1),
+            "cache_hit_rate": S("hits_cached") / max(S("requests"), 1),
             "disk_bytes_per_token": S("disk_bytes") / len(w), "expert_reads_per_token": S("reads") / len(w),
             "disk_GB_s": S("disk_bytes") / secs / 1e9, "stall_share": S("stall_s") / secs,
             "expert_wait_hidden_fraction": S("read_hidden_s") / max(S("read_hidden_s") + S("read_stalled_s"), 1e-12),
@@ -613,15 +621,17 @@ def main(argv=None) -> int:
     ok = [r for r in results if "error" not in r and r["decode"].get("steady")]
     if ok:
         print(f"\nSteady state: the decoded tokens after the first {a.steady_after} (per-token series in --json)")
-        print("\n| engine, row (round) | budget GiB | RAM tier full from token | decode tok/s, steady / whole "
-              "| hit rate, steady / whole | disk MB/token | disk GB/s | disk busy | preads in flight (busy) "
+        print("\n| engine, row (round) | budget GiB (share of the experts) | RAM tier full from token "
+              "| decode tok/s, steady / whole | hit rate, steady / whole | of it, cached (no prefetch) | disk MB/token | disk GB/s | disk busy | preads in flight (busy) "
               "| MB/s per pread | stall share | expert wait hidden |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in ok:
             st, d = r["decode"]["steady"], r["decode"]
-            print(f"| moerun {r['row']}, {r['ram_budget']} ({r['round']}) | {r['budget_bytes'] / GiB:.2f} | "
+            print(f"| moerun {r['row']}, {r['ram_budget']} ({r['round']}) | {r['budget_bytes'] / GiB:.2f} "
+                  f"({r['budget_bytes'] / r['experts_bytes']:.2f}) | "
                   f"{st['full_from'] if st['full_from'] is not None else 'never'} | {st['tok_s']:.2f} / {d['tok_s']:.2f} | "
-                  f"{st['hit_rate']:.2f} / {d['hit_rate']:.2f} | {st['disk_bytes_per_token'] / 1e6:.0f} | "
+                  f"{st['hit_rate']:.2f} / {d['hit_rate']:.2f} | {st['cache_hit_rate']:.2f} | "
+                  f"{st['disk_bytes_per_token'] / 1e6:.0f} | "
                   f"{st['disk_GB_s']:.2f} | {st['disk_busy_share']:.0%} | {st['queue_depth']:.1f} | "
                   f"{st['pread_MB_s']:.0f} | {st['stall_share']:.0%} | {st['expert_wait_hidden_fraction']:.0%} |")
     l0 = [r for r in results if "error" not in r and r.get("decode", {}).get("layer0")]

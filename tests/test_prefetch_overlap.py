@@ -392,3 +392,21 @@ def test_reader_queue_figures(tmp_path):
         assert r.inflight == 0
         assert snap["busy_s"] > b0 and snap["depth_s"] - d0 >= snap["busy_s"] - b0  # depth >= 1 while busy
         assert snap["preads"] == r.reads and snap["reads_disk"] == 4 and snap["full"] is False
+
+
+def test_unused_prefetch_goes_first_once_its_step_passes(tmp_path):
+    """A prefetched expert whose step passed without a get using it is moved to the front of
+    the LRU order: the next miss evicts it, not an expert that was used before it came."""
+    with make_store(tmp_path, layers=2, experts=8, ram_budget=4 * expert_bytes()) as s:
+        touch(s, 0, [0, 1])  # step 1
+        touch(s, 1, [2])
+        s.prefetch(1, [5])  # for this step, whose layer 1 has passed: it will not be used
+        wait_until(lambda: 5 in resident(s, 1))
+        s.reset_stats()
+        touch(s, 0, [0])  # step 2: (1, 5)'s step passed unused; (0, 1) is now the least recent
+        assert s.stats()["prefetch_demoted"] == 1
+        touch(s, 1, [3])  # a miss with the tier full: one eviction
+        assert resident(s, 0) == {0, 1} and resident(s, 1) == {2, 3}
+        st = s.stats()
+        assert st["prefetch_wasted"] == 1 and st["tiers"]["host"]["evictions"] == 1
+        assert st["cache_hit_rate"] == 0.5  # (0, 0) a hit of the cache's own; (1, 3) a miss

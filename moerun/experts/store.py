@@ -674,6 +674,9 @@ COUNTERS = ("requests", "hits_device", "hits_host", "demand_misses", "prefetch_i
             # hints withdrawn before their read by a newer prediction of the same layer, and
             # prefetches refused room (they would have evicted what the token still needs)
             "prefetch_reads", "prefetch_reads_used", "prefetch_cancelled", "prefetch_no_room",
+            # prefetched experts whose step passed unused, moved to the front of the eviction order;
+            # hits on experts resident before any prefetch of this use (the cache's own hits)
+            "prefetch_demoted", "hits_cached",
             # device misses by where they ran; measured expert compute; the device's is modelled
             "link_waits", "cpu_executed", "link_bytes_avoided", "background_moves", "cpu_exec_s", "device_exec_s",
             "device_exec_modelled_s")
@@ -823,6 +826,7 @@ class ExpertStore:
                 self.wanted.pop(ent.key, None)
                 w = ent.dev if self.compute == DEVICE else ent.host
                 ready = (ent.dev_state if self.compute == DEVICE else ent.host_state) == READY
+                c["hits_cached"] += ready and not ent.pf
                 if ent.pf:
                     ent.pf = False
                     c["prefetch_used"] += 1
@@ -863,6 +867,10 @@ class ExpertStore:
                     if ent.host_state == NONE and job is None:
                         ent.job = Job(ent, math.inf, self.step, HOST, demand=True)
                         self.disk_mover.submit(ent.job)
+                if self.options.spec_inflight:
+                    # held hints queue now, behind the demand jobs (every free worker takes those
+                    # first), and the gate keeps at most spec_inflight of them reading beside them
+                    self._unpark()
                 places = self._place(misses, n_tokens, counts)
                 for ent, place in zip(misses, places):
                     if self.compute == DEVICE:
@@ -1032,6 +1040,9 @@ class ExpertStore:
             "prefetch_reads_used": c["prefetch_reads_used"],
             "prefetch_cancelled": c["prefetch_cancelled"],
             "prefetch_no_room": c["prefetch_no_room"],
+            "prefetch_demoted": c["prefetch_demoted"],
+            # hits on experts the tier held without a prefetch for this use (its own hit rate)
+            "cache_hit_rate": c["hits_cached"] / req,
             "prefetch_recall": c["prefetch_used"] / max(c["prefetch_used"] + c["demand_misses"], 1),
             "bytes_moved_per_token": (c["bytes_disk"] + c["bytes_link"]) / tok,
             "stall_s_per_token": c["stall_s"] / tok,
@@ -1137,8 +1148,15 @@ class ExpertStore:
         self.c["steps"] += 1
         self.c["tokens"] += n_tokens
         if self.wanted:
+            policy = self.tiers[self.compute].policy
             for k in [k for k, s in self.wanted.items() if s < self.step]:
                 del self.wanted[k]
+                ent = self.entries[k]
+                # prefetched for a step that has passed without using it: first to go (LRU),
+                # so a wrong prediction does not push out an expert that was used
+                if ent.pf and (ent.dev_state if self.compute == DEVICE else ent.host_state) == READY:
+                    policy.demoted(k)
+                    self.c["prefetch_demoted"] += 1
         if self._pin_pending and self.options.profile is None and self.c["tokens"] >= self.options.pin_after_tokens:
             if self.step > 1:  # the routing of the pass that just ended is complete
                 self._pin_locked(self.routing)
