@@ -183,6 +183,7 @@ def child(a) -> dict:
            "load_s": load_s, "load_read_bytes": io_load,
            "non_expert_bytes": store.non_expert_bytes, "experts_bytes": store.total_bytes,
            "budget_bytes": store.tiers["host"].budget, "ram_budget_auto": store.ram_auto,
+           "prefault_s": store.prefault_s,
            "rss_after_load": proc_status()["VmRSS"]}
 
     def phase(name, fn, tokens):

@@ -410,3 +410,21 @@ def test_unused_prefetch_goes_first_once_its_step_passes(tmp_path):
         st = s.stats()
         assert st["prefetch_wasted"] == 1 and st["tiers"]["host"]["evictions"] == 1
         assert st["cache_hit_rate"] == 0.5  # (0, 0) a hit of the cache's own; (1, 3) a miss
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_ram_tier_slots_made_at_load(tmp_path, prefault):
+    """StoreOptions.prefault: a RAM tier smaller than the experts has its slots allocated (one
+    mapping, pages touched) when the store is made, so filling it allocates nothing more;
+    without it, slots are allocated one by one as experts arrive. Outputs are the same bytes."""
+    n = expert_bytes()
+    with make_store(tmp_path, layers=2, experts=8, ram_budget=5 * n, prefault=prefault) as s:
+        assert s.pool.allocated == (5 * n if prefault else 0)
+        assert (s.prefault_s > 0) == prefault
+        w = {e: [t.clone() for t in ws] for e, ws in touch(s, 0, [0, 1, 2]).items()}
+        touch(s, 1, [3, 4, 5, 6])  # past the budget: evictions reuse slots
+        assert s.pool.allocated == 5 * n and s.stats()["tiers"]["host"]["used_bytes"] <= 5 * n
+    with make_store(tmp_path, layers=2, experts=8, ram_budget="100%") as full:
+        assert full.pool.allocated == 16 * n  # every expert preloaded: no reserve
+        for e, ws in touch(full, 0, [0, 1, 2]).items():
+            assert all(torch.equal(a, b) for a, b in zip(ws, w[e]))
