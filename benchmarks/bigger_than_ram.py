@@ -37,6 +37,26 @@ also scores the next token's layer-0 hints by source (this token's choice, the d
 precision, recall, the drafts' token accuracy and the head's time. `+NAME:F` sets the prefetch budget to F x top-k (default 1.0 for lookahead,
 1.5 otherwise). `--rounds N` repeats the rows interleaved (row A, row B, A, B...).
 
+`--ram-budget` takes a comma-separated list (`12GiB,auto`): every row runs at each budget. A
+row may end in `;spec=N` and/or `;workers=N` (`direct+lookahead;spec=4;workers=8`): that row's
+`--spec-inflight` (prefetch reads kept in flight while a layer reads its demand misses) and
+`--disk-workers`.
+
+Steady state (issue 37): the decode is recorded token by token (`per_token` in the JSON: time,
+requests, hits, the cache's own hits, expert reads, bytes, stall, hidden and stalled read time,
+and the disk reader's busy time and queue: preads in flight integrated over time), and the
+tokens after the first `--steady-after N` are summed apart (`steady`): tok/s, hit rate, disk
+MB/token and GB/s, the share of the time the disk had a read in flight, the mean number in
+flight while it had, each pread's own rate, and from which token on the RAM tier was full
+(`full_from`: before it the tier was still filling). The wall-clock disk GB/s is about the
+per-pread rate x the reads in flight x the busy share. llama-bench runs `-n` the same decoded
+tokens after its own warm-up (one token, after its load), as one average: it has no per-token
+figures.
+
+`--lock FILE` takes `flock FILE` for each run (the read-bandwidth reading, the probe, each
+engine's run with its page-cache drop), released between runs, so other jobs on a shared
+machine run between them but never during one.
+
 `--routing-trace TRACE` adds a REPLAY row per budget: no model runs; the demo model's routing
 trace (`moerun profile`, 8 layers x 32 experts, top-4) is mapped onto this file's layers and
 experts (see `map_trace`) and drives the same store (get/release per layer, the reads real),
