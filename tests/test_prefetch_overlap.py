@@ -428,3 +428,27 @@ def test_ram_tier_slots_made_at_load(tmp_path, prefault):
         assert full.pool.allocated == 16 * n  # every expert preloaded: no reserve
         for e, ws in touch(full, 0, [0, 1, 2]).items():
             assert all(torch.equal(a, b) for a, b in zip(ws, w[e]))
+
+
+def test_steady_window_of_a_decode(tmp_path):
+    """bigger_than_ram's per-token marks and steady window, on a real store: each token's
+    figures are the differences of the marks around it, and the window sums the tokens after
+    the first N (tok/s, hit rates, reads, the tier full from the first token that began full)."""
+    b = _bench()
+    n = expert_bytes()
+    with make_store(tmp_path, layers=2, experts=8, ram_budget=3 * n) as s:
+        series, prev = [], b.token_mark(s)
+        for ids in ([0, 1], [0, 2], [0, 2], [3, 4]):  # one layer-0 get per "token"
+            touch(s, 0, ids)
+            now = b.token_mark(s)
+            series.append(b.token_delta(prev, now))
+            prev = now
+        assert [t["requests"] for t in series] == [2, 2, 2, 2]
+        assert [t["hits_cached"] for t in series] == [0, 1, 2, 0]
+        assert [t["reads"] for t in series] == [2, 1, 0, 2]
+        assert [t["full_at_start"] for t in series] == [False, False, True, True]
+        st = b.steady(series, 2)
+        assert st["tokens"] == 2 and st["hit_rate"] == st["cache_hit_rate"] == 0.5
+        assert st["expert_reads_per_token"] == 1.0 and st["full_from"] == 2
+        assert st["tok_s"] == pytest.approx(2 / (series[2]["s"] + series[3]["s"]))
+        assert b.steady(series, 4) is None
