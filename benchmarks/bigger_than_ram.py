@@ -37,6 +37,26 @@ also scores the next token's layer-0 hints by source (this token's choice, the d
 precision, recall, the drafts' token accuracy and the head's time. `+NAME:F` sets the prefetch budget to F x top-k (default 1.0 for lookahead,
 1.5 otherwise). `--rounds N` repeats the rows interleaved (row A, row B, A, B...).
 
+`--ram-budget` takes a comma-separated list (`12GiB,auto`): every row runs at each budget. A
+row may end in `;spec=N` and/or `;workers=N` (`direct+lookahead;spec=4;workers=8`): that row's
+`--spec-inflight` (prefetch reads kept in flight while a layer reads its demand misses) and
+`--disk-workers`.
+
+Steady state (issue 37): the decode is recorded token by token (`per_token` in the JSON: time,
+requests, hits, the cache's own hits, expert reads, bytes, stall, hidden and stalled read time,
+and the disk reader's busy time and queue: preads in flight integrated over time), and the
+tokens after the first `--steady-after N` are summed apart (`steady`): tok/s, hit rate, disk
+MB/token and GB/s, the share of the time the disk had a read in flight, the mean number in
+flight while it had, each pread's own rate, and from which token on the RAM tier was full
+(`full_from`: before it the tier was still filling). The wall-clock disk GB/s is about the
+per-pread rate x the reads in flight x the busy share. llama-bench runs `-n` the same decoded
+tokens after its own warm-up (one token, after its load), as one average: it has no per-token
+figures.
+
+`--lock FILE` takes `flock FILE` for each run (the read-bandwidth reading, the probe, each
+engine's run with its page-cache drop), released between runs, so other jobs on a shared
+machine run between them but never during one.
+
 `--routing-trace TRACE` adds a REPLAY row per budget: no model runs; the demo model's routing
 trace (`moerun profile`, 8 layers x 32 experts, top-4) is mapped onto this file's layers and
 experts (see `map_trace`) and drives the same store (get/release per layer, the reads real),
@@ -150,13 +170,19 @@ def child(a) -> dict:
     from moerun.experts.store import StoreOptions
 
     watchdog(a.rss_limit, "moerun")
-    if a.row.startswith("replay"):
+    row, *sets = a.row.split(";")  # `ROW;spec=N;workers=N`: this row's spec_inflight / disk workers
+    for kv in sets:
+        k, _, v = kv.partition("=")
+        if k not in ("spec", "workers") or not v.isdigit():
+            raise SystemExit(f"bigger_than_ram: error: row {a.row!r}: unknown setting {kv!r} (spec=N, workers=N)")
+        setattr(a, {"spec": "spec_inflight", "workers": "disk_workers"}[k], int(v))
+    if row.startswith("replay"):
         return replay_child(a)
-    io_mode, _, predictor = a.row.partition("+")
+    io_mode, _, predictor = row.partition("+")
     predictor, _, factor = predictor.partition(":")
     factor = float(factor) if factor else (1.0 if predictor.startswith("lookahead") else 1.5)
     opts = StoreOptions(ram_budget=a.ram_budget, direct_io=io_mode == "direct", cache_policy=a.cache_policy,
-                        disk_workers=a.disk_workers, io_threads=a.io_threads or None)
+                        disk_workers=a.disk_workers, io_threads=a.io_threads or None, spec_inflight=a.spec_inflight)
     t0 = time.perf_counter()
     io0 = proc_io()
     llm = load_store(a.model, threads=a.threads, options=opts)
@@ -173,9 +199,12 @@ def child(a) -> dict:
     vocab = net.args.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (1, a.prompt_tokens), generator=g)
-    out = {"row": a.row, "ram_budget": a.ram_budget, "load_s": load_s, "load_read_bytes": io_load,
+    out = {"row": a.row, "ram_budget": a.ram_budget, "spec_inflight": a.spec_inflight, "disk_workers": a.disk_workers,
+           "load_s": load_s, "load_read_bytes": io_load,
            "non_expert_bytes": store.non_expert_bytes, "experts_bytes": store.total_bytes,
-           "budget_bytes": store.tiers["host"].budget, "rss_after_load": proc_status()["VmRSS"]}
+           "budget_bytes": store.tiers["host"].budget, "ram_budget_auto": store.ram_auto,
+           "prefault_s": store.prefault_s,
+           "rss_after_load": proc_status()["VmRSS"]}
 
     def phase(name, fn, tokens):
         out[name] = measure(store, fn, tokens)
@@ -200,19 +229,67 @@ def child(a) -> dict:
         phase("prefill", lambda: box.update(tok=step(prompt)), a.prompt_tokens)
         tok = box["tok"]
 
+        series = []
+
         def decode():
             t = tok
+            prev = token_mark(store)
             for _ in range(a.gen_tokens):
                 t = step(t)
+                now = token_mark(store)
+                series.append(token_delta(prev, now))
+                prev = now
         if driver is not None:
             driver.reset_layer0_stats()
         phase("decode", decode, a.gen_tokens)
+        out["decode"]["per_token"] = series
+        out["decode"]["steady"] = steady(series, a.steady_after)
         if driver is not None:  # the next token's layer-0 hints: this token's choice, and the MTP draft's
             out["decode"]["layer0"] = driver.layer0_stats()
     out["peak_rss"] = proc_status()["VmHWM"]
     out["io"] = store.io
     store.close()
     return out
+
+
+def token_mark(store) -> dict:
+    """The store's counters, this process's disk reads and the clock, at a token's boundary."""
+    return {**store.snapshot(), "io_read_bytes": proc_io()["read_bytes"], "t": time.perf_counter()}
+
+
+def token_delta(a: dict, b: dict) -> dict:
+    """One decoded token's figures: the difference of the marks around it."""
+    d = lambda k: b[k] - a[k]  # noqa: E731
+    hits = d("hits_host") + d("hits_device")
+    return {"s": d("t"), "requests": d("requests"), "hits": hits, "hits_cached": d("hits_cached"), "reads": d("reads_disk"),
+            "expert_bytes": d("bytes_disk"), "disk_bytes": d("io_read_bytes"), "stall_s": d("stall_s"),
+            "read_stalled_s": d("read_stalled_s"), "read_hidden_s": d("read_hidden_s"),
+            "disk_busy_s": d("busy_s"), "queue_depth_s": d("depth_s"), "preads": d("preads"),
+            "pread_s": d("pread_s"), "pread_bytes": d("bytes_preads"), "prefetch_reads": d("prefetch_reads"),
+            "prefetch_reads_used": d("prefetch_reads_used"),
+            "full_at_start": bool(a["full"]), "used_bytes": b["used_bytes"]}
+
+
+def steady(series: list, after: int) -> dict | None:
+    """The decode figures over the tokens after the first `after` (the cache filling): tok/s,
+    hit rate, disk MB a token and GB/s, the disk's busy share and mean queue depth (preads in
+    flight while busy), stall share; and whether the RAM tier was already full when the
+    window began (else the window still includes filling)."""
+    w = series[after:]
+    if not w:
+        return None
+    S = lambda k: sum(t[k] for t in w)  # noqa: E731
+    secs = S("s")
+    return {"after": after, "tokens": len(w), "tok_s": len(w) / secs, "hit_rate": S("hits") / max(S("requests"), 1),
+            "cache_hit_rate": S("hits_cached") / max(S("requests"), 1),
+            "disk_bytes_per_token": S("disk_bytes") / len(w), "expert_reads_per_token": S("reads") / len(w),
+            "disk_GB_s": S("disk_bytes") / secs / 1e9, "stall_share": S("stall_s") / secs,
+            "expert_wait_hidden_fraction": S("read_hidden_s") / max(S("read_hidden_s") + S("read_stalled_s"), 1e-12),
+            "disk_busy_share": S("disk_busy_s") / secs,
+            "queue_depth": S("queue_depth_s") / max(S("disk_busy_s"), 1e-12),
+            # each pread's own rate (bytes over its time); the reads' rate is about this x depth x busy share
+            "pread_MB_s": S("pread_bytes") / max(S("pread_s"), 1e-12) / 1e6,
+            "full_from": next((i for i, t in enumerate(series) if t["full_at_start"]), None)}
 
 
 def measure(store, fn, tokens) -> dict:
@@ -297,7 +374,7 @@ def replay_child(a) -> dict:
     from moerun.experts.store import StoreOptions
 
     opts = StoreOptions(ram_budget=a.ram_budget, cache_policy=a.cache_policy, disk_workers=a.disk_workers,
-                        io_threads=a.io_threads or None)
+                        io_threads=a.io_threads or None, spec_inflight=a.spec_inflight)
     llm = load_store(a.model, threads=a.threads, options=opts)
     store = llm.store
     tr = Trace.load(a.routing_trace)
@@ -430,28 +507,29 @@ def disk_probe(path: Path, size: int = 1_118_208, reads: int = 96, threads=(1, 3
 
 # -- the parent ------------------------------------------------------------------------------------
 
-def run_child(a, row: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--row", row, "-m", str(a.model), "--ram-budget", a.ram_budget,
+def run_child(a, row: str, budget: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--row", row, "-m", str(a.model), "--ram-budget", budget,
            "--threads", str(a.threads), "--prompt-tokens", str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens),
            "--rss-limit", str(a.rss_limit), "--cache-policy", a.cache_policy,
            "--replay-compute-ms", str(a.replay_compute_ms), "--replay-tokens", str(a.replay_tokens),
            "--replay-warmup", str(a.replay_warmup), "--disk-workers", str(a.disk_workers),
-           "--io-threads", str(a.io_threads)]
+           "--io-threads", str(a.io_threads), "--steady-after", str(a.steady_after),
+           "--spec-inflight", str(a.spec_inflight)]
     if a.routing_trace:
         cmd += ["--routing-trace", str(a.routing_trace)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
     except subprocess.TimeoutExpired:
-        return {"row": row, "error": f"no result in {a.timeout} s (killed)"}
+        return {"row": row, "ram_budget": budget, "error": f"no result in {a.timeout} s (killed)"}
     last = [l for l in p.stdout.splitlines() if l.startswith("{")]
     if not last:
-        return {"row": row, "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:] or ''}"}
+        return {"row": row, "ram_budget": budget, "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:] or ''}"}
     return {"row": row, **json.loads(last[-1])}
 
 
 def fmt_row(r: dict) -> str:
     if "error" in r:
-        return f"| moerun {r['row']} | {r['error']} |"
+        return f"| moerun {r['row']}, {r.get('ram_budget')} | {r['error']} |"
     d = r["decode"]
     pf = r.get("prefill")
     name = f"REPLAY of {Path(r['trace']).name} (no model; {r['compute_ms_per_layer']} ms sleep a layer)" \
@@ -492,6 +570,12 @@ def main(argv=None) -> int:
     ap.add_argument("--replay-compute-ms", type=float, default=5.0, help="replay: sleep per layer standing in for compute")
     ap.add_argument("--replay-tokens", type=int, default=48, help="replay: tokens timed")
     ap.add_argument("--replay-warmup", type=int, default=32, help="replay: tokens replayed first, not timed")
+    ap.add_argument("--spec-inflight", type=int, default=0,
+                    help="prefetch reads kept in flight while a layer reads its demand misses (StoreOptions.spec_inflight)")
+    ap.add_argument("--steady-after", type=int, default=8,
+                    help="decode: also report the tokens after the first N (the RAM tier filling) apart")
+    ap.add_argument("--lock", default=None, help="flock this file for each run (and the probe), released between "
+                    "runs so other jobs on a shared machine run between them but never during one")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--row", default="direct", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -507,12 +591,16 @@ def main(argv=None) -> int:
         print(json.dumps(child(a)), flush=True)
         return 0
     sys.path.insert(0, str(HERE))
-    from vs_llamacpp import read_bandwidth
+    from vs_llamacpp import Lock, read_bandwidth
 
+    lock = Lock(a.lock)
+    budgets = [b for b in a.ram_budget.split(",") if b]
     size = a.model.stat().st_size
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    head = {"model": str(a.model), "file_bytes": size, "ram_bytes": mem, "cpu": cpu_line(),
-            "read_bandwidth_GB_s": read_bandwidth(a.threads) / 1e9, "threads": a.threads,
+    with lock("read bandwidth"):
+        bw = read_bandwidth(a.threads) / 1e9
+    head = {"read_bandwidth_GB_s": bw, "model": str(a.model), "file_bytes": size, "ram_bytes": mem, "cpu": cpu_line(),
+            "threads": a.threads,
             "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens, "disk_workers": a.disk_workers,
             "io_threads": a.io_threads or 3 * (a.disk_workers + 1), "rounds": a.rounds}
     print(f"# {a.model.name}: {size / 1e9:.1f} GB file, {mem / GiB:.1f} GiB RAM; {head['cpu']}; "
@@ -520,24 +608,28 @@ def main(argv=None) -> int:
           f"prompt {a.prompt_tokens}, decode {a.gen_tokens} tokens; store: {head['disk_workers']} disk workers, "
           f"{head['io_threads']} pread threads", flush=True)
     if a.probe:
-        drop_page_cache(a.model)
-        head["disk"] = disk_probe(a.model)
+        with lock("the disk probe"):
+            drop_page_cache(a.model)
+            head["disk"] = disk_probe(a.model)
         print("# disk alone (O_DIRECT): " + ", ".join(f"{k} {v:.2f}" for k, v in head["disk"].items()), flush=True)
     results, llama = [], []
     rows = [r for r in a.rows.split(",") if r] + (["replay"] if a.routing_trace else [])
-    for rnd in range(a.rounds):  # each round: every moerun row, then every llama-bench run
-        for row in rows:
-            how = drop_page_cache(a.model)
-            r = run_child(a, row)
-            r["page_cache"], r["round"] = how, rnd + 1
-            results.append(r)
-            print(f"page cache: {how}", flush=True)
-            print(json.dumps(r), flush=True)
+    for rnd in range(a.rounds):  # each round: every moerun row at every budget, then every llama-bench run
+        for budget in budgets:
+            for row in rows:
+                with lock(f"moerun {row} {budget}"):
+                    how = drop_page_cache(a.model)
+                    r = run_child(a, row, budget)
+                r["page_cache"], r["round"] = how, rnd + 1
+                results.append(r)
+                print(f"page cache: {how}", flush=True)
+                print(json.dumps(r), flush=True)
         for spec in (a.llama_runs.split(",") if a.llama else []):
             kind, _, extra = spec.partition(":")
             p, n = (0, a.gen_tokens) if kind == "tg" else (a.prompt_tokens, 0)
-            how = drop_page_cache(a.model)
-            r = llama_bench(a, p, n, extra.split())
+            with lock(f"llama-bench {spec}"):
+                how = drop_page_cache(a.model)
+                r = llama_bench(a, p, n, extra.split())
             r["page_cache"], r["round"] = how, rnd + 1
             llama.append(r)
             print(f"page cache: {how}", flush=True)
@@ -547,6 +639,22 @@ def main(argv=None) -> int:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(fmt_row(r))
+    ok = [r for r in results if "error" not in r and r["decode"].get("steady")]
+    if ok:
+        print(f"\nSteady state: the decoded tokens after the first {a.steady_after} (per-token series in --json)")
+        print("\n| engine, row (round) | budget GiB (share of the experts) | RAM tier full from token "
+              "| decode tok/s, steady / whole | hit rate, steady / whole | of it, cached (no prefetch) | disk MB/token | disk GB/s | disk busy | preads in flight (busy) "
+              "| MB/s per pread | stall share | expert wait hidden |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in ok:
+            st, d = r["decode"]["steady"], r["decode"]
+            print(f"| moerun {r['row']}, {r['ram_budget']} ({r['round']}) | {r['budget_bytes'] / GiB:.2f} "
+                  f"({r['budget_bytes'] / r['experts_bytes']:.2f}) | "
+                  f"{st['full_from'] if st['full_from'] is not None else 'never'} | {st['tok_s']:.2f} / {d['tok_s']:.2f} | "
+                  f"{st['hit_rate']:.2f} / {d['hit_rate']:.2f} | {st['cache_hit_rate']:.2f} | "
+                  f"{st['disk_bytes_per_token'] / 1e6:.0f} | "
+                  f"{st['disk_GB_s']:.2f} | {st['disk_busy_share']:.0%} | {st['queue_depth']:.1f} | "
+                  f"{st['pread_MB_s']:.0f} | {st['stall_share']:.0%} | {st['expert_wait_hidden_fraction']:.0%} |")
     l0 = [r for r in results if "error" not in r and r.get("decode", {}).get("layer0")]
     if l0:
         print("\n| row | decode passes | layer 0 from this token's choice: precision / recall "

@@ -339,3 +339,116 @@ def test_lookahead_predicts_from_the_nearest_router_and_the_last_token():
     p.observe(1, ids[0, 1], {1: truth[0, 2], 2: truth[0, 3]})
     assert set(p.predict(2, K)) == set(ids[0, 2]) and set(p.predict(3, K)) == set(ids[0, 3])
     assert set(p.next_token(0, K)) == {0, 1}  # the next token's layer 0: this token's choice
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_spec_inflight_keeps_that_many_prefetch_reads_beside_a_demand(tmp_path, depth):
+    """StoreOptions.spec_inflight: while a layer reads its demand misses, up to that many
+    prefetch reads are in flight beside them (the disk's queue kept deep), never more; the
+    demand's own reads still start at once (demand jobs go first to every free worker)."""
+    with make_store(tmp_path, layers=3, experts=8, ram_budget="100%", disk_workers=4,
+                    spec_inflight=depth) as s:
+        s.evict_all()
+        slow = SlowReads(s, 0.15)
+        touch(s, 0, [0])  # step 1
+        s.prefetch(2, [0], priority=0.0)  # one speculative read for layer 2 in flight
+        wait_until(lambda: loading(s, (2, 0)))
+
+        def hint_while_demanding():  # the rest of layer 2's hints arrive while layer 1 reads
+            wait_until(lambda: s._demanding > 0)
+            s.prefetch(2, list(range(1, 8)), priority=0.0)
+        th = threading.Thread(target=hint_while_demanding)
+        th.start()
+        t_get = time.perf_counter()
+        touch(s, 1, [1, 2, 3, 4, 5, 6])  # two waves of demand reads (the caller and 3 free workers)
+        t_end = time.perf_counter()
+        th.join()
+        log = list(slow.log)
+        demand = sorted(t0 for k, t0, _ in log if k[0] == 1)
+        assert len(demand) == 6 and demand[2] < t_get + 0.1  # the first wave at once, not behind prefetches
+        spec = [(t0, t1) for k, t0, t1 in log if k[0] == 2]
+        spec += [(s.entries[(2, e)].t_read, float("inf")) for e in range(8) if loading(s, (2, e))]
+
+        def in_flight(t):
+            return sum(1 for t0, t1 in spec if t0 <= t < t1)
+        # sample the demand's span: prefetch reads beside it, at most `depth` (the one that started
+        # before the get may finish, and another take its place)
+        samples = [in_flight(t_get + (t_end - t_get) * i / 20) for i in range(1, 20)]
+        assert max(samples) <= depth, samples
+        assert any(t_get < t0 < t_end - 0.02 for t0, _ in spec), "no prefetch read started beside the demand"
+        wait_until(lambda: resident(s, 2) == set(range(8)))
+
+
+def test_reader_queue_figures(tmp_path):
+    """The direct reader's queue figures: busy time and the integral of reads in flight."""
+    with make_store(tmp_path, layers=2, experts=8, ram_budget="100%", disk_workers=4) as s:
+        s.evict_all()
+        r = s.reader
+        if not hasattr(r, "busy_s"):
+            pytest.skip("buffered reads (no O_DIRECT here)")
+        b0, d0 = r.busy_s, r.depth_s
+        touch(s, 0, [0, 1, 2, 3])
+        snap = s.snapshot()
+        assert r.inflight == 0
+        assert snap["busy_s"] > b0 and snap["depth_s"] - d0 >= snap["busy_s"] - b0  # depth >= 1 while busy
+        assert snap["preads"] == r.reads and snap["reads_disk"] == 4 and snap["full"] is False
+
+
+def test_unused_prefetch_goes_first_once_its_step_passes(tmp_path):
+    """A prefetched expert whose step passed without a get using it is moved to the front of
+    the LRU order: the next miss evicts it, not an expert that was used before it came."""
+    with make_store(tmp_path, layers=2, experts=8, ram_budget=4 * expert_bytes()) as s:
+        touch(s, 0, [0, 1])  # step 1
+        touch(s, 1, [2])
+        s.prefetch(1, [5])  # for this step, whose layer 1 has passed: it will not be used
+        wait_until(lambda: 5 in resident(s, 1))
+        s.reset_stats()
+        touch(s, 0, [0])  # step 2: (1, 5)'s step passed unused; (0, 1) is now the least recent
+        assert s.stats()["prefetch_demoted"] == 1
+        touch(s, 1, [3])  # a miss with the tier full: one eviction
+        assert resident(s, 0) == {0, 1} and resident(s, 1) == {2, 3}
+        st = s.stats()
+        assert st["prefetch_wasted"] == 1 and st["tiers"]["host"]["evictions"] == 1
+        assert st["cache_hit_rate"] == 0.5  # (0, 0) a hit of the cache's own; (1, 3) a miss
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_ram_tier_slots_made_at_load(tmp_path, prefault):
+    """StoreOptions.prefault: a RAM tier smaller than the experts has its slots allocated (one
+    mapping, pages touched) when the store is made, so filling it allocates nothing more;
+    without it, slots are allocated one by one as experts arrive. Outputs are the same bytes."""
+    n = expert_bytes()
+    with make_store(tmp_path, layers=2, experts=8, ram_budget=5 * n, prefault=prefault) as s:
+        assert s.pool.allocated == (5 * n if prefault else 0)
+        assert (s.prefault_s > 0) == prefault
+        w = {e: [t.clone() for t in ws] for e, ws in touch(s, 0, [0, 1, 2]).items()}
+        touch(s, 1, [3, 4, 5, 6])  # past the budget: evictions reuse slots
+        assert s.pool.allocated == 5 * n and s.stats()["tiers"]["host"]["used_bytes"] <= 5 * n
+    with make_store(tmp_path, layers=2, experts=8, ram_budget="100%") as full:
+        assert full.pool.allocated == 16 * n  # every expert preloaded: no reserve
+        for e, ws in touch(full, 0, [0, 1, 2]).items():
+            assert all(torch.equal(a, b) for a, b in zip(ws, w[e]))
+
+
+def test_steady_window_of_a_decode(tmp_path):
+    """bigger_than_ram's per-token marks and steady window, on a real store: each token's
+    figures are the differences of the marks around it, and the window sums the tokens after
+    the first N (tok/s, hit rates, reads, the tier full from the first token that began full)."""
+    b = _bench()
+    n = expert_bytes()
+    with make_store(tmp_path, layers=2, experts=8, ram_budget=3 * n) as s:
+        series, prev = [], b.token_mark(s)
+        for ids in ([0, 1], [0, 2], [0, 2], [3, 4]):  # one layer-0 get per "token"
+            touch(s, 0, ids)
+            now = b.token_mark(s)
+            series.append(b.token_delta(prev, now))
+            prev = now
+        assert [t["requests"] for t in series] == [2, 2, 2, 2]
+        assert [t["hits_cached"] for t in series] == [0, 1, 2, 0]
+        assert [t["reads"] for t in series] == [2, 1, 0, 2]
+        assert [t["full_at_start"] for t in series] == [False, False, True, True]
+        st = b.steady(series, 2)
+        assert st["tokens"] == 2 and st["hit_rate"] == st["cache_hit_rate"] == 0.5
+        assert st["expert_reads_per_token"] == 1.0 and st["full_from"] == 2
+        assert st["tok_s"] == pytest.approx(2 / (series[2]["s"] + series[3]["s"]))
+        assert b.steady(series, 4) is None

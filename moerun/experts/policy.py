@@ -26,6 +26,10 @@ class Policy:
 
     def removed(self, key: Key) -> None: ...
 
+    def demoted(self, key: Key) -> None:
+        """`key` is resident but was brought for a use that did not come (a prefetch whose step
+        passed unused): where the order allows, it goes first."""
+
     def victims(self, count: int, evictable: Callable[[Key], bool]) -> list[Key]:
         """Up to `count` evictable resident keys, the first to go first."""
         raise NotImplementedError
@@ -52,6 +56,10 @@ class LRU(Policy):
 
     def removed(self, key):
         self._order.pop(key, None)
+
+    def demoted(self, key):
+        if key in self._order:
+            self._order.move_to_end(key, last=False)
 
     def victims(self, count, evictable):
         out = []
@@ -131,6 +139,9 @@ class Guarded(Policy):
 
     def removed(self, key):
         self.base.removed(key)
+
+    def demoted(self, key):
+        self.base.demoted(key)
 
     def victims(self, count, evictable):
         return self.base.victims(count, lambda k: k not in self.protected and evictable(k))

@@ -296,6 +296,13 @@ class DirectReader:
         self.buffers = 0
         self.buffer_bytes = 0
         self.direct_files = 0
+        # the disk's queue as this reader kept it: preads in flight now, the time at least one
+        # was (busy_s), and the integral of their number over time (depth_s; depth_s / busy_s
+        # is the mean queue depth while busy)
+        self.inflight = 0
+        self.busy_s = 0.0
+        self.depth_s = 0.0
+        self._t_depth = 0.0
 
     def _fd(self, path: Path) -> tuple[int, bool]:
         with self._lock:
@@ -338,8 +345,27 @@ class DirectReader:
         with self._lock:
             self._free.extend(bufs)
 
+    def _queue(self, delta: int) -> float:
+        """Count a pread starting (+1) or ending (-1) in the queue figures; returns the time."""
+        with self._lock:
+            t = time.perf_counter()
+            if self.inflight:
+                dt = t - self._t_depth
+                self.busy_s += dt
+                self.depth_s += self.inflight * dt
+            self._t_depth = t
+            self.inflight += delta
+        return t
+
     def _pread(self, fd: int, direct: bool, buf: torch.Tensor, start: int, length: int, piece: Piece) -> float:
-        t0 = time.perf_counter()
+        t0 = self._queue(1)
+        try:
+            self._pread_span(fd, direct, buf, start, length, piece)
+        finally:
+            t1 = self._queue(-1)
+        return t1 - t0
+
+    def _pread_span(self, fd: int, direct: bool, buf: torch.Tensor, start: int, length: int, piece: Piece) -> None:
         mv = memoryview(buf.numpy()).cast("B")[:length]
         got = 0
         need = piece.offset + piece.nbytes - start  # the span past the piece may run past the file's end
@@ -359,7 +385,6 @@ class DirectReader:
             raise MoerunError(f"expert tensor {piece.name!r} is cut short in {piece.path} (truncated or corrupt)")
         if not direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
-        return time.perf_counter() - t0
 
     def read_pieces(self, pieces) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each piece's bytes (uint8 views into bounce buffers), read concurrently; returns
@@ -453,6 +478,27 @@ class SlotPool:
         self.pin = pin
         self.free: dict[int, list[torch.Tensor]] = {}
         self.allocated = 0
+        self._blocks: list = []  # the mappings `reserve` carved its slots from
+
+    def reserve(self, n: int, count: int) -> float:
+        """Allocate `count` slots of n bytes now, in one anonymous mapping (transparent huge
+        pages asked for) with every page touched, so that filling the tier later costs no
+        page faults and no allocation under the store's lock. Returns the seconds it took."""
+        import mmap
+
+        if count <= 0 or self.pin:
+            return 0.0
+        t0 = time.perf_counter()
+        stride = -(-n // PAGE) * PAGE
+        m = mmap.mmap(-1, stride * count)
+        if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            m.madvise(mmap.MADV_HUGEPAGE)
+        block = torch.frombuffer(m, dtype=torch.uint8)
+        block.fill_(0)  # first touch here, not in the decode
+        self._blocks.append(m)
+        self.free.setdefault(n, []).extend(block[i * stride : i * stride + n] for i in range(count))
+        self.allocated += n * count
+        return time.perf_counter() - t0
 
     def take(self, n: int, budget: int) -> torch.Tensor:
         lst = self.free.get(n)
@@ -573,6 +619,15 @@ class StoreOptions:
     # once (a smaller FIFO pool queued a demand's ranges behind prefetches')
     io_threads: int | None = None
     auto_margin: object = "2GiB"  # --ram-budget auto: left free (beside the non-expert weights)
+    # prefetch reads that may be in flight while a get reads its demand misses: 0, none start
+    # then (demand first: a demand waits at most for reads already in flight); N > 0 keeps up to
+    # N of them going, so the disk's queue stays deep across a layer's tail of demand reads
+    # (demand jobs still go first to every free disk worker)
+    spec_inflight: int = 0
+    # a RAM tier smaller than the experts: allocate its slots at load, pages touched (huge
+    # pages where the kernel gives them), instead of one allocation and ~800 page faults per
+    # expert while the first tokens decode
+    prefault: bool = True
 
     def __post_init__(self):
         # the budgets' spelling is checked here, before any weight loads (a share is resolved
@@ -589,6 +644,8 @@ class StoreOptions:
             raise MoerunError("--pin-hot must be >= 0 and --pin-hot-fraction in [0, 1]")
         if self.disk_workers < 1:
             raise MoerunError("disk_workers must be at least 1")
+        if self.spec_inflight < 0:
+            raise MoerunError("spec_inflight must be >= 0")
         if self.execute not in MODES:
             raise MoerunError(f"--execute must be one of {', '.join(MODES)}, not {self.execute!r}")
 
@@ -642,6 +699,9 @@ COUNTERS = ("requests", "hits_device", "hits_host", "demand_misses", "prefetch_i
             # hints withdrawn before their read by a newer prediction of the same layer, and
             # prefetches refused room (they would have evicted what the token still needs)
             "prefetch_reads", "prefetch_reads_used", "prefetch_cancelled", "prefetch_no_room",
+            # prefetched experts whose step passed unused, moved to the front of the eviction order;
+            # hits on experts resident before any prefetch of this use (the cache's own hits)
+            "prefetch_demoted", "hits_cached",
             # device misses by where they ran; measured expert compute; the device's is modelled
             "link_waits", "cpu_executed", "link_bytes_avoided", "background_moves", "cpu_exec_s", "device_exec_s",
             "device_exec_modelled_s")
@@ -675,6 +735,7 @@ class ExpertStore:
         self.layers = sorted(self.num_experts)
         self.first_layer = self.layers[0] if self.layers else None
         self.total_bytes = sum(e.nbytes for e in self.entries.values())
+        self.largest_expert = max((e.nbytes for e in self.entries.values()), default=0)
         # bytes per weight (0.5625 for int4): the cost model's device FLOPs per byte
         weights = sum(3 * L.hidden * L.inter * L.num_experts for L in layers)
         isz = self.total_bytes / weights if weights else torch.empty((), dtype=dtype).element_size()
@@ -686,6 +747,7 @@ class ExpertStore:
         self.routing = {l: [0] * n for l, n in self.num_experts.items()}
         self.step = 0
         self._demanding = 0  # gets reading demand misses now: speculative reads wait (the disk mover's gate)
+        self._spec_reading = 0  # prefetch reads in flight (beside demands: up to options.spec_inflight)
         self._parked: list[Job] = []  # prefetches held until the next get has its demand misses in
         self.c = _zeros()
         self.last_error: str | None = None
@@ -731,10 +793,17 @@ class ExpertStore:
         if self.link is not None:
             self.tiers[DEVICE] = Tier(DEVICE, vram, make_policy(o.cache_policy, self.wanted))
         self.pool = SlotPool(pin=isinstance(self.link, CudaLink))
+        self.prefault_s = 0.0
+        sizes = {e.nbytes for e in self.entries.values()}
+        if o.prefault and len(sizes) == 1 and 0 < ram < self.total_bytes:
+            # a tier smaller than the experts fills up within the first tokens: its slots are
+            # made (and their pages touched) at load rather than one by one in the decode
+            n = sizes.pop()
+            self.prefault_s = self.pool.reserve(n, ram // n)
         self.io = "direct" if o.direct_io and o.drop_page_cache else "buffered"
         io_threads = o.io_threads or 3 * (o.disk_workers + 1)
         self.reader = DirectReader(io_threads, identity) if self.io == "direct" else DiskReader(o.drop_page_cache, identity)
-        self.disk_mover = Mover("disk", self._on_job, o.disk_workers, gate=lambda: self._demanding == 0)
+        self.disk_mover = Mover("disk", self._on_job, o.disk_workers, gate=self._spec_may_start)
         self.link_mover = Mover("link", self._on_job, 1) if self.link is not None else None
         self._pin_pending = bool(o.pin_hot or o.pin_hot_fraction)
         if not _defer_preload:
@@ -789,6 +858,7 @@ class ExpertStore:
                 self.wanted.pop(ent.key, None)
                 w = ent.dev if self.compute == DEVICE else ent.host
                 ready = (ent.dev_state if self.compute == DEVICE else ent.host_state) == READY
+                c["hits_cached"] += ready and not ent.pf
                 if ent.pf:
                     ent.pf = False
                     c["prefetch_used"] += 1
@@ -829,6 +899,10 @@ class ExpertStore:
                     if ent.host_state == NONE and job is None:
                         ent.job = Job(ent, math.inf, self.step, HOST, demand=True)
                         self.disk_mover.submit(ent.job)
+                if self.options.spec_inflight:
+                    # held hints queue now, behind the demand jobs (every free worker takes those
+                    # first), and the gate keeps at most spec_inflight of them reading beside them
+                    self._unpark()
                 places = self._place(misses, n_tokens, counts)
                 for ent, place in zip(misses, places):
                     if self.compute == DEVICE:
@@ -961,6 +1035,19 @@ class ExpertStore:
         with self._cv:
             self._reset_locked()
 
+    def snapshot(self) -> dict:
+        """The raw counters now, the compute tier's bytes used and budget, and the disk reader's
+        queue figures (cheap: for a per-token series; differences of two snapshots are a token's)."""
+        with self._cv:
+            t = self.tiers[self.compute]
+            # full: no room for one more expert without an eviction
+            out = {**self.c, "used_bytes": t.used, "budget_bytes": t.budget,
+                   "full": t.used + self.largest_expert > t.budget}
+        r = self.reader
+        out.update(busy_s=getattr(r, "busy_s", 0.0), depth_s=getattr(r, "depth_s", 0.0),
+                   preads=r.reads, bytes_preads=r.bytes, pread_s=getattr(r, "read_s", 0.0))
+        return out
+
     def stats(self) -> dict:
         with self._cv:
             c = dict(self.c)
@@ -985,6 +1072,9 @@ class ExpertStore:
             "prefetch_reads_used": c["prefetch_reads_used"],
             "prefetch_cancelled": c["prefetch_cancelled"],
             "prefetch_no_room": c["prefetch_no_room"],
+            "prefetch_demoted": c["prefetch_demoted"],
+            # hits on experts the tier held without a prefetch for this use (its own hit rate)
+            "cache_hit_rate": c["hits_cached"] / req,
             "prefetch_recall": c["prefetch_used"] / max(c["prefetch_used"] + c["demand_misses"], 1),
             "bytes_moved_per_token": (c["bytes_disk"] + c["bytes_link"]) / tok,
             "stall_s_per_token": c["stall_s"] / tok,
@@ -1037,7 +1127,8 @@ class ExpertStore:
         if isinstance(self.reader, DirectReader):  # since the store was made
             out["tiers"]["disk"].update(preads=self.reader.reads, bytes_preads=self.reader.bytes,
                                         pread_s=self.reader.read_s, bounce_buffers=self.reader.buffers,
-                                        bounce_bytes=self.reader.buffer_bytes)
+                                        bounce_bytes=self.reader.buffer_bytes, disk_busy_s=self.reader.busy_s,
+                                        queue_depth_s=self.reader.depth_s)
         return out
 
     def close(self) -> None:
@@ -1068,6 +1159,11 @@ class ExpertStore:
             t.peak = t.used
             t.evictions = 0
 
+    def _spec_may_start(self) -> bool:
+        """The disk mover's gate: a prefetch read may start (no get is reading demand misses,
+        or fewer than `spec_inflight` prefetch reads are in flight beside them)."""
+        return self._demanding == 0 or self._spec_reading < self.options.spec_inflight
+
     def _unpark(self):
         """Queue the held prefetches (a get has its demand misses in)."""
         if self._parked:
@@ -1084,8 +1180,15 @@ class ExpertStore:
         self.c["steps"] += 1
         self.c["tokens"] += n_tokens
         if self.wanted:
+            policy = self.tiers[self.compute].policy
             for k in [k for k, s in self.wanted.items() if s < self.step]:
                 del self.wanted[k]
+                ent = self.entries[k]
+                # prefetched for a step that has passed without using it: first to go (LRU),
+                # so a wrong prediction does not push out an expert that was used
+                if ent.pf and (ent.dev_state if self.compute == DEVICE else ent.host_state) == READY:
+                    policy.demoted(k)
+                    self.c["prefetch_demoted"] += 1
         if self._pin_pending and self.options.profile is None and self.c["tokens"] >= self.options.pin_after_tokens:
             if self.step > 1:  # the routing of the pass that just ended is complete
                 self._pin_locked(self.routing)
@@ -1257,11 +1360,13 @@ class ExpertStore:
             ent.t_read, ent.t_ask, ent.spec_read = t0, 0.0, spec
             if spec:
                 self.c["prefetch_reads"] += 1
+        self._spec_reading += spec
         self._cv.release()
         try:
             views = self._read(ent, buf)
         except BaseException:
             self._cv.acquire()
+            self._spec_done(spec)
             if slot is not None:
                 ent.host_state = NONE
                 self._unreserve(HOST, ent, slot)
@@ -1270,6 +1375,7 @@ class ExpertStore:
         t1 = time.perf_counter()
         dt = t1 - t0
         self._cv.acquire()
+        self._spec_done(spec)
         if spec and ent.pf:  # a prefetch's, nobody asked yet: hidden if it is used in time (`get`)
             ent.read_s = dt
         elif spec and ent.t_ask:  # a get asked while it was reading: hidden until then, waited for after
@@ -1288,6 +1394,12 @@ class ExpertStore:
         self.tiers[HOST].policy.inserted(ent.key)
         self._cv.notify_all()
         return views, True
+
+    def _spec_done(self, spec: bool) -> None:
+        if spec:
+            self._spec_reading -= 1
+            if self._demanding and self.options.spec_inflight:
+                self.disk_mover.kick()  # a gated prefetch may start now
 
     def _ensure_device(self, ent: Entry, take_over: bool, transient_ok: bool):
         """Make `ent` READY on the device (through RAM). Returns (weights or None, moved)."""
@@ -1367,7 +1479,7 @@ class ExpertStore:
         with self._cv:
             if self._closed or job.cancelled or ent.job is not job:
                 return
-            if not job.demand and job.stage == HOST and self._demanding:
+            if not job.demand and job.stage == HOST and not self._spec_may_start():
                 self.disk_mover.submit(job)  # a get began reading its misses since: back in the queue
                 return
             ent.job = None
