@@ -614,6 +614,15 @@ void delta_rule_chunked(Array q, Array k, Array v, Array g, Array beta, Array S,
     });
 }
 
+// silu in place over a contiguous float32 array (moerun::silu_rows: the vectorized form the
+// DeltaNet conv, its gated norm and the MLPs' activation take), for its test against torch
+void silu_inplace(Array y) {
+    check_dtype(y, dtype_code::Float, 32, "y");
+    nb::gil_scoped_release release;
+    OpLock lk;
+    moerun::silu_rows((float*)y.data(), (long)y.size());
+}
+
 // The linear-attention half of a Qwen3.5 decoder layer (moerun::deltanet_block_decode):
 // out = x + out_proj(DeltaNet(projections of RMSNorm(x))). x, out [B, T, H], both float32 or
 // both bf16; norm_w [H] float32; proj: in_proj_qkv, in_proj_z, in_proj_a, in_proj_b (weights,
@@ -780,6 +789,7 @@ NB_MODULE(_native, m) {
           nb::arg("conv_every").none(), nb::arg("a"), nb::arg("b"), nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("S"),
           nb::arg("S_every").none(), nb::arg("z"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("out"), nb::arg("hk"),
           "a few tokens per row through a Gated DeltaNet layer's conv, delta rule and gated norm (float32)");
+    m.def("silu_inplace", &silu_inplace, nb::arg("y"), "y = silu(y) in place (contiguous float32), vectorized");
     m.def("delta_rule_chunked", &delta_rule_chunked, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"),
           nb::arg("beta"), nb::arg("S"), nb::arg("out"),
           "the chunked gated delta rule over whole sequences (q, k L2-normalised here; S updated in place; float32)");

@@ -31,6 +31,7 @@ namespace {
 #undef DC_NV
 }  // namespace
 void run(const DeltaChunkArgs& a) { chunk_head(a); }
+void silu(float* y, long n) { silu_row(y, n); }
 }  // namespace dc_generic
 
 namespace dc_avx2 {
@@ -46,6 +47,7 @@ namespace {
 #undef DC_NV
 }  // namespace
 __attribute__((target("avx2,fma"))) void run(const DeltaChunkArgs& a) { chunk_head(a); }
+__attribute__((target("avx2,fma"))) void silu(float* y, long n) { silu_row(y, n); }
 }  // namespace dc_avx2
 
 namespace dc_avx512 {
@@ -61,6 +63,7 @@ namespace {
 #undef DC_NV
 }  // namespace
 __attribute__((target("avx2,fma,avx512f"))) void run(const DeltaChunkArgs& a) { chunk_head(a); }
+__attribute__((target("avx2,fma,avx512f"))) void silu(float* y, long n) { silu_row(y, n); }
 }  // namespace dc_avx512
 
 size_t delta_chunk_scratch(int Dk, int Dv) {
@@ -77,6 +80,16 @@ void delta_chunk_head(const DeltaChunkArgs& a) {
         dc_avx2::run(a);
     else
         dc_avx512::run(a);
+}
+
+void silu_rows(float* y, long n) {
+    const char* isa = kern().name;
+    if (!std::strcmp(isa, "generic"))
+        dc_generic::silu(y, n);
+    else if (!std::strcmp(isa, "avx2") || !std::strcmp(isa, "avxvnni"))
+        dc_avx2::silu(y, n);
+    else
+        dc_avx512::silu(y, n);
 }
 
 void delta_rule_chunked(int B, int T, int Hk, int Hv, int Dk, int Dv, const float* q, const float* k, const float* v,

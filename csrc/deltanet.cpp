@@ -70,7 +70,7 @@ void deltanet_decode(const DeltaArgs& a) {
                 const float* __restrict w = a.conv_w + (size_t)j * C;
                 for (int c = 0; c < C; ++c) yt[c] += e[c] * w[c];
             }
-            for (int c = 0; c < C; ++c) yt[c] = silu(yt[c]);
+            silu_rows(yt, C);
             if (a.conv_every) {  // the state after token t: its window's last K-1 inputs
                 float* ev = a.conv_every + ((size_t)b * T + t) * C * Km;
                 for (int c = 0; c < C; ++c)

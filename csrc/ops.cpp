@@ -171,6 +171,13 @@ void qlinear_multi(int M, int K, int P, const QWeight* w, const int* rows, const
 }
 
 namespace {
+// h[j] = silu(g[j]) * u[j] for j < n (silu_rows' silu: the MLPs' and the experts' activation)
+void silu_mul(const float* g, const float* u, float* h, int n) {
+    std::copy(g, g + n, h);
+    silu_rows(h, n);
+    for (int j = 0; j < n; ++j) h[j] *= u[j];
+}
+
 // x . r in a fixed order (8 partial sums, then the tail), so that a token's result does not
 // depend on how many tokens share the call
 float dot8(const float* x, const float* r, int n) {
@@ -316,7 +323,7 @@ void swiglu_mlp(int M, int H, int I, const QWeight& gate, const QWeight& up, con
     auto act = [&](int m) {
         const float* g = W.g.data() + (size_t)m * 2 * I;
         float* h = W.u.data() + (size_t)m * I;
-        for (int j = 0; j < I; ++j) h[j] = silu(g[j]) * g[I + j];
+        silu_mul(g, g + I, h, I);
     };
     if (M < 16) {
         for (int m = 0; m < M; ++m) act(m);
@@ -487,17 +494,21 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
     // h = silu(g) * u of pairs [p0, p1), quantized once per pair for the down projection (float
     // weights: kept in float, in place of u)
     auto activate = [&](int p0, int p1) {
-        if (dfl) {
-            for (size_t j = (size_t)p0 * I; j < (size_t)p1 * I; ++j) W.u[j] = silu(W.g[j]) * W.u[j];
-            return;
-        }
         thread_local std::vector<float> hrow;
         hrow.resize(I);
+        if (dfl) {
+            for (int p = p0; p < p1; ++p) {
+                float* u = W.u.data() + (size_t)p * I;
+                silu_mul(W.g.data() + (size_t)p * I, u, hrow.data(), I);
+                std::copy(hrow.begin(), hrow.end(), u);
+            }
+            return;
+        }
         auto& k = kern();
         for (int p = p0; p < p1; ++p) {
             const float* g = W.g.data() + (size_t)p * I;
             const float* u = W.u.data() + (size_t)p * I;
-            for (int j = 0; j < I; ++j) hrow[j] = silu(g[j]) * u[j];
+            silu_mul(g, u, hrow.data(), I);
             k.quantize_row(hrow.data(), I, nbI, W.h.q.data() + (size_t)p * nbI * QK, W.h.d.data() + (size_t)p * nbI,
                            W.h.s.data() + (size_t)p * nbI);
         }
