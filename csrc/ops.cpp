@@ -97,6 +97,8 @@ void quantize_rows(const float* x, size_t ld, int rows, int n, int nb, ActQ& aq)
 struct Workspace {
     ActQ x, h;
     std::vector<float> g, u, y, qkv, att, gate;
+    std::vector<float> sg, su;  // moe_experts: a shared expert's gate and up outputs (SharedMlp)
+    ActQ sh;                    // and its activations for down
     std::vector<int32_t> pair_tok, slot;
     std::vector<int> count, offset, count_left, ready;
     // the layer halves': the normed input, the routing weights and ids, the experts' sum and
@@ -357,6 +359,12 @@ void moe_block_decode(const MoeBlockArgs& a) {
     }
     round_bf16_if(a.round_bf16, w, nk);
     if (a.observer) a.observer->routed(a.T, a.H, a.K, h, ids, w);
+    // the shared expert's products run in the routed experts' job (SharedMlp: swiglu_mlp's
+    // bits), its gate applied here as swiglu_mlp applies it
+    W.shared_out.resize(a.sg ? n : 0);
+    float* s = W.shared_out.data();
+    const SharedMlp shared{a.Is, a.sg, a.su, a.sd, s};
+    const SharedMlp* sh = a.sg ? &shared : nullptr;
     if (a.source) {
         // the source's experts are handed back however the pass ends
         struct Back {
@@ -364,17 +372,19 @@ void moe_block_decode(const MoeBlockArgs& a) {
             bool ok = false;
             ~Back() { if (!ok) s->done(false); }
         } back{a.source};
-        moe_experts(a.efmt, a.T, a.H, a.I, a.E, a.K, h, ids, w, a.source->fetch(a.T, a.K, ids), e);
+        moe_experts(a.efmt, a.T, a.H, a.I, a.E, a.K, h, ids, w, a.source->fetch(a.T, a.K, ids), e, sh);
         back.ok = true;
         a.source->done(true);
     } else {
-        moe_experts(a.efmt, a.T, a.H, a.I, a.E, a.K, h, ids, w, a.experts, e);
+        moe_experts(a.efmt, a.T, a.H, a.I, a.E, a.K, h, ids, w, a.experts, e, sh);
     }
     round_bf16_if(a.round_bf16, e, n);
     if (a.sg) {  // the block adds the shared expert's output to the experts' (both in bf16 for a bf16 model)
-        W.shared_out.resize(n);
-        float* s = W.shared_out.data();
-        swiglu_mlp(a.T, a.H, a.Is, *a.sg, *a.su, *a.sd, h, s, a.shared_gate);
+        if (a.shared_gate)
+            for (int m = 0; m < a.T; ++m) {
+                const float gm = sigmoid(dot8(h + (size_t)m * a.H, a.shared_gate, a.H));
+                for (int j = 0; j < a.H; ++j) s[(size_t)m * a.H + j] *= gm;
+            }
         half_output(a.round_bf16, e, s, e, n);
     }
     half_output(a.round_bf16, a.x, e, a.y, n);
@@ -411,7 +421,7 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
 }
 
 void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, const int64_t* ids,
-                 const float* weights, const ExpertW* experts, float* out) {
+                 const float* weights, const ExpertW* experts, float* out, const SharedMlp* shared) {
     Workspace& W = ws();
     // fmt: gate/up's format and down's (expert_fmt); float weights: float activations, no scales
     const int gf = gate_fmt(fmt), df = down_fmt(fmt);
@@ -539,7 +549,54 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
         gemm(df, a);
     };
 
+    // the shared expert's tiles (every token; its own formats and width), when it runs in the
+    // chained job below: the same products as swiglu_mlp's (one activation quantization of x,
+    // each row's sums independent of the tiling), into W.sg / W.su, then shared->out
+    const bool fold = shared && P <= kChainedPairs && !fl && !is_float_fmt(shared->gate->fmt) &&
+                      !is_float_fmt(shared->up->fmt) && !is_float_fmt(shared->down->fmt);
+    std::vector<Tile> sgu_tiles, sd_tiles;
+    const int Is = shared ? shared->Is : 0, nbIs = blocks_of(Is);
+    if (fold) {
+        const int rt_gu = row_tile(Is, H, 1, pool().width(), T), rt_d = row_tile(H, Is, 1, pool().width(), T);
+        for (int r0 = 0; r0 < Is; r0 += rt_gu) sgu_tiles.push_back({E, r0, std::min(rt_gu, Is - r0), 0, T});
+        for (int r0 = 0; r0 < H; r0 += rt_d) sd_tiles.push_back({E, r0, std::min(rt_d, H - r0), 0, T});
+        W.sg.resize((size_t)T * Is);
+        W.su.resize((size_t)T * Is);
+        W.sh.resize(T, nbIs);
+    }
+    auto shared_gemm = [&](const QWeight& q, int K_in, const Tile& t, const ActQ& xq, float* y, int y_row) {
+        const size_t rb = weight_row_bytes(q.fmt, K_in);
+        const int nb = blocks_of(K_in);
+        GemmArgs a;
+        a.nrows = t.nr;
+        a.nb = nb;
+        a.w = q.w + (size_t)t.r0 * rb;
+        a.w_row = rb;
+        a.ws = is_raw_fmt(q.fmt) ? nullptr : q.s + (size_t)t.r0 * nb;
+        a.ntok = t.nt;
+        a.xidx = nullptr;
+        a.xq = xq.q.data();
+        a.xd = xq.d.data();
+        a.xs = xq.s.data();
+        a.y = y + t.r0;
+        a.y_row = y_row;
+        gemm(q.fmt, a);
+    };
+    auto shared_activate = [&]() {
+        thread_local std::vector<float> hrow;
+        hrow.resize(Is);
+        auto& k = kern();
+        for (int p = 0; p < T; ++p) {
+            const float* g = W.sg.data() + (size_t)p * Is;
+            const float* u = W.su.data() + (size_t)p * Is;
+            for (int j = 0; j < Is; ++j) hrow[j] = silu(g[j]) * u[j];
+            k.quantize_row(hrow.data(), Is, nbIs, W.sh.q.data() + (size_t)p * nbIs * QK, W.sh.d.data() + (size_t)p * nbIs,
+                           W.sh.s.data() + (size_t)p * nbIs);
+        }
+    };
+
     const int n_gu = (int)gu_tiles.size(), n_down = (int)down_tiles.size();
+    const int n_sgu = (int)sgu_tiles.size(), n_sd = (int)sd_tiles.size();
     if (P <= kChainedPairs) {
         // A few tokens (decode, a verification pass): one pool job, each expert's down tiles
         // after its own gate/up tiles, where three jobs (gate/up, activation, down) each ended
@@ -547,10 +604,13 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
         // cold. Tiles are handed out in order, gate/up ones first, so a thread that takes a down
         // tile waits only on gate/up tiles already taken; the last of an expert's gate/up tiles
         // activates its pairs. The same tiles and arithmetic as the phases: the same bits.
-        W.count_left.assign(E, 0);  // per expert: its gate/up tiles not done yet
+        // The shared expert (`fold`) is expert E here: its gate/up tiles after the routed ones,
+        // its down tiles last.
+        W.count_left.assign(E + 1, 0);  // per expert: its gate/up tiles not done yet
         for (const Tile& t : gu_tiles) W.count_left[t.e]++;
-        W.ready.assign(E, 0);
-        pool().parallel_for(n_gu + n_down, [&](int i) {
+        W.count_left[E] = n_sgu;
+        W.ready.assign(E + 1, 0);
+        pool().parallel_for(n_gu + n_sgu + n_down + n_sd, [&](int i) {
             if (i < n_gu) {
                 const Tile& t = gu_tiles[i];
                 gate_up(t);
@@ -560,9 +620,24 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
                 }
                 return;
             }
-            const Tile& t = down_tiles[i - n_gu];
+            i -= n_gu;
+            if (i < n_sgu) {
+                const Tile& t = sgu_tiles[i];
+                shared_gemm(*shared->gate, H, t, W.x, W.sg.data(), Is);
+                shared_gemm(*shared->up, H, t, W.x, W.su.data(), Is);
+                if (__atomic_sub_fetch(&W.count_left[E], 1, __ATOMIC_ACQ_REL) == 0) {
+                    shared_activate();
+                    __atomic_store_n(&W.ready[E], 1, __ATOMIC_RELEASE);
+                }
+                return;
+            }
+            i -= n_sgu;
+            const Tile& t = i < n_down ? down_tiles[i] : sd_tiles[i - n_down];
             while (!__atomic_load_n(&W.ready[t.e], __ATOMIC_ACQUIRE)) __builtin_ia32_pause();
-            down(t);
+            if (i < n_down)
+                down(t);
+            else
+                shared_gemm(*shared->down, Is, t, W.sh, shared->out, H);
         });
     } else {
         pool().parallel_for(n_gu, [&](int i) { gate_up(gu_tiles[i]); });
@@ -590,6 +665,8 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
     } else {
         pool().parallel_for(T, [&](int t) { combine(t, 0, H); });
     }
+    if (shared && !fold)  // (its own jobs; W.g and W.u are free again)
+        swiglu_mlp(T, H, Is, *shared->gate, *shared->up, *shared->down, x, shared->out, nullptr);
 }
 
 void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const void* k, long k_sh, long k_ss,

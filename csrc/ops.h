@@ -54,10 +54,23 @@ struct ExpertW {
     const uint16_t *gate_s, *up_s, *down_s;
 };
 
+struct QWeight;
+
+// A shared expert run inside the routed experts' pool job (moe_block_decode, a decode-sized
+// pass with quantized weights): out[T, H] = down(silu(gate x_t) * up x_t) for every token, as
+// swiglu_mlp computes it without a gate vector, bit for bit.
+struct SharedMlp {
+    int Is;
+    const QWeight *gate, *up, *down;
+    float* out;
+};
+
 // Fused routed experts: out[T, H] = sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t),
-// e = ids[t, k] < E, expert e's weights at experts[e] (anywhere in memory).
+// e = ids[t, k] < E, expert e's weights at experts[e] (anywhere in memory). With `shared`, that
+// expert's products too (into shared->out), in the same pool job where the pass is a few
+// tokens (its tiles among the routed ones'), else after the routed experts.
 void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, const int64_t* ids,
-                 const float* weights, const ExpertW* experts, float* out);
+                 const float* weights, const ExpertW* experts, float* out, const SharedMlp* shared = nullptr);
 // The same over stacks: gate/up [E, I, row] and down [E, H, row], scales [E, rows, blocks].
 void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, const int64_t* ids,
                  const float* weights, const uint8_t* gq, const uint16_t* gs, const uint8_t* uq,

@@ -198,3 +198,16 @@ def test_same_file_benchmark_names_a_missing_file_in_one_line(tmp_path):
                        capture_output=True, text=True, cwd=BENCH)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [f"error: {tmp_path / 'none.gguf'}: no such file"]
+
+
+def test_decode_profile_refuses_a_missing_file_and_bad_threads_in_one_line(tmp_path):
+    missing = subprocess.run([sys.executable, str(BENCH / "decode_profile.py"), "-m", str(tmp_path / "none.gguf")],
+                             capture_output=True, text=True, cwd=BENCH)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [f"error: {tmp_path / 'none.gguf'}: no such file"]
+    f = tmp_path / "x.gguf"
+    f.write_bytes(b"")
+    bad = subprocess.run([sys.executable, str(BENCH / "decode_profile.py"), "-m", str(f), "--threads", "two"],
+                         capture_output=True, text=True, cwd=BENCH)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == ["error: --threads 'two': comma-separated integers"]
