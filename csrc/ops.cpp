@@ -589,7 +589,7 @@ void moe_experts(int fmt, int T, int H, int I, int E, int K, const float* x, con
         for (int p = 0; p < T; ++p) {
             const float* g = W.sg.data() + (size_t)p * Is;
             const float* u = W.su.data() + (size_t)p * Is;
-            for (int j = 0; j < Is; ++j) hrow[j] = silu(g[j]) * u[j];
+            silu_mul(g, u, hrow.data(), Is);
             k.quantize_row(hrow.data(), Is, nbIs, W.sh.q.data() + (size_t)p * nbIs * QK, W.sh.d.data() + (size_t)p * nbIs,
                            W.sh.s.data() + (size_t)p * nbIs);
         }
