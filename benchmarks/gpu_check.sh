@@ -20,8 +20,10 @@ OUT=${OUT:-$PWD/out/gpu-check}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 
-PY=python3
-[ -x .venv/bin/python ] && PY=.venv/bin/python
+if [ -z "${PY:-}" ]; then
+    PY=python3
+    [ -x .venv/bin/python ] && PY=.venv/bin/python
+fi
 echo "== machine ($(date -u +%FT%TZ))"
 lscpu | grep -E '^(Model name|L3 cache|CPU\(s\))' || true
 command -v nvidia-smi >/dev/null && nvidia-smi -L || echo "no nvidia-smi"

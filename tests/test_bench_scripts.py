@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -211,3 +213,16 @@ def test_decode_profile_refuses_a_missing_file_and_bad_threads_in_one_line(tmp_p
                          capture_output=True, text=True, cwd=BENCH)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == ["error: --threads 'two': comma-separated integers"]
+
+
+def test_gpu_check_runs_with_the_cpu_standing_in(tmp_path):
+    """benchmarks/gpu_check.sh, as the device tool runs it, here with the link emulated: the
+    store's text equals the resident text, and the bench's accounting comes back."""
+    env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable}
+    r = subprocess.run(["bash", str(BENCH / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "link is EMULATED" in r.stdout and "PASS: same greedy text" in r.stdout
+    assert (tmp_path / "resident.txt").read_text() == (tmp_path / "device.txt").read_text() != ""
+    b = json.loads((tmp_path / "bench_device.json").read_text())
+    assert b["gen_tokens"] == 64 and b["decode_path"]["native_stack_passes"] == 64 and b["link_waits"] > 0
