@@ -33,6 +33,10 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
                        "per-head scales), float32, bfloat16 or float16")
         p.add_argument("--check-weights", action="store_true",
                        help="read every weight before use and refuse NaN or infinite values (a full pass over the files)")
+        p.add_argument("--no-populate", dest="populate", action="store_false",
+                       help="do not page in, at load, the file pages the weights are read from (by default they "
+                            "are when they fit in available memory, so the first prompt does not fault them in; "
+                            "never with the expert store)")
         s = p.add_argument_group("expert store (routed experts in tiers: device / RAM / disk)")
         s.add_argument("--ram-budget", default=None, help="bytes of routed experts kept in RAM, e.g. 4GiB, 30%% or auto (free RAM less the other weights and a margin); the rest stream from disk")
         s.add_argument("--vram-budget", default=None, help="bytes of routed experts on the device tier (CUDA, or emulated with --emulate-link)")
@@ -223,7 +227,7 @@ def _load_model(a):
     store_opts = {k: getattr(a, k) for k in STORE_FLAGS if getattr(a, k, None) is not None}
     if not store_opts and not getattr(a, "predictor", None):
         return moerun.load(a.model, dtype=a.dtype, threads=a.threads, quant=a.quant, kv_cache=a.kv_cache,
-                           check_weights=a.check_weights)
+                           check_weights=a.check_weights, populate=getattr(a, "populate", True))
     from .experts.attach import load as load_with_store
     from .experts.store import StoreOptions
 
@@ -393,6 +397,7 @@ def cmd_info(a) -> int:
     from .loaders.gguf import file_summary, is_gguf
     from .loaders.quantized import stored_policy
 
+    a.populate = False  # info runs no weights: their pages are not needed
     llm = _load(a)
     args, d = llm.args, describe(llm.net, llm.args)
     n_exp = next((getattr(args, f) for f in ("num_experts", "n_routed_experts", "num_local_experts") if getattr(args, f, None)), 0)

@@ -234,8 +234,9 @@ def test_same_file_runs_both_engines_with_the_same_warm_up_and_reps(monkeypatch,
     cmd = calls[-1]
     assert cmd[cmd.index("--reps") + 1] == "3" and cmd[cmd.index("--warmup") + 1] == "full"
     assert cmd[cmd.index("--prompt-tokens") + 1] == "16" and cmd[cmd.index("--gen-tokens") + 1] == "7"
-    bench.run_moerun(tmp_path / "m.gguf", 2, 16, 7, warmup="short")
-    assert calls[-1][calls[-1].index("--warmup") + 1] == "short"
+    assert "--no-populate" not in cmd
+    bench.run_moerun(tmp_path / "m.gguf", 2, 16, 7, warmup="short", populate=False)
+    assert calls[-1][calls[-1].index("--warmup") + 1] == "short" and "--no-populate" in calls[-1]
     calls.clear()
     monkeypatch.setattr(sys, "path", [str(BENCH), *sys.path])
     llamacpp = pytest.importorskip("llamacpp")
@@ -252,3 +253,16 @@ def test_same_file_refuses_zero_reps_in_one_line(tmp_path):
                        capture_output=True, text=True, cwd=BENCH)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == ["error: --reps and --rounds must be at least 1"]
+
+
+def test_first_prompt_benchmark_refuses_bad_input_in_one_line(tmp_path):
+    missing = subprocess.run([sys.executable, str(BENCH / "first_prompt.py"), "-m", str(tmp_path / "none.gguf")],
+                             capture_output=True, text=True, cwd=BENCH)
+    assert missing.returncode == 1
+    assert missing.stderr.strip().splitlines() == [f"error: {tmp_path / 'none.gguf'}: no such file"]
+    f = tmp_path / "x.gguf"
+    f.write_bytes(b"GGUF")
+    bad = subprocess.run([sys.executable, str(BENCH / "first_prompt.py"), "-m", str(f), "--prompt", "0"],
+                         capture_output=True, text=True, cwd=BENCH)
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines() == ["error: --prompt, --rounds and --threads must be at least 1"]
