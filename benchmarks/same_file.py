@@ -16,10 +16,11 @@ and runs one untimed prefill of P tokens before its timed prefills (llama-bench'
 or three (moerun) decode steps before its timed decode. Each figure is the mean of the R
 timed runs (llama-bench's avg_ts; moerun's prefill_tok_s). `--moerun-warmup short` gives
 moerun bench's earlier protocol, a 4-token warm-up pass, whose first timed prefill pays the
-first touch of the workspaces and kernels' state that llama.cpp's warm-up pays outside its
-timing, and with `--moerun-no-populate` (moerun bench before 2026-12-03 did not page the file
-in at load, where llama.cpp maps it with MAP_POPULATE) also the first touch of the file's
-pages; the two together are the earlier protocol, there to show what the protocol alone moves.
+first touch of what a prompt of P tokens needs and 4 tokens do not (the file's expert pages,
+workspaces grown to P, the chunked paths' code), which llama.cpp's warm-up pays outside its
+timing; it is there to show what the protocol alone moves. (llama.cpp also maps the file with
+MAP_POPULATE at load, moerun does not by default, `--populate`: measured, that did not make
+its first pass faster; docs/benchmarks.md, 2026-12-03.)
 
 It prints, per file: the tensor types' bytes read per decoded token (the
 routed experts' top-k share, the embedding's one row; from the file, as
@@ -73,13 +74,10 @@ def bytes_by_type(path: Path) -> dict:
     return {"by": {k: int(v) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}, "total": int(sum(by.values()))}
 
 
-def run_moerun(path: Path, threads: int, prompt: int, gen: int, reps: int = 1, warmup: str = "full",
-               populate: bool = True) -> dict:
+def run_moerun(path: Path, threads: int, prompt: int, gen: int, reps: int = 1, warmup: str = "full") -> dict:
     exe = Path(sys.executable).with_name("moerun")
     cmd = [str(exe), "bench", "-m", str(path), "--threads", str(threads), "--prompt-tokens", str(prompt),
            "--gen-tokens", str(gen), "--reps", str(reps), "--warmup", warmup, "--json"]
-    if not populate:
-        cmd.append("--no-populate")
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"error: moerun bench failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -117,9 +115,6 @@ def main(argv=None) -> int:
     ap.add_argument("--moerun-warmup", choices=("full", "short"), default="full",
                     help="moerun bench --warmup: full (a pass of the prompt's size, as llama-bench) or short "
                          "(the 4-token pass moerun bench had before 2026-12-03)")
-    ap.add_argument("--moerun-no-populate", action="store_true",
-                    help="moerun bench --no-populate: the file's pages are not paged in at load (as before 2026-12-03; "
-                         "with --moerun-warmup short, moerun bench's earlier protocol)")
     ap.add_argument("--json", metavar="OUT")
     a = ap.parse_args(argv)
     if a.reps < 1 or a.rounds < 1:
@@ -138,8 +133,7 @@ def main(argv=None) -> int:
     for rnd in range(a.rounds):
         for f in a.files:
             for t in threads:
-                order = [("moerun", lambda *x: run_moerun(*x, warmup=a.moerun_warmup,
-                                                                     populate=not a.moerun_no_populate)), ("llama.cpp", run_llama)]
+                order = [("moerun", lambda *x: run_moerun(*x, warmup=a.moerun_warmup)), ("llama.cpp", run_llama)]
                 for name, fn in order if rnd % 2 == 0 else order[::-1]:
                     r = fn(f, t, a.prompt, a.gen, a.reps)
                     res["files"][str(f)]["runs"][t][name].append(r)
@@ -150,8 +144,7 @@ def main(argv=None) -> int:
     m = res["machine"]
     print(f"{m['date']}, {m['cpu']}, L3 {m['l3']}, moerun {m['moerun_commit']} ({m['moerun_kernels']})")
     print(f"protocol: prompt {a.prompt}, gen {a.gen} after it, {a.reps} timed run(s) per turn; warm-up pass: "
-          f"llama-bench {a.prompt} tokens, moerun {a.prompt if a.moerun_warmup == 'full' else 4} tokens; moerun "
-          f"{'does not page' if a.moerun_no_populate else 'pages'} the file in at load (llama.cpp: MAP_POPULATE)")
+          f"llama-bench {a.prompt} tokens, moerun {a.prompt if a.moerun_warmup == 'full' else 4} tokens")
     print("read bandwidth GB/s (before / after): " + ", ".join(
         f"{t} thread(s) {res['bw_before'][t] / 1e9:.1f} / {res['bw_after'][t] / 1e9:.1f}" for t in threads))
     for f, d in res["files"].items():

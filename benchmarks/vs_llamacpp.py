@@ -18,9 +18,9 @@ its own `llama-bench` (JSON output), two invocations a round:
 and is dropped; llama-bench's own warm-up would run each prefill twice. tg keeps llama-bench's
 warm-up, one token; -d 4096 fills the context before the timed tokens, untimed. So neither
 engine's warm-up is a pass of the timed prompt's size here (same_file.py and `moerun bench` take
-llama-bench's default, which is); both page the file in at load instead (llama.cpp maps it with
-MAP_POPULATE; moerun's GGUF rows run `moerun.loaders.populate` after the load, as moerun.load
-does, so their first 512-token pass does not fault the file's pages in). moerun is
+llama-bench's default, which is), in both it is the same 32-token pass. (llama.cpp maps the
+file with MAP_POPULATE at load, moerun does not: paging the file in at load did not make
+moerun's first 512-token pass faster, docs/benchmarks.md 2026-12-03.) moerun is
 timed in this process the same way: per thread count a 32-token warm-up prefill, prefills of
 512 and 2048 fresh tokens into fresh caches, then 128 decode steps from an empty cache and
 128 from a cache holding 4096 tokens (filled once a round, untimed, at the first thread count;
@@ -489,13 +489,11 @@ def load_gguf(path: Path, policy: str | None = None, what: str = ""):
     quantized tensors first requantized to the policy's formats (`requantize`)."""
     from moerun.engine.llm import compute_dtype
     from moerun.loaders import build
-    from moerun.loaders.populate import populate
 
     arch, args, net, dtype = build(path, "auto")  # what moerun.load(path) builds, before its LLM
     if policy is not None:
         counts = requantize(net, policy)
         log(f"[{what}] {path.name} requantized to {policy}: {counts}")
-    populate(net)  # as moerun.load does (and llama.cpp's load: MAP_POPULATE)
     dtype, kv = compute_dtype(net, "auto", dtype, None)
     llm = LLM(net, args, arch, None, path, dtype, {})
     llm.kv_dtype = kv

@@ -33,10 +33,9 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
                        "per-head scales), float32, bfloat16 or float16")
         p.add_argument("--check-weights", action="store_true",
                        help="read every weight before use and refuse NaN or infinite values (a full pass over the files)")
-        p.add_argument("--no-populate", dest="populate", action="store_false",
-                       help="do not page in, at load, the file pages the weights are read from (by default they "
-                            "are when they fit in available memory, so the first prompt does not fault them in; "
-                            "never with the expert store)")
+        p.add_argument("--populate", action="store_true",
+                       help="page in, at load, the file pages the weights are read from (as llama.cpp's "
+                            "MAP_POPULATE; when they fit in available memory; not with the expert store)")
         s = p.add_argument_group("expert store (routed experts in tiers: device / RAM / disk)")
         s.add_argument("--ram-budget", default=None, help="bytes of routed experts kept in RAM, e.g. 4GiB, 30%% or auto (free RAM less the other weights and a margin); the rest stream from disk")
         s.add_argument("--vram-budget", default=None, help="bytes of routed experts on the device tier (CUDA, or emulated with --emulate-link)")
@@ -227,7 +226,7 @@ def _load_model(a):
     store_opts = {k: getattr(a, k) for k in STORE_FLAGS if getattr(a, k, None) is not None}
     if not store_opts and not getattr(a, "predictor", None):
         return moerun.load(a.model, dtype=a.dtype, threads=a.threads, quant=a.quant, kv_cache=a.kv_cache,
-                           check_weights=a.check_weights, populate=getattr(a, "populate", True))
+                           check_weights=a.check_weights, populate=getattr(a, "populate", False))
     from .experts.attach import load as load_with_store
     from .experts.store import StoreOptions
 

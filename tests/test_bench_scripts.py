@@ -234,9 +234,8 @@ def test_same_file_runs_both_engines_with_the_same_warm_up_and_reps(monkeypatch,
     cmd = calls[-1]
     assert cmd[cmd.index("--reps") + 1] == "3" and cmd[cmd.index("--warmup") + 1] == "full"
     assert cmd[cmd.index("--prompt-tokens") + 1] == "16" and cmd[cmd.index("--gen-tokens") + 1] == "7"
-    assert "--no-populate" not in cmd
-    bench.run_moerun(tmp_path / "m.gguf", 2, 16, 7, warmup="short", populate=False)
-    assert calls[-1][calls[-1].index("--warmup") + 1] == "short" and "--no-populate" in calls[-1]
+    bench.run_moerun(tmp_path / "m.gguf", 2, 16, 7, warmup="short")
+    assert calls[-1][calls[-1].index("--warmup") + 1] == "short"
     calls.clear()
     monkeypatch.setattr(sys, "path", [str(BENCH), *sys.path])
     llamacpp = pytest.importorskip("llamacpp")

@@ -1,6 +1,6 @@
 """Paging in, at load, the mapped file pages a net reads (`moerun.loaders.populate`): which
 bytes, that they end up in this process's page table, the cases where it does nothing (too
-big for memory, the expert store, `info`, --no-populate)."""
+big for memory, the expert store, `info`, without --populate: it is off by default)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def q8_gguf(tmp_path_factory):
 
 
 def test_gguf_load_populates_its_views(q8_gguf):
-    llm = moerun.load(q8_gguf, threads=1)
+    llm = moerun.load(q8_gguf, threads=1, populate=True)
     ranges = pop.file_ranges(llm.net)
     assert ranges and all(all(present(a, b)) for a, b in ranges)
     lazy = moerun.load(q8_gguf, threads=1, populate=False)
@@ -107,13 +107,14 @@ def calls(monkeypatch):
     return seen
 
 
-def test_cli_populates_but_not_for_info_no_populate_or_the_store(q8_gguf, monkeypatch, capsys):
+def test_cli_populates_only_when_asked_and_never_for_info_or_the_store(q8_gguf, monkeypatch, capsys):
     seen = calls(monkeypatch)
     rc, _ = cli(capsys, "bench", "-m", q8_gguf, "--prompt-tokens", "4", "--gen-tokens", "1")
+    assert rc == 0 and len(seen) == 0  # off by default
+    rc, _ = cli(capsys, "bench", "-m", q8_gguf, "--prompt-tokens", "4", "--gen-tokens", "1", "--populate")
     assert rc == 0 and len(seen) == 1
-    rc, _ = cli(capsys, "bench", "-m", q8_gguf, "--prompt-tokens", "4", "--gen-tokens", "1", "--no-populate")
-    assert rc == 0 and len(seen) == 1
-    rc, _ = cli(capsys, "info", "-m", q8_gguf)
-    assert rc == 0 and len(seen) == 1
-    rc, _ = cli(capsys, "bench", "-m", q8_gguf, "--prompt-tokens", "4", "--gen-tokens", "1", "--ram-budget", "50%")
+    rc, _ = cli(capsys, "info", "-m", q8_gguf, "--populate")
+    assert rc == 0 and len(seen) == 1  # info runs no weights
+    rc, _ = cli(capsys, "bench", "-m", q8_gguf, "--prompt-tokens", "4", "--gen-tokens", "1", "--ram-budget", "50%",
+                "--populate")
     assert rc == 0 and len(seen) == 1  # the expert store reads its experts by pread: no map to page in

@@ -10,6 +10,12 @@ bytes the net holds as file views only (a repacked or converted tensor's pages a
 again), with `madvise(MADV_POPULATE_READ)` (Linux 5.14+; elsewhere a read of one byte a
 page), in chunks behind a progress bar.
 
+Opt-in (`moerun.load(populate=True)`, `--populate`): measured on the Qwen3.6 Q4_K_M file
+(3 GiB, Zen 4, 2026-12-03, benchmarks/first_prompt.py) it cost 0.2 s of load on a warm page
+cache and ~3.3 s on a cold one, and the first 512-token prompt was no faster either way (on a
+cold cache the first prompt is slow with or without it: what it waits for is not the weights'
+pages). docs/benchmarks.md has the figures.
+
 It is not for a model bigger than RAM: it does nothing when the views' bytes exceed what the
 kernel says is available (MemAvailable, less a margin), and the expert store's load
 (`--ram-budget`, moerun/experts) does not call it (its experts are read by `pread`, not
