@@ -16,7 +16,11 @@ its own `llama-bench` (JSON output), two invocations a round:
 
 (-t 2,1 with --threads 1,2; the default is --threads 2.) pp32 only warms each thread count up
 and is dropped; llama-bench's own warm-up would run each prefill twice. tg keeps llama-bench's
-warm-up, one token; -d 4096 fills the context before the timed tokens, untimed. moerun is
+warm-up, one token; -d 4096 fills the context before the timed tokens, untimed. So neither
+engine's warm-up is a pass of the timed prompt's size here (same_file.py and `moerun bench` take
+llama-bench's default, which is), in both it is the same 32-token pass. (llama.cpp maps the
+file with MAP_POPULATE at load, moerun does not: paging the file in at load did not make
+moerun's first 512-token pass faster, docs/benchmarks.md 2026-12-03.) moerun is
 timed in this process the same way: per thread count a 32-token warm-up prefill, prefills of
 512 and 2048 fresh tokens into fresh caches, then 128 decode steps from an empty cache and
 128 from a cache holding 4096 tokens (filled once a round, untimed, at the first thread count;

@@ -33,6 +33,9 @@ def _common(p: argparse.ArgumentParser, model=True) -> None:
                        "per-head scales), float32, bfloat16 or float16")
         p.add_argument("--check-weights", action="store_true",
                        help="read every weight before use and refuse NaN or infinite values (a full pass over the files)")
+        p.add_argument("--populate", action="store_true",
+                       help="page in, at load, the file pages the weights are read from (as llama.cpp's "
+                            "MAP_POPULATE; when they fit in available memory; not with the expert store)")
         s = p.add_argument_group("expert store (routed experts in tiers: device / RAM / disk)")
         s.add_argument("--ram-budget", default=None, help="bytes of routed experts kept in RAM, e.g. 4GiB, 30%% or auto (free RAM less the other weights and a margin); the rest stream from disk")
         s.add_argument("--vram-budget", default=None, help="bytes of routed experts on the device tier (CUDA, or emulated with --emulate-link)")
@@ -105,6 +108,8 @@ def _check_flags(a) -> None:
             raise MoerunError(f"--predictor-trace {a.predictor_trace} is not a file")
     if "gen_tokens" in vars(a) and (a.prompt_tokens < 1 or a.gen_tokens < 1):  # bench
         raise MoerunError("--prompt-tokens and --gen-tokens must be at least 1")
+    if "reps" in vars(a) and a.reps < 1:  # bench
+        raise MoerunError(f"--reps must be at least 1, not {a.reps}")
     _check_store_flags(a)
     _check_model(a)
 
@@ -221,7 +226,7 @@ def _load_model(a):
     store_opts = {k: getattr(a, k) for k in STORE_FLAGS if getattr(a, k, None) is not None}
     if not store_opts and not getattr(a, "predictor", None):
         return moerun.load(a.model, dtype=a.dtype, threads=a.threads, quant=a.quant, kv_cache=a.kv_cache,
-                           check_weights=a.check_weights)
+                           check_weights=a.check_weights, populate=getattr(a, "populate", False))
     from .experts.attach import load as load_with_store
     from .experts.store import StoreOptions
 
@@ -391,6 +396,7 @@ def cmd_info(a) -> int:
     from .loaders.gguf import file_summary, is_gguf
     from .loaders.quantized import stored_policy
 
+    a.populate = False  # info runs no weights: their pages are not needed
     llm = _load(a)
     args, d = llm.args, describe(llm.net, llm.args)
     n_exp = next((getattr(args, f) for f in ("num_experts", "n_routed_experts", "num_local_experts") if getattr(args, f, None)), 0)
@@ -532,7 +538,8 @@ def cmd_bench(a) -> int:
     from .bench.run import bench
 
     llm = _load(a)
-    result = bench(llm, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, seed=0, **_spec_kwargs(a))
+    result = bench(llm, prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, seed=0, reps=a.reps, warmup=a.warmup,
+                   **_spec_kwargs(a))
     result["threads"] = a.threads or _threads()
     result["quant"] = a.quant
     stats = _store_stats(llm)
@@ -542,10 +549,18 @@ def cmd_bench(a) -> int:
     if a.json:
         print(json.dumps(result))
     else:
+        def rng(key, fmt):
+            xs = result.get(key + "_reps") or []
+            return f" ({min(xs):{fmt}}-{max(xs):{fmt}})" if len(xs) > 1 else ""
+
+        w = result.get("warmup") or {}
         print(
-            f"{result['model']}: prefill {result['prompt_tokens']} tok at {result['prefill_tok_s']:.1f} tok/s, "
-            f"decode {result['gen_tokens']} tok at {result['decode_tok_s']:.2f} tok/s "
-            f"({result['threads']} threads, {result['dtype']})"
+            f"{result['model']}: prefill {result['prompt_tokens']} tok at {result['prefill_tok_s']:.1f}"
+            f"{rng('prefill_tok_s', '.1f')} tok/s, "
+            f"decode {result['gen_tokens']} tok at {result['decode_tok_s']:.2f}{rng('decode_tok_s', '.2f')} tok/s "
+            f"({result['threads']} threads, {result['dtype']}"
+            + (f", mean of {result['reps']} runs" if result.get("reps", 1) > 1 else "")
+            + (f", after a {w['prefill_tokens']}-token warm-up pass" if w else "") + ")"
         )
     return 0
 
@@ -660,6 +675,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(b)
     b.add_argument("--prompt-tokens", type=int, default=128, help="random prompt tokens to prefill")
     b.add_argument("--gen-tokens", type=int, default=32, help="tokens to decode and time")
+    b.add_argument("--reps", type=int, default=1,
+                   help="timed prefill + decode runs, each on fresh ids; the figures are their mean (llama-bench's -r)")
+    b.add_argument("--warmup", choices=("full", "short"), default="full",
+                   help="before the timed runs: a prefill of the prompt's size (full, as llama-bench) "
+                        "or of 4 tokens (short: the first timed prefill pays first touches), then 3 decode steps")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     _speculative(b)
     b.set_defaults(func=cmd_bench)

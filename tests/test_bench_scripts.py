@@ -226,3 +226,56 @@ def test_gpu_check_runs_with_the_cpu_standing_in(tmp_path):
     assert (tmp_path / "resident.txt").read_text() == (tmp_path / "device.txt").read_text() != ""
     b = json.loads((tmp_path / "bench_device.json").read_text())
     assert b["gen_tokens"] == 64 and b["decode_path"]["native_stack_passes"] == 64 and b["link_waits"] > 0
+
+
+def test_same_file_runs_both_engines_with_the_same_warm_up_and_reps(monkeypatch, tmp_path):
+    """The commands same_file.py runs: moerun bench with --warmup full (a pass of the prompt's
+    size, llama-bench's warm-up) and --reps R, llama-bench with -r R and its own warm-up."""
+    bench = _load("same_file")
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        if "bench" in cmd and "--json" in cmd:  # moerun
+            out = json.dumps({"prefill_tok_s": 10.0, "decode_tok_s": 2.0, "decode_path": {"why": None}})
+        else:
+            n_gen = 0 if cmd[cmd.index("-n") + 1] == "0" else 7
+            out = json.dumps([{"n_gen": n_gen, "avg_ts": 3.0}])
+        return subprocess.CompletedProcess(cmd, 0, out + "\n", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    assert bench.run_moerun(tmp_path / "m.gguf", 2, 16, 7, reps=3) == {"pp": 10.0, "tg": 2.0, "why": None}
+    cmd = calls[-1]
+    assert cmd[cmd.index("--reps") + 1] == "3" and cmd[cmd.index("--warmup") + 1] == "full"
+    assert cmd[cmd.index("--prompt-tokens") + 1] == "16" and cmd[cmd.index("--gen-tokens") + 1] == "7"
+    bench.run_moerun(tmp_path / "m.gguf", 2, 16, 7, warmup="short")
+    assert calls[-1][calls[-1].index("--warmup") + 1] == "short"
+    calls.clear()
+    monkeypatch.setattr(sys, "path", [str(BENCH), *sys.path])
+    llamacpp = pytest.importorskip("llamacpp")
+    monkeypatch.setattr(llamacpp, "tool", lambda name: Path("/x") / name)
+    assert bench.run_llama(tmp_path / "m.gguf", 2, 16, 7, reps=3) == {"pp": 3.0, "tg": 3.0}
+    assert len(calls) == 2 and all(c[c.index("-r") + 1] == "3" for c in calls)
+    assert all("--no-warmup" not in c for c in calls)  # llama-bench's own warm-up: a pass of -p's size
+
+
+def test_same_file_refuses_zero_reps_in_one_line(tmp_path):
+    f = tmp_path / "x.gguf"
+    f.write_bytes(b"GGUF")
+    r = subprocess.run([sys.executable, str(BENCH / "same_file.py"), str(f), "--reps", "0"],
+                       capture_output=True, text=True, cwd=BENCH)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == ["error: --reps and --rounds must be at least 1"]
+
+
+def test_first_prompt_benchmark_refuses_bad_input_in_one_line(tmp_path):
+    missing = subprocess.run([sys.executable, str(BENCH / "first_prompt.py"), "-m", str(tmp_path / "none.gguf")],
+                             capture_output=True, text=True, cwd=BENCH)
+    assert missing.returncode == 1
+    assert missing.stderr.strip().splitlines() == [f"error: {tmp_path / 'none.gguf'}: no such file"]
+    f = tmp_path / "x.gguf"
+    f.write_bytes(b"GGUF")
+    bad = subprocess.run([sys.executable, str(BENCH / "first_prompt.py"), "-m", str(f), "--prompt", "0"],
+                         capture_output=True, text=True, cwd=BENCH)
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines() == ["error: --prompt, --rounds and --threads must be at least 1"]

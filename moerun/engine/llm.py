@@ -103,7 +103,7 @@ class LLM:
 
     @classmethod
     def load(cls, path=None, dtype="auto", threads: int | None = None, quant: str | None = None,
-             kv_cache: str = "auto", check_weights: bool = False) -> "LLM":
+             kv_cache: str = "auto", check_weights: bool = False, populate: bool = False) -> "LLM":
         """quant: None/"none" keeps the checkpoint's weights; a `moerun.quant.POLICIES` name
         ("int4-q6k", the default policy: routed experts and attention int4, shared experts int8,
         head Q6_K; "int4": attention/shared experts/head int8; "int8", "int4-all", "int4-kq",
@@ -112,7 +112,10 @@ class LLM:
         checkpoint's, except that a quantized net computes in float32 (`compute_in_float32`).
         kv_cache: "auto" (the checkpoint's dtype), "int8" (per-token, per-head scales) or a
         float dtype name. check_weights: first scan every float tensor for NaN and Inf (reads
-        the whole checkpoint; `loaders.hf.check_finite`)."""
+        the whole checkpoint; `loaders.hf.check_finite`). populate: fault in the file pages the
+        net reads through its memory maps now rather than in the first prompt (`loaders.populate`;
+        skipped when they do not fit in available memory). Off by default: measured, it cost
+        load time and did not make the first prompt faster (docs/benchmarks.md, 2026-12-03)."""
 
         kv_dtype = kv_cache_dtype(kv_cache)
 
@@ -132,6 +135,11 @@ class LLM:
         if quant not in (None, "none"):
 
             quantize_at_load(net, path, quant)
+        if populate:
+            from ..loaders.populate import populate as populate_pages
+
+            done = populate_pages(net)
+            log.debug("populate: %s", done)
         dtype, kv_dtype = compute_dtype(net, asked, dtype, kv_dtype)
         llm = cls(net, args, arch, tokenizer, path, dtype, gen)
         llm.kv_dtype = kv_dtype
