@@ -4,7 +4,7 @@ at decode, verification and prefill shapes, for int4 and int8, and float32 / bfl
     python benchmarks/gemm.py [--threads 1] [--shapes 1x32768x2048,4x32768x2048,48x768x2048]
                               [--formats int4,int8,bfloat16,float32,q4_k,q5_k,q6_k,q5_0] [--rounds 5]
                               [--import-from DIR]
-                              [--isas avx512vnni,amx] [--read-bandwidth]
+                              [--isas avx512vnni,amx] [--read-bandwidth] [--sum-column]
 
 A shape is TOKENSxROWSxINPUTS. The raw GGUF formats (q4_k, q5_k, q6_k, q5_0) run on random
 blocks (random quants, small fp16 scales). Weights with many rows come from DRAM (decode streams them);
@@ -18,7 +18,9 @@ call, and says whether they gave the same bits. --read-bandwidth first prints wh
 over 1 GiB reads per second on --threads threads (best of 3; vs_llamacpp.read_bandwidth), the
 roofline a one-token product streaming its weights from DRAM is held against; the LM head of
 the Qwen3.6-35B-A3B shape is `--shapes 1x248320x2048 --formats q6_k,q4_k,int8` (Q6_K in
-llama-quantize's Q4_K_M; int8 is moerun's Q8_0).
+llama-quantize's Q4_K_M; int8 is moerun's Q8_0). --sum-column adds, per shape, what
+`torch.sum` reads per second over as many bytes as that shape's weights (float32 ones, on
+--threads threads): the same roofline at the product's own size, in cache where it fits.
 """
 
 from __future__ import annotations
@@ -43,6 +45,21 @@ def random_raw(fmt: str, n: int, k: int):
     return raw.reshape(n, -1)
 
 
+def sum_seconds(nbytes: int, rounds: int) -> float:
+    """Best time of torch.sum over a float32 tensor of about nbytes bytes (the roofline a
+    one-token product streaming the same bytes is held against; in cache when they fit)."""
+    import torch
+
+    x = torch.ones(max(1, nbytes // 4))
+    x.sum()
+    best = float("inf")
+    for _ in range(max(rounds, 3)):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return best * nbytes / (x.numel() * 4)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -51,6 +68,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--isas", default=None, help="kernel paths to compare side by side (default: the one in use)")
     ap.add_argument("--read-bandwidth", action="store_true", help="print torch.sum's read bandwidth over 1 GiB first")
+    ap.add_argument("--sum-column", action="store_true",
+                    help="add a column: torch.sum (float32) over as many bytes as each shape's weights, best of --rounds")
     a = parse_args(ap, argv)
     import torch
 
@@ -70,8 +89,9 @@ def main(argv=None) -> int:
 
         print(f"read bandwidth (torch.sum over 1 GiB, {a.threads} thread(s)): {read_bandwidth(a.threads) / 1e9:.1f} GB/s")
     print("| format | tokens x rows x inputs | " + " | ".join(f"{i} GMAC/s | {i} weight GB/s" for i in isas)
-          + (" | same bits |" if len(isas) > 1 else ""))
-    print("|---|---|" + "---|---|" * len(isas) + ("---|" if len(isas) > 1 else ""))
+          + (" | same bits" if len(isas) > 1 else "") + (" | torch.sum GB/s, same bytes" if a.sum_column else "") + " |")
+    print("|---|---|" + "---|---|" * len(isas) + ("---|" if len(isas) > 1 else "") + ("---|" if a.sum_column else ""))
+    torch.set_num_threads(a.threads)
     for fmt in a.formats.split(","):
         for shape in a.shapes.split(","):
             T, N, K = map(int, shape.split("x"))
@@ -102,7 +122,10 @@ def main(argv=None) -> int:
             nbytes = w.numel() * w.element_size() + s.numel() * s.element_size()
             row = " | ".join(f"{T * N * K / best[i] / 1e9:.1f} | {nbytes / best[i] / 1e9:.1f}" for i in isas)
             same = all(torch.equal(outs[isas[0]], outs[i]) for i in isas)
-            print(f"| {fmt} | {shape} | {row} |" + (f" {'yes' if same else 'no'} |" if len(isas) > 1 else ""))
+            line = f"| {fmt} | {shape} | {row} |" + (f" {'yes' if same else 'no'} |" if len(isas) > 1 else "")
+            if a.sum_column:
+                line += f" {nbytes / sum_seconds(nbytes, a.rounds) / 1e9:.1f} |"
+            print(line)
     return 0
 
 
