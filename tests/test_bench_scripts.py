@@ -42,6 +42,20 @@ def test_gemm_benchmark_refuses_an_unknown_kernel_path():
     assert r.stdout.startswith("error: kernel path 'avx9000' is not available here") and "Traceback" not in r.stderr
 
 
+def test_gemm_benchmark_sum_column():
+    """--sum-column: one more header cell and, per shape, torch.sum's GB/s over the same bytes
+    (a positive number) after the product's figures."""
+    r = subprocess.run([sys.executable, str(BENCH / "gemm.py"), "--shapes", "1x64x256,1x32x512", "--formats",
+                        "q6_k", "--rounds", "1", "--sum-column"], capture_output=True, text=True, cwd=BENCH)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("|")]
+    assert lines[0].endswith("| torch.sum GB/s, same bytes |")
+    rows = [ln.strip("|").split("|") for ln in lines[2:]]
+    assert [c[1].strip() for c in rows] == ["1x64x256", "1x32x512"]
+    for c in rows:
+        assert len(c) == 5 and float(c[4]) > 0
+
+
 def test_native_ab_times_a_models_own_calls(tmp_path):
     """--model against this very build: every fused op of the demo model's passes listed, and
     both builds' logits the same; a checkpoint that is not there is one line and exit 1."""
