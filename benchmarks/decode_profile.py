@@ -116,8 +116,9 @@ class Pieces:
             K, E = mlp.top_k, e.num_experts
             per_expert = sum(nbytes(*ws) for ws in ev[1:7]) / E
             out["routed experts (top-k)"] += int(per_expert * K)
-            se = mlp.shared_expert
-            out["shared expert"] += sum(packed_bytes(self.views(m)) for m in (se.gate_proj, se.up_proj, se.down_proj))
+            se = getattr(mlp, "shared_expert", None)  # Qwen3-MoE has none
+            if se is not None:
+                out["shared expert"] += sum(packed_bytes(self.views(m)) for m in (se.gate_proj, se.up_proj, se.down_proj))
             out["router"] += mlp.gate.weight.numel() * mlp.gate.weight.element_size()
         out["LM head"] = packed_bytes(self.head)
         return out
@@ -132,12 +133,25 @@ class Pieces:
             spent[name] += time.perf_counter() - t
             return r
 
+        # the halves as one call each, a pass over all layers; then the pieces, another pass:
+        # a layer's weights (the Qwen3-30B shape's attention, 20 MB) fit in the L3, so a piece
+        # timed right after its own half would read them from the cache
         for first, (mlp, e, moe_args, post_norm) in self.layers:
             x = self.x()
             if first[0] == "deltanet":
                 _, dn, views, proj, out_proj, normargs, conv, S = first
                 timed("deltanet half (one call)", kernels.deltanet_block, x.view(1, 1, -1), normargs, proj, out_proj,
                       conv, S, views, float(dn.norm.eps), dn.n_k)
+            else:
+                _, attn, plan, half, kv, normargs = first
+                rope = self.net.model.rope.float_rows(self.pos, 1, self.dtype)  # numpy rows, as the stack takes them
+                timed("attention half (one call)", kernels.attn_block_run, x, plan, rope, kernels._cache_slot(kv, 0),
+                      self.pos, half)
+            timed("MoE half (one call)", kernels.moe_block_run, self.x(), moe_args)
+        for first, (mlp, e, moe_args, post_norm) in self.layers:
+            x = self.x()
+            if first[0] == "deltanet":
+                _, dn, views, proj, out_proj, normargs, conv, S = first
                 h = timed("norms", kernels.rms_norm, x, *normargs)
                 qkv, z, a, b = timed("deltanet in_proj (qkv, z, a, b)", kernels.qlinear_multi, h, list(proj))
                 Hv, Dv = S.shape[1], S.shape[3]
@@ -147,16 +161,12 @@ class Pieces:
                 timed("deltanet out_proj", kernels.qlinear_multi, o.reshape(1, -1), [out_proj])
             else:
                 _, attn, plan, half, kv, normargs = first
-                rope = self.net.model.rope.float_rows(self.pos, 1, self.dtype)  # numpy rows, as the stack takes them
-                timed("attention half (one call)", kernels.attn_block_run, x, plan, rope, kernels._cache_slot(kv, 0),
-                      self.pos, half)
                 h = timed("norms", kernels.rms_norm, x, *normargs)
                 q, k, v, o = map(self.views, (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
                 timed("attention q/k/v", kernels.qlinear_multi, h, [q, k, v])
                 timed("attention o_proj", kernels.qlinear_multi, torch.randn(1, attn.o_proj.in_features, generator=self.g),
                       [o])
             x = self.x()
-            timed("MoE half (one call)", kernels.moe_block_run, x, moe_args)
             h = timed("norms", kernels.rms_norm, x, *post_norm)
             w, ids = timed("router", kernels.route_softmax_topk, h, kernels.float32_weight(mlp.gate), mlp.top_k,
                            mlp.norm_topk_prob)
@@ -165,9 +175,10 @@ class Pieces:
             out = torch.empty(1, self.H)
             xa, ia, wa = kernels._np(h), kernels._np(ids.contiguous()), kernels._np(w)
             timed("routed experts (top-k)", nat.moe_experts, xa, ia, wa, *ev[1:7], kernels._np(out), ev.code, inter)
-            se = mlp.shared_expert
-            timed("shared expert", kernels.swiglu_mlp, h, *map(self.views, (se.gate_proj, se.up_proj, se.down_proj)),
-                  kernels.float32_weight(mlp.shared_expert_gate).reshape(-1))
+            se = getattr(mlp, "shared_expert", None)
+            if se is not None:
+                timed("shared expert", kernels.swiglu_mlp, h, *map(self.views, (se.gate_proj, se.up_proj, se.down_proj)),
+                      kernels.float32_weight(mlp.shared_expert_gate).reshape(-1))
         x = self.x()
         h = timed("final norm", kernels.rms_norm, x, *self.final_norm)
         timed("LM head", kernels.qlinear_multi, h, [self.head])
