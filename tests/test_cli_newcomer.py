@@ -276,8 +276,9 @@ CUDA = torch.cuda.is_available()
                  marks=pytest.mark.skipif(CUDA, reason="a CUDA GPU is there")),
     (["generate", "hi", "--predictor-trace", __file__], "--predictor-trace fits a predictor: give --predictor too"),
     (["bench", "--gen-tokens", "0"], "--prompt-tokens and --gen-tokens must be at least 1"),
+    (["bench", "--populate", "--ram-budget", "50%"], "--populate pages in the weights' file maps"),
 ], ids=["mtp", "mtp-bench", "ram-budget", "draft-tokens", "draft-vocab", "link", "execute", "execute-vram-0",
-        "vram-no-gpu", "predictor-trace", "bench-tokens"])
+        "vram-no-gpu", "predictor-trace", "bench-tokens", "populate-store"])
 def test_an_impossible_flag_is_said_before_the_weights(tiny, no_weights, capsys, argv, needle):
     assert_one_line_error(cli(capsys, argv[0], "-m", tiny, *argv[1:]), needle)
 
