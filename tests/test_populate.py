@@ -107,7 +107,7 @@ def calls(monkeypatch):
     return seen
 
 
-def test_cli_populates_only_when_asked_and_never_for_info_or_the_store(q8_gguf, monkeypatch, capsys):
+def test_cli_populates_only_when_asked_never_for_info_and_refuses_the_store(q8_gguf, monkeypatch, capsys):
     seen = calls(monkeypatch)
     rc, _ = cli(capsys, "bench", "-m", q8_gguf, "--prompt-tokens", "4", "--gen-tokens", "1")
     assert rc == 0 and len(seen) == 0  # off by default
@@ -115,6 +115,7 @@ def test_cli_populates_only_when_asked_and_never_for_info_or_the_store(q8_gguf, 
     assert rc == 0 and len(seen) == 1
     rc, _ = cli(capsys, "info", "-m", q8_gguf, "--populate")
     assert rc == 0 and len(seen) == 1  # info runs no weights
-    rc, _ = cli(capsys, "bench", "-m", q8_gguf, "--prompt-tokens", "4", "--gen-tokens", "1", "--ram-budget", "50%",
-                "--populate")
-    assert rc == 0 and len(seen) == 1  # the expert store reads its experts by pread: no map to page in
+    rc, err = cli(capsys, "bench", "-m", q8_gguf, "--prompt-tokens", "4", "--gen-tokens", "1", "--ram-budget", "50%",
+                  "--populate")
+    # the expert store reads its experts by pread: no map to page in, so the pair is refused
+    assert rc != 0 and len(seen) == 1 and len(err) == 1 and "--populate pages in the weights' file maps" in err[0]
