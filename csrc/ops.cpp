@@ -676,8 +676,11 @@ void attn_decode(int Hq, int Hkv, int S, int D, int Dv, const float* q, const vo
     const int G = Hq / Hkv;
     // chunks of positions: enough tasks for the pool, each long enough to amortise its merge
     // and short enough that its values stay in L2 while every query head of the group reads
-    // them (float32, 4096 positions, one thread: 256-position chunks 3.4 vs 7.4 ms as one)
-    const int want = std::max(1, (4 * pool().width() + Hkv - 1) / Hkv);
+    // them (float32, 4096 positions, one thread: 256-position chunks 3.4 vs 7.4 ms as one).
+    // The chunks set the merge's order, so the bits: they are cut for 16 tasks whatever the
+    // threads, so that every thread count gives the same bits (and the pool's width, which
+    // drops to 1 while the CPU is shared, cannot change them between two steps)
+    const int want = std::max(1, (16 + Hkv - 1) / Hkv);
     const int chunk = std::min(256, std::max(64, (S + want - 1) / want));
     const int nc = (S + chunk - 1) / chunk;
     Workspace& W = ws();

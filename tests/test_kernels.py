@@ -482,6 +482,28 @@ def test_attn_decode(isa, threads, hq, hkv, S, D, Dv, spread, dtype):
     assert max_rel(got, ref) < 1e-5
 
 
+@pytest.mark.parametrize("isa", NATIVE)
+@pytest.mark.parametrize("hq,hkv,S,D", [(32, 4, 511, 128), (16, 2, 511, 256), (16, 2, 4096, 256), (8, 8, 300, 64)])
+def test_attn_decode_bits_do_not_depend_on_the_threads(isa, hq, hkv, S, D):
+    """Its chunks of positions set the order of the merge: they are cut the same for every
+    thread count, so 1, 2, 3 or 8 threads give the same bits, and so does the pool while it
+    runs a job on the calling thread alone (its width is 1 while the CPU is shared: the bits
+    of a decode step once changed with it)."""
+    g = torch.Generator().manual_seed(S + D)
+    q = torch.randn(hq, D, generator=g)
+    k = torch.randn(hkv, S, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(hkv, S, D, generator=g).to(torch.bfloat16)
+    outs = []
+    try:
+        for threads in (1, 2, 3, 8):
+            kernels.set_threads(threads)
+            with kernels.use_isa(isa):
+                outs.append(kernels.attn_decode(q, k, v, D**-0.5))
+    finally:
+        kernels.set_threads(None)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 @pytest.mark.skipif(kernels.isa() == "torch", reason="needs the native extension")
 def test_attn_decode_bad_shapes_and_fallbacks():
     nat = kernels._native()
