@@ -120,8 +120,9 @@ def _check_store_flags(a) -> None:
     from .errors import MoerunError
     from .experts.store import StoreOptions, parse_budget
 
-    StoreOptions(**{k: getattr(a, k) for k in STORE_FLAGS if getattr(a, k, None) is not None})  # the spelling
-    if getattr(a, "populate", False) and any(getattr(a, k, None) is not None for k in STORE_FLAGS):
+    given = {k: getattr(a, k) for k in STORE_FLAGS if getattr(a, k, None) is not None}
+    StoreOptions(**given)  # the spelling
+    if getattr(a, "populate", False) and given:
         raise MoerunError("--populate pages in the weights' file maps; the expert store reads its experts "
                           "itself: give one or the other")
     vram = getattr(a, "vram_budget", None) is not None and parse_budget(a.vram_budget, 1 << 60, "--vram-budget") > 0
